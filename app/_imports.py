@@ -1,0 +1,37 @@
+"""Importing objects by dotted path, with errors that say what was expected."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def import_object(path: str) -> Any:
+    """Import ``"pkg.mod.Name"`` (or ``"pkg.mod:Name"``) and return the object.
+
+    Raises ``TypeError`` when ``path`` is not a string, ``ValueError`` when it is not a dotted
+    path, and ``ImportError`` when the module or the attribute does not exist.
+    """
+    if not isinstance(path, str):
+        raise TypeError(f"expected a dotted path string, got {path!r} ({type(path).__name__})")
+    if ":" in path:
+        module_name, _, attr_path = path.partition(":")
+    else:
+        module_name, _, attr_path = path.rpartition(".")
+    if not module_name or not attr_path:
+        raise ValueError(f"expected a dotted path like 'package.module.Name', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ImportError(f"module {module_name!r} has no attribute {attr_path!r}") from exc
+    return obj
+
+
+def object_path(obj: Any) -> str:
+    """The dotted path ``import_object`` would need to find ``obj`` again."""
+    return f"{obj.__module__}.{obj.__qualname__}"

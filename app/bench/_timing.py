@@ -1,0 +1,41 @@
+"""Timing helpers shared by the benchmarks: repeat, take the median, report spread."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def time_calls(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
+               sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """Call ``fn`` ``warmup`` times, then time ``repeat`` calls; seconds per call.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read on async devices.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        samples.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(samples), "min_s": min(samples),
+            "max_s": max(samples), "repeat": repeat}
+
+
+def time_loop(fn: Callable[[], Any], *, number: int, repeat: int = 5) -> dict[str, float]:
+    """Seconds per call of a cheap ``fn``, timed over ``number`` calls, best/median of ``repeat``."""
+    per_call = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        per_call.append((time.perf_counter() - start) / number)
+    return {"median_s": statistics.median(per_call), "min_s": min(per_call),
+            "max_s": max(per_call), "number": number, "repeat": repeat}

@@ -1,0 +1,51 @@
+"""``python -m app bench NAME``: run a benchmark and print its JSON result."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from app.commands._output import print_json
+
+HELP = "run a benchmark (selection, prefill, kv, run) and report JSON"
+
+#: Benchmark name -> module with ``add_arguments(parser)``, ``run(args) -> dict`` and
+#: ``render(result) -> str``.
+BENCHMARKS: dict[str, str] = {
+    "selection": "app.bench.selection",
+    "prefill": "app.bench.prefill",
+    "kv": "app.bench.kv",
+    "run": "app.bench.run",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One sub-parser per installed benchmark, each with ``--output FILE``."""
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        bench = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        bench.add_argument("--output", type=Path, default=None,
+                           help="also write the JSON result to this file")
+        module.add_arguments(bench)
+        bench.set_defaults(_bench=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; JSON with ``--json``, a readable summary otherwise."""
+    result = args._bench.run(args)
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.json:
+        print_json(result)
+    else:
+        sys.stdout.write(args._bench.render(result) + "\n")
+    return 0 if result.get("ok", True) else 1

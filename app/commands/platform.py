@@ -1,0 +1,76 @@
+"""``python -m app platform``: the detected platform and which kernel packages import."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import platform as _pyplatform
+from typing import Any
+
+import torch
+
+from app.commands._output import format_mapping, print_json, format_table
+
+HELP = "show the detected platform, device capability, torch and kernel packages"
+
+#: Optional kernel packages: (import name, distribution name).
+KERNEL_PACKAGES: list[tuple[str, str]] = [
+    ("flashinfer", "flashinfer-python"),
+    ("tokenspeed_mla", "tokenspeed-mla"),
+    ("flash_attn", "flash-attn"),
+    ("flash_attn.cute", "flash-attn-4"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No options beyond ``--json``."""
+
+
+def probe_kernel_packages() -> list[dict[str, Any]]:
+    """Try to import each optional kernel package; report version or the import error."""
+    result = []
+    for module_name, dist in KERNEL_PACKAGES:
+        entry: dict[str, Any] = {"module": module_name, "distribution": dist}
+        try:
+            entry["version"] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            entry["version"] = None
+        try:
+            importlib.import_module(module_name)
+        except Exception as exc:  # any failure to import means "not usable here"
+            entry["imports"] = False
+            entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        else:
+            entry["imports"] = True
+            entry["error"] = None
+        result.append(entry)
+    return result
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``platform`` prints, as a dict."""
+    from app.containers import get_container
+
+    info = get_container().platform().describe()
+    info["torch_version"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["python_version"] = _pyplatform.python_version()
+    info["kernel_packages"] = probe_kernel_packages()
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the platform report."""
+    info = collect()
+    if args.json:
+        print_json(info)
+        return 0
+    packages = info.pop("kernel_packages")
+    print(format_mapping(info))
+    print()
+    print(format_table(
+        ["package", "version", "imports", "error"],
+        [[p["module"], p["version"] or "-", "yes" if p["imports"] else "no", p["error"] or ""]
+         for p in packages]))
+    return 0

@@ -1,0 +1,261 @@
+"""Frozen, validated engine configuration.
+
+``EngineConfig`` holds a ``ModelConfig`` (dtype and MLA dimensions), an ``AttentionConfig``
+(which prefill backend, if forced) and a ``CacheConfig`` (block size, number of blocks, prefix
+caching). Every field is checked when the object is built: a bad value raises ``ValueError``
+(``TypeError`` for a value of the wrong type) naming the field, the value and what is allowed.
+Build one in code, from a plain dict (``EngineConfig.from_dict``) or from a TOML file
+(``EngineConfig.from_toml``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from app._types import MLADimensions
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    from app.backends.registry import MLAPrefillBackendEnum
+
+__all__ = [
+    "DTYPE_ALIASES",
+    "AttentionConfig",
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "parse_dtype",
+]
+
+#: Accepted dtype names, mapped to the torch dtype they mean.
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+_CANONICAL_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def parse_dtype(value: object, field: str = "dtype") -> torch.dtype:
+    """Turn a dtype name (``"bf16"``, ``"bfloat16"``, ...) or a ``torch.dtype`` into a torch dtype.
+
+    Raises ``ValueError`` naming ``field`` for an unknown name or an unsupported dtype, and
+    ``TypeError`` for anything that is neither a string nor a ``torch.dtype``.
+    """
+    allowed = ", ".join(sorted(DTYPE_ALIASES))
+    if isinstance(value, torch.dtype):
+        if value not in _CANONICAL_DTYPE_NAME:
+            raise ValueError(f"{field}: unsupported dtype {value}; allowed: {allowed}")
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key not in DTYPE_ALIASES:
+            raise ValueError(f"{field}: unknown dtype name {value!r}; allowed: {allowed}")
+        return DTYPE_ALIASES[key]
+    raise TypeError(f"{field}: expected a dtype name or torch.dtype, got {value!r} "
+                    f"({type(value).__name__})")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name of a supported dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return _CANONICAL_DTYPE_NAME[dtype]
+
+
+def _int_at_least(minimum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+        where = f"{type(instance).__name__}.{attribute.name}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where}: expected an int >= {minimum}, got {value!r} "
+                            f"({type(value).__name__})")
+        if value < minimum:
+            raise ValueError(f"{where}: expected an int >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _optional_positive_float(instance: object, attribute: attrs.Attribute[float | None],
+                             value: object) -> None:
+    if value is None:
+        return
+    where = f"{type(instance).__name__}.{attribute.name}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected a positive float or None, got {value!r} "
+                        f"({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: expected a positive, finite float or None, got {value!r}")
+
+
+def _bool_field(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{type(instance).__name__}.{attribute.name}: expected true or false, "
+                        f"got {value!r} ({type(value).__name__})")
+
+
+def _power_of_two(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value & (value - 1):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name}: expected a power of two, "
+                         f"got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The attention shape of an MLA model (defaults: a small DeepSeek-shaped layer).
+
+    ``softmax_scale`` defaults to ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
+    """
+
+    dtype: torch.dtype = attrs.field(
+        default=torch.bfloat16, converter=lambda v: parse_dtype(v, "ModelConfig.dtype"))
+    num_heads: int = attrs.field(default=16, validator=_int_at_least(1))
+    hidden_size: int = attrs.field(default=2048, validator=_int_at_least(1))
+    kv_lora_rank: int = attrs.field(default=512, validator=_int_at_least(1))
+    qk_nope_head_dim: int = attrs.field(default=128, validator=_int_at_least(1))
+    qk_rope_head_dim: int = attrs.field(default=64, validator=_int_at_least(0))
+    v_head_dim: int = attrs.field(default=128, validator=_int_at_least(1))
+    softmax_scale: float | None = attrs.field(default=None, validator=_optional_positive_float)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The q/k head dim of prefill attention: nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale in use (explicit, or ``1 / sqrt(qk_head_dim)``)."""
+        if self.softmax_scale is not None:
+            return float(self.softmax_scale)
+        return 1.0 / math.sqrt(self.qk_head_dim)
+
+    @property
+    def mla_dimensions(self) -> MLADimensions:
+        """The model's MLA prefill dimensions."""
+        return MLADimensions(qk_nope_head_dim=self.qk_nope_head_dim,
+                             qk_rope_head_dim=self.qk_rope_head_dim,
+                             v_head_dim=self.v_head_dim)
+
+
+def _coerce_backend(value: object) -> MLAPrefillBackendEnum | None:
+    if value is None:
+        return None
+    # Imported here: the registry reads the active container, which imports this module.
+    from app.backends.registry import MLAPrefillBackendEnum
+
+    if isinstance(value, MLAPrefillBackendEnum):
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() in ("", "auto"):
+            return None
+        try:
+            return MLAPrefillBackendEnum[value.strip().upper()]
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"AttentionConfig.mla_prefill_backend: {exc}") from None
+    raise TypeError("AttentionConfig.mla_prefill_backend: expected a backend name, an "
+                    f"MLAPrefillBackendEnum member or None, got {value!r} "
+                    f"({type(value).__name__})")
+
+
+@attrs.frozen(kw_only=True)
+class AttentionConfig:
+    """How attention runs: ``mla_prefill_backend`` forces a backend (None or "auto" = select)."""
+
+    mla_prefill_backend: MLAPrefillBackendEnum | None = attrs.field(
+        default=None, converter=_coerce_backend)
+    #: Most context tokens gathered and up-projected at once in chunked prefill.
+    context_chunk_tokens: int = attrs.field(default=65536, validator=_int_at_least(1))
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    """The paged KV cache: tokens per block, blocks in the pool (block 0 is the null block)."""
+
+    block_size: int = attrs.field(default=16, validator=[_int_at_least(1), _power_of_two])
+    num_blocks: int = attrs.field(default=16384, validator=_int_at_least(2))
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_bool_field)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "model": ModelConfig,
+    "attention": AttentionConfig,
+    "cache": CacheConfig,
+}
+
+
+def _build_section(name: str, cls: type[Any], raw: object) -> Any:
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"EngineConfig.{name}: expected a table/dict, got {raw!r} "
+                        f"({type(raw).__name__})")
+    allowed = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise ValueError(f"EngineConfig.{name}: unknown key(s) {unknown}; allowed: {allowed}")
+    return cls(**raw)
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything an engine configures: model, attention and cache."""
+
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    attention: AttentionConfig = attrs.field(factory=AttentionConfig)
+    cache: CacheConfig = attrs.field(factory=CacheConfig)
+
+    def __attrs_post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(f"EngineConfig.{name}: expected {cls.__name__}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build from ``{"model": {...}, "attention": {...}, "cache": {...}}``; every key optional.
+
+        Unknown sections or keys raise ``ValueError`` naming them and what is allowed.
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"EngineConfig.from_dict: expected a dict, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_SECTIONS))
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown section(s) {unknown}; "
+                             f"allowed: {sorted(_SECTIONS)}")
+        return cls(**{name: _build_section(name, sec, data[name])
+                      for name, sec in _SECTIONS.items() if name in data})
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> EngineConfig:
+        """Build from a TOML file with ``[model]``, ``[attention]`` and ``[cache]`` tables."""
+        path = Path(path)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ValueError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, TOML/JSON-friendly dict that ``from_dict`` turns back into an equal config."""
+        model = attrs.asdict(self.model)
+        model["dtype"] = dtype_name(self.model.dtype)
+        attention = attrs.asdict(self.attention)
+        backend = self.attention.mla_prefill_backend
+        attention["mla_prefill_backend"] = None if backend is None else backend.name
+        return {"model": model, "attention": attention, "cache": attrs.asdict(self.cache)}

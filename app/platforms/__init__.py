@@ -1,0 +1,17 @@
+"""Platform hooks: what a CPU, a Hopper GPU or a Blackwell GPU supports and prefers."""
+
+from app._types import DeviceCapability
+from app.platforms.base import Platform, SupportsMLADimensions
+from app.platforms.cpu import CpuPlatform
+from app.platforms.cuda import TRTLLM_PREFERRED_DIMENSIONS, CudaPlatform
+from app.platforms.detect import detect_platform
+
+__all__ = [
+    "TRTLLM_PREFERRED_DIMENSIONS",
+    "CpuPlatform",
+    "CudaPlatform",
+    "DeviceCapability",
+    "Platform",
+    "SupportsMLADimensions",
+    "detect_platform",
+]

@@ -1,0 +1,86 @@
+"""The CUDA platform: Ampere, Hopper and Blackwell GPUs."""
+
+from __future__ import annotations
+
+import torch
+
+from app._types import DeviceCapability, MLADimensions
+from app.platforms.base import Platform, SupportsMLADimensions
+
+#: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.
+TRTLLM_PREFERRED_DIMENSIONS = MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64,
+                                            v_head_dim=256)
+
+
+class CudaPlatform(Platform):
+    """An NVIDIA GPU.
+
+    ``CudaPlatform()`` reads the capability of ``device_index`` with torch (``ValueError`` when
+    CUDA is not available). ``CudaPlatform(device_capability=DeviceCapability(10, 0))`` pretends to
+    be that GPU without touching CUDA, which is how tests check Blackwell or Hopper behaviour on a
+    machine without one.
+    """
+
+    name = "cuda"
+    device_type = "cuda"
+
+    def __init__(self, device_capability: DeviceCapability | None = None,
+                 device_index: int = 0) -> None:
+        if device_capability is not None and not isinstance(device_capability, DeviceCapability):
+            raise TypeError("CudaPlatform: device_capability must be a DeviceCapability or None, "
+                            f"got {device_capability!r}")
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise ValueError(f"CudaPlatform: device_index must be an int >= 0, got {device_index!r}")
+        self._emulated = device_capability is not None
+        if device_capability is None:
+            device_capability = _detect_capability(device_index)
+        self._capability = device_capability
+        self.device_index = device_index
+
+    @property
+    def is_emulated(self) -> bool:
+        """True when the capability was given rather than read from a real GPU."""
+        return self._emulated
+
+    def get_device_capability(self) -> DeviceCapability:
+        """The GPU's compute capability (``DeviceCapability(9, 0)`` on an H100)."""
+        return self._capability
+
+    def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
+        """Fastest first: SM100 family, SM90, then everything older or newer."""
+        cap = self._capability
+        if cap.is_family(10):
+            order = ["FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER", "TOKENSPEED_MLA", "TORCH_SDPA"]
+            if selector_config.mla_dimensions == TRTLLM_PREFERRED_DIMENSIONS:
+                order.remove("TRTLLM_RAGGED")
+                order.insert(0, "TRTLLM_RAGGED")
+            return order
+        if cap.is_family(9):
+            return ["FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"]
+        return ["FLASH_ATTN", "TORCH_SDPA"]
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:<device_index>``."""
+        return torch.device("cuda", self.device_index)
+
+    def describe(self) -> dict[str, object]:
+        """Adds the device name (or that the capability is emulated) to the base summary."""
+        info = super().describe()
+        info["emulated"] = self._emulated
+        if not self._emulated:
+            info["device_name"] = torch.cuda.get_device_name(self.device_index)
+            info["cuda_version"] = torch.version.cuda
+        return info
+
+
+def _detect_capability(device_index: int) -> DeviceCapability:
+    if not torch.cuda.is_available():
+        raise ValueError("CudaPlatform: CUDA is not available on this machine; pass "
+                         "device_capability=DeviceCapability(major, minor) to emulate a GPU")
+    count = torch.cuda.device_count()
+    if device_index >= count:
+        raise ValueError(f"CudaPlatform: device_index {device_index} out of range; "
+                         f"this machine has {count} CUDA device(s)")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return DeviceCapability(major, minor)

@@ -1,0 +1,1 @@
+"""Testing helpers for users of the library and for third-party backends."""
