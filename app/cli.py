@@ -55,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `python -m app backends | head`
+        sys.stderr.close()
+        return 0
     return code
 
 

@@ -49,7 +49,8 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
-_CANONICAL_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_CANONICAL_DTYPE_NAME = {
+    torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def parse_dtype(value: object, field: str = "dtype") -> torch.dtype:
@@ -113,6 +114,10 @@ def _power_of_two(instance: object, attribute: attrs.Attribute[int], value: int)
                          f"got {value!r}")
 
 
+def _model_dtype(value: object) -> torch.dtype:
+    return parse_dtype(value, "ModelConfig.dtype")
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """The attention shape of an MLA model (defaults: a small DeepSeek-shaped layer).
@@ -120,8 +125,7 @@ class ModelConfig:
     ``softmax_scale`` defaults to ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
     """
 
-    dtype: torch.dtype = attrs.field(
-        default=torch.bfloat16, converter=lambda v: parse_dtype(v, "ModelConfig.dtype"))
+    dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=_model_dtype)
     num_heads: int = attrs.field(default=16, validator=_int_at_least(1))
     hidden_size: int = attrs.field(default=2048, validator=_int_at_least(1))
     kv_lora_rank: int = attrs.field(default=512, validator=_int_at_least(1))

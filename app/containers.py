@@ -66,7 +66,7 @@ class MLAPrefillBackendClasses(containers.DeclarativeContainer):
                                        BUILTIN_MLA_PREFILL_BACKENDS["TRTLLM_RAGGED"])
     TOKENSPEED_MLA = providers.Callable(import_object,
                                         BUILTIN_MLA_PREFILL_BACKENDS["TOKENSPEED_MLA"])
-    CUSTOM = providers.Object(None)
+    CUSTOM: providers.Object[None] = providers.Object(None)
 
 
 class Application(containers.DeclarativeContainer):

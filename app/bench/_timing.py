@@ -30,7 +30,7 @@ def time_calls(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
 
 
 def time_loop(fn: Callable[[], Any], *, number: int, repeat: int = 5) -> dict[str, float]:
-    """Seconds per call of a cheap ``fn``, timed over ``number`` calls, best/median of ``repeat``."""
+    """Seconds per call of a cheap ``fn``, timed over ``number`` calls, ``repeat`` times."""
     per_call = []
     for _ in range(repeat):
         start = time.perf_counter()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from app.commands._output import format_mapping, print_json, format_table
+from app.commands._output import format_mapping, format_table, print_json
 
 HELP = "show the detected platform, device capability, torch and kernel packages"
 

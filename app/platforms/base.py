@@ -42,7 +42,8 @@ class Platform(ABC):
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
         """Backend names in the order the selector should try them for this model."""
 
-    def register_custom_kv_cache_specs(self, registry: Any, config: EngineConfig | None) -> None:
+    def register_custom_kv_cache_specs(  # noqa: B027 - a hook, deliberately a no-op
+            self, registry: Any, config: EngineConfig | None) -> None:
         """Hook: register this platform's own KV-cache spec kinds on ``registry``.
 
         Runs once per container, after the built-in specs are registered. No-op by default.

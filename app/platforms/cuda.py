@@ -30,7 +30,8 @@ class CudaPlatform(Platform):
             raise TypeError("CudaPlatform: device_capability must be a DeviceCapability or None, "
                             f"got {device_capability!r}")
         if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
-            raise ValueError(f"CudaPlatform: device_index must be an int >= 0, got {device_index!r}")
+            raise ValueError(
+                f"CudaPlatform: device_index must be an int >= 0, got {device_index!r}")
         self._emulated = device_capability is not None
         if device_capability is None:
             device_capability = _detect_capability(device_index)

@@ -30,8 +30,7 @@ def detect_platform() -> Platform:
 
 
 def _platform_from_plugins() -> Platform | None:
-    try:
-        from app.plugins import load_platform_plugin
-    except ImportError:  # the plugin loader is optional
-        return None
+    # Imported here: the plugin loader imports entry points, which may import this package.
+    from app.plugins import load_platform_plugin
+
     return load_platform_plugin()

@@ -1,0 +1,46 @@
+"""``python -m app platform``: text and JSON output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.cli import main
+
+
+def test_platform_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["platform", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("platform", "device_type", "device_capability", "torch_version",
+                "kernel_packages"):
+        assert key in data
+    assert data["torch_version"] == torch.__version__
+    modules = {p["module"]: p for p in data["kernel_packages"]}
+    assert set(modules) >= {"flashinfer", "tokenspeed_mla", "flash_attn", "flash_attn.cute"}
+    for entry in modules.values():
+        assert isinstance(entry["imports"], bool)
+        assert (entry["error"] is None) == entry["imports"]
+
+
+def test_platform_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["platform"]) == 0
+    out = capsys.readouterr().out
+    assert "platform" in out and "torch_version" in out and "imports" in out
+
+
+def test_module_entry_point_runs() -> None:
+    proc = subprocess.run([sys.executable, "-m", "app", "platform", "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["platform"] in ("cpu", "cuda")
+
+
+def test_unknown_subcommand_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
