@@ -35,6 +35,7 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "ModelConfig",
+    "dtype_name",
     "parse_dtype",
 ]
 

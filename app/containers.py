@@ -25,6 +25,7 @@ from dependency_injector import containers, providers
 from app._imports import import_object
 from app.config import EngineConfig
 from app.platforms import Platform, detect_platform
+from app.plugins import apply_general_plugins
 
 __all__ = [
     "BUILTIN_MLA_PREFILL_BACKENDS",
@@ -77,6 +78,7 @@ class Application(containers.DeclarativeContainer):
       - ``platform``: the ``Platform`` singleton (detected; override to pretend to be any GPU).
       - ``mla_prefill_backends``: one provider per backend class (``MLAPrefillBackendClasses``).
       - ``registry_lock``: this container's lock for registration and selection bookkeeping.
+      - ``applied_general_plugins``: which general plugins ran on this container.
       - ``registry_state``: the mutable per-container registry bookkeeping (override
         generation, selection cache).
       - ``kv_cache_spec_bindings``: this container's KV-cache spec -> manager bindings.
@@ -89,6 +91,7 @@ class Application(containers.DeclarativeContainer):
     platform = providers.Singleton(detect_platform)
     mla_prefill_backends = providers.Container(MLAPrefillBackendClasses)
     registry_lock = providers.Singleton(threading.RLock)
+    applied_general_plugins: providers.Singleton[dict[str, bool]] = providers.Singleton(dict)
     registry_state = providers.Singleton(_call_by_path, "app.backends.registry.RegistryState")
     kv_cache_spec_bindings = providers.Singleton(
         _call_by_path, "app.kvcache.registry.KVCacheSpecBindings")
@@ -97,9 +100,10 @@ class Application(containers.DeclarativeContainer):
 
 
 def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
-                     platform: Platform | None = None) -> Application:
+                     platform: Platform | None = None, *, plugins: bool = True) -> Application:
     """A fresh container for ``config`` (an ``EngineConfig`` or its dict form) and ``platform``.
 
+    With ``plugins`` (the default) every general plugin (``app.plugins``) runs once on it.
     Nothing global changes: activate it with ``use_container`` or pass it around.
     """
     if config is None:
@@ -116,6 +120,8 @@ def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
     container.config.override(providers.Object(config))
     if platform is not None:
         container.platform.override(providers.Object(platform))
+    if plugins:
+        apply_general_plugins(container)
     return container
 
 
@@ -143,7 +149,7 @@ def get_container() -> Application:
     if _default_container is None:
         with _default_lock:
             if _default_container is None:
-                _default_container = Application()
+                _default_container = create_container()
     return _default_container
 
 

@@ -8,8 +8,12 @@ Two groups, as in vLLM:
   backends or KV-cache specs (``register_mla_prefill_backend``, ``KVCacheSpecRegistry.register``).
 
 The environment variable ``APP_PLUGINS`` (comma-separated entry-point names) restricts which
-plugins load; unset means all, empty means none. Plugins load once per process; a plugin that
-raises is logged with its name and skipped.
+plugins load; unset means all, empty means none. Entry points are imported once per process; a
+plugin that raises is logged with its name and skipped.
+
+Registrations live in containers, so a general plugin runs once on every container that
+``create_container`` builds (the process default included): a deployment or a test's fresh
+container sees the same plugins as the default one.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "GENERAL_PLUGINS_GROUP",
     "PLATFORM_PLUGINS_GROUP",
     "PLUGINS_ENV",
+    "apply_general_plugins",
     "load_general_plugins",
     "load_platform_plugin",
     "reset_plugin_state",
@@ -39,9 +44,8 @@ PLATFORM_PLUGINS_GROUP = "app.platform_plugins"
 GENERAL_PLUGINS_GROUP = "app.general_plugins"
 PLUGINS_ENV = "APP_PLUGINS"
 
-_lock = threading.Lock()
-_general_loaded = False
-_general_results: dict[str, bool] = {}
+_lock = threading.RLock()
+_loaded: dict[str, dict[str, Callable[[], Any]]] = {}
 
 
 def _allowed_names() -> set[str] | None:
@@ -52,27 +56,35 @@ def _allowed_names() -> set[str] | None:
 
 
 def _load_entry_points(group: str) -> dict[str, Callable[[], Any]]:
-    """The allowed entry points of ``group``, loaded; failures are logged and skipped."""
-    allowed = _allowed_names()
-    loaded: dict[str, Callable[[], Any]] = {}
-    for ep in importlib.metadata.entry_points(group=group):
-        if allowed is not None and ep.name not in allowed:
-            logger.debug("plugin %s (%s) not in %s; skipped", ep.name, group, PLUGINS_ENV)
-            continue
-        try:
-            func = ep.load()
-        except Exception:
-            logger.exception("failed to load plugin %s (%s); skipped", ep.name, group)
-            continue
-        if not callable(func):
-            logger.error("plugin %s (%s) is not callable: %r; skipped", ep.name, group, func)
-            continue
-        loaded[ep.name] = func
-    return loaded
+    """The allowed entry points of ``group``, imported once per process.
+
+    An entry point that fails to import, or is not callable, is logged with its name and
+    skipped.
+    """
+    with _lock:
+        if group in _loaded:
+            return _loaded[group]
+        allowed = _allowed_names()
+        loaded: dict[str, Callable[[], Any]] = {}
+        for ep in importlib.metadata.entry_points(group=group):
+            if allowed is not None and ep.name not in allowed:
+                logger.debug("plugin %s (%s) not in %s; skipped", ep.name, group, PLUGINS_ENV)
+                continue
+            try:
+                func = ep.load()
+            except Exception:
+                logger.exception("failed to load plugin %s (%s); skipped", ep.name, group)
+                continue
+            if not callable(func):
+                logger.error("plugin %s (%s) is not callable: %r; skipped", ep.name, group, func)
+                continue
+            loaded[ep.name] = func
+        _loaded[group] = loaded
+        return loaded
 
 
 def load_platform_plugin() -> Platform | None:
-    """The platform of the first platform plugin whose hardware is present, or None.
+    """The platform of the platform plugin whose hardware is present, or None.
 
     A plugin returns a dotted path of a ``Platform`` subclass (or None when absent). More than
     one active platform plugin is a ``ValueError``: the deployment must choose with APP_PLUGINS.
@@ -106,31 +118,38 @@ def load_platform_plugin() -> Platform | None:
     return platform
 
 
-def load_general_plugins() -> dict[str, bool]:
-    """Run every allowed general plugin once per process; returns ``{name: succeeded}``.
+def load_general_plugins() -> list[str]:
+    """Import the allowed general plugins (once per process); returns their names."""
+    return list(_load_entry_points(GENERAL_PLUGINS_GROUP))
 
-    Idempotent: later calls return the first call's results without running anything.
+
+def apply_general_plugins(container: Any) -> dict[str, bool]:
+    """Run every general plugin once on ``container`` (active while it runs).
+
+    Returns ``{name: succeeded}`` for this container. Idempotent: a plugin already applied to
+    the container is not run again. A plugin that raises is logged with its name and skipped.
     """
-    global _general_loaded
+    from app.containers import use_container
+
+    applied: dict[str, bool] = container.applied_general_plugins()
     with _lock:
-        if _general_loaded:
-            return dict(_general_results)
         for name, func in _load_entry_points(GENERAL_PLUGINS_GROUP).items():
+            if name in applied:
+                continue
             try:
-                func()
+                with use_container(container):
+                    func()
             except Exception:
                 logger.exception("general plugin %s raised; skipped", name)
-                _general_results[name] = False
+                applied[name] = False
             else:
-                logger.info("loaded general plugin %s", name)
-                _general_results[name] = True
-        _general_loaded = True
-        return dict(_general_results)
+                logger.info("applied general plugin %s", name)
+                applied[name] = True
+        return dict(applied)
 
 
 def reset_plugin_state() -> None:
-    """Forget which general plugins ran (for tests that install plugins)."""
-    global _general_loaded
+    """Forget the imported entry points (for tests that install plugins or change
+    ``APP_PLUGINS``); containers already built keep what was applied to them."""
     with _lock:
-        _general_loaded = False
-        _general_results.clear()
+        _loaded.clear()

@@ -1,0 +1,271 @@
+"""Deployments: one TOML file -> one fresh, fully configured container.
+
+A deployment is config plus overrides, never a subclass of ``Application``. The file::
+
+    [deployment]
+    name = "h100-prod"                 # optional, shown by the CLI
+    platform = "auto"                  # auto | cpu | cuda | cuda:9.0 (emulated) | pkg.mod.Platform
+    prefill_backend = "auto"           # auto | a backend name (built-in or from [backends])
+
+    [backends]                         # backend class overrides, by dotted path
+    FLASHINFER = "my_pkg.prefill.MyFlashInfer"
+    MY_KERNEL = "my_pkg.prefill.MyKernel"      # a new name adds a backend
+
+    [[kv_cache_specs]]                 # extra KV-cache spec registrations
+    spec = "my_pkg.kv.MySpec"
+    manager = "my_pkg.kv.MyManager"
+    uniform_base = "app.kvcache.FullAttentionSpec"   # optional
+
+    [model]      # EngineConfig sections (see app.config)
+    [attention]
+    [cache]
+
+``load(path)`` validates the whole file before it builds anything, so a bad file raises one
+error (``ValueError``, ``TypeError`` or ``ImportError``) naming the key, the value and what is
+allowed, and nothing is half-applied. Two deployments loaded in one process are independent.
+Class paths are imported: load only files the deployer controls.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from dependency_injector import providers
+
+from app._imports import import_object
+from app._types import DeviceCapability
+from app.config import EngineConfig
+from app.containers import Application, create_container, use_container
+from app.platforms import CpuPlatform, CudaPlatform, Platform
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Deployment", "load", "parse", "parse_dict"]
+
+_TOP_LEVEL = {"deployment", "backends", "kv_cache_specs", "model", "attention", "cache"}
+_DEPLOYMENT_KEYS = {"name", "platform", "prefill_backend"}
+_SPEC_KEYS = {"spec", "manager", "uniform_base"}
+_CUDA_EMULATED = re.compile(r"^cuda:(\d+)\.(\d+)$")
+_PLATFORM_ALLOWED = "'auto', 'cpu', 'cuda', 'cuda:<major>.<minor>' or a Platform class path"
+
+
+@attrs.frozen
+class _SpecBinding:
+    spec: type[Any]
+    manager: type[Any]
+    uniform_base: type[Any] | None
+
+
+@attrs.frozen
+class Deployment:
+    """A parsed, validated deployment file (``parse``); ``build()`` makes its container."""
+
+    name: str
+    source: str
+    platform: Platform | None
+    prefill_backend: str | None
+    backend_overrides: dict[str, type[Any]]
+    kv_cache_specs: tuple[_SpecBinding, ...]
+    config_sections: dict[str, dict[str, Any]]
+
+    def build(self) -> Application:
+        """A fresh container with this deployment's platform, backends, specs and config."""
+        from app.backends.registry import register_mla_prefill_backend
+        from app.kvcache import KVCacheSpecRegistry
+
+        container = create_container(platform=self.platform)
+        with use_container(container):
+            for name, cls in self.backend_overrides.items():
+                register_mla_prefill_backend(name, cls)
+            config = _engine_config(self.source, self.config_sections, self.prefill_backend)
+            container.config.override(providers.Object(config))
+            for binding in self.kv_cache_specs:
+                KVCacheSpecRegistry.register(binding.spec, binding.manager,
+                                             uniform_type_base_spec=binding.uniform_base)
+        return container
+
+
+def load(path: str | Path) -> Application:
+    """Read a deployment file and return a fresh container configured by it."""
+    return parse(path).build()
+
+
+def parse(path: str | Path) -> Deployment:
+    """Read and validate a deployment file without building anything."""
+    path = Path(path)
+    source = f"deployment file {str(path)!r}"
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"{source} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{source} is not valid TOML: {exc}") from None
+    return parse_dict(data, source=source)
+
+
+def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deployment:
+    """Validate a deployment given as a dict (the parsed TOML)."""
+    _check_keys(source, "", data, _TOP_LEVEL)
+    section = _table(source, "deployment", data.get("deployment", {}))
+    _check_keys(source, "deployment.", section, _DEPLOYMENT_KEYS)
+    name = section.get("name", "")
+    if not isinstance(name, str):
+        raise TypeError(f"{source}: deployment.name = {name!r}: expected a string")
+    overrides = _backend_overrides(source, _table(source, "backends", data.get("backends", {})))
+    prefill_backend = _prefill_backend(source, section.get("prefill_backend", "auto"), overrides)
+    sections = {key: dict(_table(source, key, data[key]))
+                for key in ("model", "attention", "cache") if key in data}
+    # Validate the config now (new backend names are not members yet: check them without).
+    _engine_config(source, sections, None if prefill_backend in overrides else prefill_backend,
+                   skip_backend=prefill_backend in overrides)
+    return Deployment(
+        name=name, source=source,
+        platform=_platform(source, section.get("platform", "auto")),
+        prefill_backend=prefill_backend, backend_overrides=overrides,
+        kv_cache_specs=_kv_cache_specs(source, data.get("kv_cache_specs", [])),
+        config_sections=sections)
+
+
+def _check_keys(source: str, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ValueError(f"{source}: unknown key {prefix}{unknown[0]!r}; "
+                         f"allowed: {sorted(allowed)}")
+
+
+def _table(source: str, key: str, value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{source}: {key} = {value!r}: expected a table")
+    return value
+
+
+def _platform(source: str, value: object) -> Platform | None:
+    where = f"{source}: deployment.platform = {value!r}"
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: expected {_PLATFORM_ALLOWED}")
+    if value == "auto":
+        return None
+    if value == "cpu":
+        return CpuPlatform()
+    emulated = _CUDA_EMULATED.match(value)
+    try:
+        if emulated:
+            return CudaPlatform(device_capability=DeviceCapability(int(emulated[1]),
+                                                                   int(emulated[2])))
+        if value == "cuda":
+            return CudaPlatform()
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if "." not in value:
+        raise ValueError(f"{where}: expected {_PLATFORM_ALLOWED}")
+    cls = _import(source, "deployment.platform", value)
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        raise TypeError(f"{where}: {cls!r} is not a Platform subclass")
+    platform: Platform = cls()
+    return platform
+
+
+def _backend_overrides(source: str, table: Mapping[str, Any]) -> dict[str, type[Any]]:
+    from app.backends.base import MLAPrefillBackend
+
+    result: dict[str, type[Any]] = {}
+    for name, path in table.items():
+        where = f"{source}: backends.{name} = {path!r}"
+        if not name.isidentifier() or name != name.upper():
+            raise ValueError(f"{where}: a backend name must be an upper-case identifier")
+        if not isinstance(path, str):
+            raise TypeError(f"{where}: expected a dotted class path string")
+        cls = _import(source, f"backends.{name}", path)
+        if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
+            raise TypeError(f"{where}: {cls!r} is not an MLAPrefillBackend subclass")
+        result[name] = cls
+    return result
+
+
+def _prefill_backend(source: str, value: object, overrides: Mapping[str, Any]) -> str | None:
+    from app.backends.registry import MLAPrefillBackendEnum
+
+    where = f"{source}: deployment.prefill_backend = {value!r}"
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: expected 'auto' or a backend name")
+    if value.lower() == "auto":
+        return None
+    name = value.upper()
+    known = [m.name for m in MLAPrefillBackendEnum]
+    if name not in known and name not in overrides:
+        raise ValueError(f"{where}: unknown backend; allowed: 'auto', "
+                         f"{', '.join(known + sorted(set(overrides) - set(known)))}")
+    return name
+
+
+def _kv_cache_specs(source: str, entries: object) -> tuple[_SpecBinding, ...]:
+    from app.kvcache import KVCacheSpec
+
+    if not isinstance(entries, list):
+        raise TypeError(f"{source}: kv_cache_specs = {entries!r}: expected an array of tables "
+                        "([[kv_cache_specs]])")
+    bindings = []
+    for i, entry in enumerate(entries):
+        key = f"kv_cache_specs[{i}]"
+        table = _table(source, key, entry)
+        _check_keys(source, f"{key}.", table, _SPEC_KEYS)
+        for required in ("spec", "manager"):
+            if required not in table:
+                raise ValueError(f"{source}: {key} is missing {required!r}; "
+                                 f"required: ['manager', 'spec']")
+        classes: dict[str, type[Any] | None] = {}
+        for field in ("spec", "manager", "uniform_base"):
+            path = table.get(field)
+            if path is None:
+                classes[field] = None
+                continue
+            if not isinstance(path, str):
+                raise TypeError(f"{source}: {key}.{field} = {path!r}: expected a class path")
+            obj = _import(source, f"{key}.{field}", path)
+            if not isinstance(obj, type):
+                raise TypeError(f"{source}: {key}.{field} = {path!r}: {obj!r} is not a class")
+            if field != "manager" and not issubclass(obj, KVCacheSpec):
+                raise TypeError(f"{source}: {key}.{field} = {path!r}: not a KVCacheSpec "
+                                "subclass")
+            classes[field] = obj
+        spec, manager = classes["spec"], classes["manager"]
+        if spec is None or manager is None:  # pragma: no cover - checked above
+            raise ValueError(f"{source}: {key} needs spec and manager")
+        bindings.append(_SpecBinding(spec=spec, manager=manager,
+                                     uniform_base=classes["uniform_base"]))
+    return tuple(bindings)
+
+
+def _import(source: str, key: str, path: str) -> Any:
+    try:
+        return import_object(path)
+    except (ImportError, ValueError) as exc:
+        raise ImportError(f"{source}: {key} = {path!r} does not import: {exc}") from None
+
+
+def _engine_config(source: str, sections: dict[str, dict[str, Any]],
+                   prefill_backend: str | None, skip_backend: bool = False) -> EngineConfig:
+    sections = {k: dict(v) for k, v in sections.items()}
+    attention = sections.setdefault("attention", {})
+    if skip_backend:
+        attention.pop("mla_prefill_backend", None)
+    elif prefill_backend is not None:
+        given = attention.get("mla_prefill_backend")
+        if given is not None and str(given).upper() != prefill_backend:
+            raise ValueError(f"{source}: deployment.prefill_backend = {prefill_backend!r} "
+                             f"conflicts with attention.mla_prefill_backend = {given!r}; "
+                             "give one")
+        attention["mla_prefill_backend"] = prefill_backend
+    try:
+        return EngineConfig.from_dict(sections)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{source}: {exc}") from None
