@@ -166,8 +166,13 @@ def _coerce_backend(value: object) -> MLAPrefillBackendEnum | None:
     if isinstance(value, str):
         if value.strip().lower() in ("", "auto"):
             return None
+        name = value.strip()
+        members = MLAPrefillBackendEnum.__members__
+        # Exact name first (run-time members may be lower case), then case-insensitively.
+        if name not in members and name.upper() in members:
+            name = name.upper()
         try:
-            return MLAPrefillBackendEnum[value.strip().upper()]
+            return MLAPrefillBackendEnum[name]
         except (KeyError, ValueError) as exc:
             raise ValueError(f"AttentionConfig.mla_prefill_backend: {exc}") from None
     raise TypeError("AttentionConfig.mla_prefill_backend: expected a backend name, an "

@@ -48,9 +48,15 @@ BUILTIN_MLA_PREFILL_BACKENDS: dict[str, str] = {
 }
 
 
+_imported: dict[str, Any] = {}
+
+
 def _call_by_path(path: str, *args: Any, **kwargs: Any) -> Any:
-    """Import ``path`` when the provider is first called, then call it."""
-    return import_object(path)(*args, **kwargs)
+    """Import ``path`` when a provider first needs it (then keep it), and call it."""
+    target = _imported.get(path)
+    if target is None:
+        target = _imported[path] = import_object(path)
+    return target(*args, **kwargs)
 
 
 class MLAPrefillBackendClasses(containers.DeclarativeContainer):

@@ -78,13 +78,15 @@ class Deployment:
 
     def build(self) -> Application:
         """A fresh container with this deployment's platform, backends, specs and config."""
-        from app.backends.registry import register_mla_prefill_backend
+        from app.backends.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
         from app.kvcache import KVCacheSpecRegistry
 
         container = create_container(platform=self.platform)
         with use_container(container):
             for name, cls in self.backend_overrides.items():
-                register_mla_prefill_backend(name, cls)
+                # An existing member is overridden; a new name adds a member.
+                existing = MLAPrefillBackendEnum.__members__.get(name)
+                register_mla_prefill_backend(name if existing is None else existing, cls)
             config = _engine_config(self.source, self.config_sections, self.prefill_backend)
             container.config.override(providers.Object(config))
             for binding in self.kv_cache_specs:

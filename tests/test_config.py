@@ -64,7 +64,7 @@ def test_cache_config_rejects(field: str, value: object, exc: type[Exception]) -
 
 
 def test_dtype_error_lists_what_is_allowed() -> None:
-    with pytest.raises(ValueError, match="allowed: .*bfloat16"):
+    with pytest.raises(ValueError, match=r"allowed: .*bfloat16"):
         parse_dtype("double")
 
 

@@ -7,7 +7,6 @@ import importlib
 import inspect
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest

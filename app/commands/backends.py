@@ -1,0 +1,133 @@
+"""``python -m app backends``: every MLA prefill backend, whether it is valid here, and why not.
+
+Prints ``explain_mla_prefill_selection`` for the active container's config and platform as a
+table (``--json``: the full explanation). ``--backend NAME`` shows an explicit choice instead of
+the automatic one, ``--dtype`` changes the model dtype, ``--capability 10.0`` pretends to run on
+a CUDA GPU of that compute capability (``cpu`` on a CPU), ``--mla-dimensions 192,64,256``
+changes the model's MLA dimensions. Exit status 0 when a backend is chosen, 1 when none is.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from app._types import DeviceCapability
+from app.commands._output import format_mapping, format_table, print_json
+
+HELP = "show which MLA prefill backends are valid here, why not, and which one is chosen"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--dtype``, ``--capability`` and ``--mla-dimensions``."""
+    parser.add_argument("--backend", metavar="NAME", default=None,
+                        help="an explicit backend (e.g. FLASHINFER) instead of auto selection")
+    parser.add_argument("--dtype", default=None,
+                        help="the model dtype (bfloat16, float16, float32 or an alias)")
+    parser.add_argument("--capability", metavar="MAJOR.MINOR", default=None,
+                        help="pretend to run on a CUDA GPU of this compute capability "
+                             "(e.g. 9.0, 10.0), or 'cpu'")
+    parser.add_argument("--mla-dimensions", metavar="NOPE,ROPE,V", default=None,
+                        help="the model's qk_nope_head_dim,qk_rope_head_dim,v_head_dim "
+                             "(e.g. 192,64,256)")
+
+
+def _parse_capability(text: str) -> DeviceCapability | None:
+    if text.strip().lower() == "cpu":
+        return None
+    major, sep, minor = text.strip().partition(".")
+    try:
+        return DeviceCapability(int(major), int(minor) if sep else 0)
+    except ValueError:
+        raise ValueError(f"--capability: expected MAJOR.MINOR (e.g. 10.0) or 'cpu', "
+                         f"got {text!r}") from None
+
+
+def _parse_dimensions(text: str) -> dict[str, int]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        nope, rope, v = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--mla-dimensions: expected three integers NOPE,ROPE,V "
+                         f"(e.g. 128,64,128), got {text!r}") from None
+    return {"qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v}
+
+
+def build_config(args: argparse.Namespace, base: Any) -> Any:
+    """``base`` (an ``EngineConfig``) with the command-line changes applied."""
+    from app.config import EngineConfig
+
+    data = base.to_dict()
+    if args.dtype is not None:
+        data["model"]["dtype"] = args.dtype
+    if args.mla_dimensions is not None:
+        data["model"].update(_parse_dimensions(args.mla_dimensions))
+    if args.backend is not None:
+        data["attention"]["mla_prefill_backend"] = args.backend
+    return EngineConfig.from_dict(data)
+
+
+def build_container(args: argparse.Namespace) -> Any:
+    """The container to explain: the active one, or with ``--capability`` a fresh one (general
+    plugins applied) on the pretend device."""
+    from app.containers import create_container, get_container
+    from app.platforms import CpuPlatform, CudaPlatform
+
+    # A later ``--deployment`` hooks in here: start from the deployment's container instead.
+    container = get_container()
+    if args.capability is not None:
+        capability = _parse_capability(args.capability)
+        platform = (CpuPlatform() if capability is None
+                    else CudaPlatform(device_capability=capability))
+        container = create_container(container.config(), platform)
+    return container
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """The explanation ``backends`` prints."""
+    from app.backends.selector import explain_mla_prefill_selection
+
+    container = build_container(args)
+    config = build_config(args, container.config())
+    return dict(explain_mla_prefill_selection(config, container=container))
+
+
+def render(info: dict[str, Any]) -> str:
+    """The explanation as a header, a table and the outcome."""
+    header = {
+        "platform": info["platform"],
+        "device capability": info["device_capability"] or "-",
+        "dtype": info["dtype"],
+        "mla dimensions": "({qk_nope_head_dim}, {qk_rope_head_dim}, {v_head_dim})".format(
+            **info["mla_dimensions"]),
+        "requested": info["requested"] or "auto",
+        "priorities": ", ".join(info["priorities"]) or "-",
+    }
+    rows = []
+    for verdict in info["backends"].values():
+        priority = verdict["priority"]
+        rows.append([
+            verdict["name"],
+            "-" if priority is None else priority + 1,
+            "yes" if verdict["valid"] else "no",
+            (verdict["class_path"] or "(unregistered)")
+            + (" (overridden)" if verdict["overridden"] else ""),
+            "; ".join(verdict["reasons"]),
+        ])
+    lines = [format_mapping(header), "",
+             format_table(["backend", "priority", "valid", "class", "reasons"], rows), ""]
+    if info["chosen"] is not None:
+        lines.append(f"chosen: {info['chosen']} ({info['chosen_class']})")
+    else:
+        lines.append(f"chosen: none\nerror: {info['error']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the explanation; 0 when a backend is chosen, 1 when none is."""
+    info = collect(args)
+    if args.json:
+        print_json(info)
+    else:
+        print(render(info))
+    return 0 if info["chosen"] is not None else 1
