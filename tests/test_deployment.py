@@ -163,3 +163,22 @@ def test_cuda_platform_without_gpu_is_a_clear_error(tmp_path: Path) -> None:
         return
     with pytest.raises(ValueError, match="CUDA is not available"):
         deployment.load(write(tmp_path, '[deployment]\nplatform = "cuda"\n'))
+
+
+def test_backends_cli_with_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from app.cli import main
+
+    assert main(["backends", "--deployment", str(EXAMPLE), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["chosen"] == "TORCH_SDPA"
+
+
+def test_backends_cli_with_bad_deployment(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    path = write(tmp_path, '[deployment]\nprefill_backend = "NOPE"\n')
+    assert main(["backends", "--deployment", str(path)]) == 2
+    assert "deployment.prefill_backend" in capsys.readouterr().err

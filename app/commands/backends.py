@@ -4,7 +4,8 @@ Prints ``explain_mla_prefill_selection`` for the active container's config and p
 table (``--json``: the full explanation). ``--backend NAME`` shows an explicit choice instead of
 the automatic one, ``--dtype`` changes the model dtype, ``--capability 10.0`` pretends to run on
 a CUDA GPU of that compute capability (``cpu`` on a CPU), ``--mla-dimensions 192,64,256``
-changes the model's MLA dimensions. Exit status 0 when a backend is chosen, 1 when none is.
+changes the model's MLA dimensions, ``--deployment FILE`` explains a deployment's container.
+Exit status 0 when a backend is chosen, 1 when none is.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ HELP = "show which MLA prefill backends are valid here, why not, and which one i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--backend``, ``--dtype``, ``--capability`` and ``--mla-dimensions``."""
+    """``--backend``, ``--dtype``, ``--capability``, ``--deployment``, ``--mla-dimensions``."""
     parser.add_argument("--backend", metavar="NAME", default=None,
                         help="an explicit backend (e.g. FLASHINFER) instead of auto selection")
     parser.add_argument("--dtype", default=None,
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capability", metavar="MAJOR.MINOR", default=None,
                         help="pretend to run on a CUDA GPU of this compute capability "
                              "(e.g. 9.0, 10.0), or 'cpu'")
+    parser.add_argument("--deployment", metavar="TOML", default=None,
+                        help="explain for this deployment file's container (app.deployment)")
     parser.add_argument("--mla-dimensions", metavar="NOPE,ROPE,V", default=None,
                         help="the model's qk_nope_head_dim,qk_rope_head_dim,v_head_dim "
                              "(e.g. 192,64,256)")
@@ -68,13 +71,14 @@ def build_config(args: argparse.Namespace, base: Any) -> Any:
 
 
 def build_container(args: argparse.Namespace) -> Any:
-    """The container to explain: the active one, or with ``--capability`` a fresh one (general
-    plugins applied) on the pretend device."""
+    """The container to explain: the deployment's (``--deployment``) or the active one; with
+    ``--capability`` a fresh one (general plugins applied) on the pretend device."""
+    from app import deployment
     from app.containers import create_container, get_container
     from app.platforms import CpuPlatform, CudaPlatform
 
-    # A later ``--deployment`` hooks in here: start from the deployment's container instead.
-    container = get_container()
+    container = (get_container() if args.deployment is None
+                 else deployment.load(args.deployment))
     if args.capability is not None:
         capability = _parse_capability(args.capability)
         platform = (CpuPlatform() if capability is None
