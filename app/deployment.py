@@ -140,7 +140,7 @@ def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deploymen
 def _check_keys(source: str, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise ValueError(f"{source}: unknown key {prefix}{unknown[0]!r}; "
+        raise ValueError(f"{source}: unknown key '{prefix}{unknown[0]}'; "
                          f"allowed: {sorted(allowed)}")
 
 

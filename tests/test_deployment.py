@@ -107,7 +107,7 @@ uniform_base = "app.kvcache.FullAttentionSpec"
     ("[deployment]\nplatform = 3\n", TypeError, ["deployment.platform", "3"]),
     ('[deployment]\nprefill_backend = "NOPE"\n', ValueError,
      ["deployment.prefill_backend", "NOPE", "TORCH_SDPA"]),
-    ('[deployment]\ncolour = "red"\n', ValueError, ["colour", "allowed"]),
+    ('[deployment]\ncolour = "red"\n', ValueError, ["deployment.colour", "allowed"]),
     ('[mystery]\nx = 1\n', ValueError, ["mystery", "allowed"]),
     ('[backends]\nFLASHINFER = "no.such.module.Cls"\n', ImportError,
      ["backends.FLASHINFER", "no.such.module.Cls"]),

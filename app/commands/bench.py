@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         bench = sub.add_parser(name, help=module.HELP, description=module.HELP)
         bench.add_argument("--output", type=Path, default=None,
                            help="also write the JSON result to this file")
+        # Accept --json after the benchmark name too (`bench kv --json`).
+        bench.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                           help="print machine-readable JSON")
         module.add_arguments(bench)
         bench.set_defaults(_bench=module)
 

@@ -1,0 +1,333 @@
+"""``python -m app kv-plan --config FILE.toml``: KV-cache groups, managers, page sizes, blocks.
+
+The TOML file lists the model's layers and their KV-cache specs::
+
+    [cache]                       # optional; block_size is every layer's default block size
+    block_size = 16
+
+    [plan]                        # optional; the command-line options override these
+    memory = "80GiB"              # KV-cache budget: bytes, or a number with B/KB/MB/GB/KiB/MiB/GiB
+    max_model_len = 32768         # per-request blocks and how many such requests fit
+    max_num_batched_tokens = 8192 # tokens per step (sliding-window / chunked-local peaks)
+
+    [defaults]                    # optional; given to every layer whose spec has the field
+    dtype = "bfloat16"
+    num_kv_heads = 8
+    head_size = 128
+
+    [[layers]]
+    name = "model.layers.{i}.self_attn"  # "{i}" is replaced by each index
+    count = 24                    # i = 0 .. 23; or: indices = [0, 6, 12]; or neither (one layer)
+    spec = "full_attention"       # a kind below, or "package.module:SpecClass"
+    # ... any field of the spec: sliding_window = 4096, head_size = 576, sink_len = 64 ...
+
+Kinds: ``full_attention``, ``mla``, ``sliding_window``, ``sliding_window_mla``,
+``chunked_local``, ``cross_attention``, ``sink_full_attention``, ``tq_full_attention``,
+``hidden_state``, ``mamba`` (``shapes = [[...], ...]``, ``dtypes = [...]``). MLA kinds also take
+``kv_lora_rank`` + ``qk_rope_head_dim`` instead of ``head_size``. Specs are registered and
+grouped in the active container, so a platform's custom spec kinds work too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from app._imports import import_object
+from app.commands._output import format_table, print_json
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+HELP = "plan the KV cache of a model: groups, managers, page sizes, blocks in a memory budget"
+
+#: Spec kinds accepted in ``spec = "..."`` -> class in ``app.kvcache``.
+SPEC_KINDS: dict[str, str] = {
+    "full_attention": "FullAttentionSpec",
+    "mla": "MLAAttentionSpec",
+    "sliding_window": "SlidingWindowSpec",
+    "sliding_window_mla": "SlidingWindowMLASpec",
+    "chunked_local": "ChunkedLocalAttentionSpec",
+    "cross_attention": "CrossAttentionSpec",
+    "sink_full_attention": "SinkFullAttentionSpec",
+    "tq_full_attention": "TQFullAttentionSpec",
+    "hidden_state": "HiddenStateCacheSpec",
+    "mamba": "MambaSpec",
+}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` (required), ``--memory``, ``--max-model-len``, ``--max-num-batched-tokens``."""
+    parser.add_argument("--config", required=True, type=Path, help="the layers TOML file")
+    parser.add_argument("--memory", default=None,
+                        help="KV-cache memory budget, e.g. 40GiB (overrides [plan].memory)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest request, for per-request blocks (overrides [plan])")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step, for windowed layers' peaks (overrides [plan])")
+
+
+def parse_memory(value: object) -> int:
+    """Bytes from an int or a string like ``"40GiB"``, ``"512 MB"``, ``"1e9"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory: expected a size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float):
+        size = int(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory: cannot read {value!r}; use bytes or a number with "
+                             f"B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise ValueError(f"memory: expected a size, got {value!r}")
+    if size <= 0:
+        raise ValueError(f"memory: must be positive, got {value!r}")
+    return size
+
+
+def _spec_class(kind: object, where: str) -> type[Any]:
+    import app.kvcache as kv
+
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"{where}: 'spec' must be a kind name, got {kind!r}; kinds: "
+                         f"{', '.join(SPEC_KINDS)}")
+    if kind in SPEC_KINDS:
+        cls: type[Any] = getattr(kv, SPEC_KINDS[kind])
+    elif kind in SPEC_KINDS.values():
+        cls = getattr(kv, kind)
+    elif "." in kind or ":" in kind:
+        cls = import_object(kind)
+    else:
+        raise ValueError(f"{where}: unknown spec kind {kind!r}; kinds: "
+                         f"{', '.join(SPEC_KINDS)}, or 'package.module:SpecClass'")
+    if not (isinstance(cls, type) and issubclass(cls, kv.KVCacheSpec)):
+        raise ValueError(f"{where}: {kind!r} is not a KVCacheSpec subclass")
+    return cls
+
+
+def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: 'name' must be a non-empty string")
+    count, indices = entry.get("count"), entry.get("indices")
+    if count is not None and indices is not None:
+        raise ValueError(f"{where}: give 'count' or 'indices', not both")
+    if count is None and indices is None:
+        if "{i}" in name:
+            raise ValueError(f"{where}: a name with '{{i}}' needs 'count' or 'indices'")
+        return [name]
+    if count is not None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{where}: 'count' must be an int >= 1, got {count!r}")
+        indices = list(range(count))
+    if not isinstance(indices, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise ValueError(f"{where}: 'indices' must be a list of ints, got {indices!r}")
+    if "{i}" not in name:
+        raise ValueError(f"{where}: with 'count' or 'indices' the name needs '{{i}}'")
+    return [name.replace("{i}", str(i)) for i in indices]
+
+
+def _build_spec(cls: type[Any], entry: Mapping[str, Any], defaults: Mapping[str, Any],
+                block_size: int, where: str) -> Any:
+    fields = {f.name for f in attrs.fields(cls)}
+    given = {k: v for k, v in entry.items() if k not in ("name", "count", "indices", "spec")}
+    if "kv_lora_rank" in given or "qk_rope_head_dim" in given:
+        if "head_size" in given:
+            raise ValueError(f"{where}: give head_size or kv_lora_rank + qk_rope_head_dim")
+        try:
+            given["head_size"] = int(given.pop("kv_lora_rank")) + int(
+                given.pop("qk_rope_head_dim"))
+        except KeyError as exc:
+            raise ValueError(f"{where}: {exc.args[0]} is missing (MLA head_size is "
+                             f"kv_lora_rank + qk_rope_head_dim)") from None
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} has no field(s) {unknown}; "
+                         f"fields: {sorted(fields)}")
+    kwargs = {k: v for k, v in defaults.items() if k in fields}
+    kwargs.setdefault("block_size", block_size)
+    kwargs.update(given)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{where}: cannot build {cls.__name__}: {exc}") from None
+
+
+def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read the TOML file: ``({layer_name: spec}, plan_options)``."""
+    from app.config import CacheConfig
+
+    try:
+        with Path(path).open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"cache", "plan", "defaults", "layers"})
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {unknown}; allowed: cache, plan, defaults, "
+                         f"layers")
+    cache = CacheConfig(**data.get("cache", {}))
+    plan = dict(data.get("plan", {}))
+    bad_plan = sorted(set(plan) - {"memory", "max_model_len", "max_num_batched_tokens"})
+    if bad_plan:
+        raise ValueError(f"{path}: unknown [plan] key(s) {bad_plan}; allowed: memory, "
+                         f"max_model_len, max_num_batched_tokens")
+    plan["cache"] = cache
+    defaults = data.get("defaults", {})
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(f"{path}: no [[layers]] entries")
+    specs: dict[str, Any] = {}
+    for index, entry in enumerate(layers):
+        where = f"{path}: layers[{index}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a table")
+        names = _layer_names(entry, where)
+        cls = _spec_class(entry.get("spec"), where)
+        spec = _build_spec(cls, entry, defaults, cache.block_size, where)
+        for name in names:
+            if name in specs:
+                raise ValueError(f"{where}: layer {name!r} is listed twice")
+            specs[name] = spec
+    return specs, plan
+
+
+def _positive_option(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
+              max_model_len: int | None = None,
+              max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+    """Groups, managers and page sizes of ``specs``; blocks in ``memory``; per-request needs."""
+    from app.kvcache import (
+        KVCacheSpecRegistry,
+        SinkFullAttentionSpec,
+        get_kv_cache_bytes_per_block,
+        get_kv_cache_groups,
+    )
+    from app.kvcache.specs import spec_summary
+
+    groups = get_kv_cache_groups(specs)
+    bindings = KVCacheSpecRegistry.bindings()
+    bytes_per_block = get_kv_cache_bytes_per_block(groups)
+    plan: dict[str, Any] = {"num_layers": len(specs), "groups": [],
+                            "bytes_per_block": bytes_per_block}
+    reserved = 0
+    per_request = 0
+    for group_id, group in enumerate(groups):
+        manager = bindings.get_manager_class(group.kv_cache_spec)
+        info: dict[str, Any] = {
+            "group": group_id,
+            "manager": None if manager is None else manager.__name__,
+            "spec": spec_summary(group.kv_cache_spec),
+            "num_layers": len(group.layer_names),
+            "layers": list(group.layer_names),
+            "block_size": group.block_size,
+            "page_size_bytes_per_layer": sorted({s.page_size_bytes for s in group.layer_specs}),
+        }
+        if isinstance(group.kv_cache_spec, SinkFullAttentionSpec):
+            reserved += group.kv_cache_spec.sink_len // group.block_size
+        if max_model_len is not None:
+            blocks = max(spec.max_num_blocks_per_request(
+                max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+                for spec in group.layer_specs)
+            info["blocks_per_request"] = blocks
+            per_request += blocks
+        plan["groups"].append(info)
+    if max_model_len is not None:
+        plan["max_model_len"] = max_model_len
+        plan["max_num_batched_tokens"] = max_num_batched_tokens
+        plan["blocks_per_request"] = per_request
+        plan["bytes_per_request"] = per_request * bytes_per_block
+    if memory is not None:
+        num_blocks = memory // bytes_per_block if bytes_per_block else 0
+        usable = max(num_blocks - 1 - reserved, 0)
+        plan.update({"memory_bytes": memory, "num_blocks": num_blocks,
+                     "usable_blocks": usable, "reserved_blocks": reserved})
+        if max_model_len is not None and per_request:
+            plan["max_concurrent_requests"] = usable // per_request
+    return plan
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.2f} {unit}" if unit != "B" else f"{n} B"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    """The plan as text."""
+    rows = []
+    for g in plan["groups"]:
+        layers = g["layers"]
+        shown = ", ".join(layers[:2]) + (f", ... ({len(layers)})" if len(layers) > 2 else "")
+        row = [g["group"], g["manager"], g["spec"]["type"], g["block_size"],
+               "/".join(str(p) for p in g["page_size_bytes_per_layer"]), shown]
+        if "blocks_per_request" in g:
+            row.append(g["blocks_per_request"])
+        rows.append(row)
+    headers = ["group", "manager", "spec", "block", "page B/layer", "layers"]
+    if "max_model_len" in plan:
+        headers.append("blocks/request")
+    lines = [f"{plan['num_layers']} layers in {len(plan['groups'])} KV-cache group(s)",
+             format_table(headers, rows),
+             f"bytes per block (all groups): {plan['bytes_per_block']} "
+             f"({_human(plan['bytes_per_block'])})"]
+    if "max_model_len" in plan:
+        lines.append(f"a request of {plan['max_model_len']} tokens holds at most "
+                     f"{plan['blocks_per_request']} blocks ({_human(plan['bytes_per_request'])})")
+    if "memory_bytes" in plan:
+        lines.append(f"budget {_human(plan['memory_bytes'])}: {plan['num_blocks']} blocks, "
+                     f"{plan['usable_blocks']} usable (block 0 is the null block"
+                     + (f", {plan['reserved_blocks']} reserved for sinks" if
+                        plan["reserved_blocks"] else "") + ")")
+        if "max_concurrent_requests" in plan:
+            lines.append(f"max concurrent requests of {plan['max_model_len']} tokens: "
+                         f"{plan['max_concurrent_requests']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the file, plan, print."""
+    specs, options = load_plan_config(args.config)
+    memory_src = args.memory if args.memory is not None else options.get("memory")
+    memory = None if memory_src is None else parse_memory(memory_src)
+    max_model_len = _positive_option(
+        args.max_model_len if args.max_model_len is not None else options.get("max_model_len"),
+        "max_model_len")
+    batched = _positive_option(
+        args.max_num_batched_tokens if args.max_num_batched_tokens is not None
+        else options.get("max_num_batched_tokens"), "max_num_batched_tokens")
+    plan = make_plan(specs, memory=memory, max_model_len=max_model_len,
+                     max_num_batched_tokens=batched)
+    plan["config"] = str(args.config)
+    if args.json:
+        print_json(plan)
+    else:
+        print(render_plan(plan))
+    return 0

@@ -1,0 +1,114 @@
+"""The request a scheduler hands to the KV-cache manager, and the chained block hashes.
+
+A block hash is ``sha256(parent_hash || tokens || extra)``: it covers the block's tokens *and*
+(through the parent) every token before it, so two requests share a cached block only when
+their whole prefixes up to that block are equal. The first block's parent is a fixed root
+digest; a ``cache_salt`` (per tenant, per LoRA adapter, ...) enters the first block's hash, so
+requests with different salts never share blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+
+from app.kvcache.block_pool import BlockHash
+
+__all__ = ["ROOT_BLOCK_HASH", "KVCacheRequest", "hash_block_tokens"]
+
+#: The parent hash of a request's first block.
+ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"app.kvcache block hash root v1").digest()
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
+                      extra: bytes | None = None) -> BlockHash:
+    """The chained hash of one full block: ``sha256(parent || int64 tokens || extra)``."""
+    digest = hashlib.sha256(ROOT_BLOCK_HASH if parent is None else parent)
+    digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(b"\x00salt\x00")
+        digest.update(extra)
+    return digest.digest()
+
+
+class KVCacheRequest:
+    """A request as the KV-cache manager sees it: its tokens, progress and block hashes.
+
+    - ``request_id``: unique among live requests.
+    - ``token_ids``: prompt tokens, then generated tokens (``append_token_ids``).
+    - ``num_computed_tokens``: tokens whose KV is in the cache. The manager sets it when it
+      applies a prefix-cache hit (``allocate_slots``) and when the engine reports progress
+      (``KVCacheManager.cache_blocks(request, n)``); ``free`` resets it to 0.
+    - ``block_hashes``: one chained hash per *full* block of ``hash_block_size`` tokens,
+      kept up to date as tokens are appended.
+    - ``num_encoder_tokens``: encoder input length (encoder-decoder models: cross attention).
+    """
+
+    __slots__ = ("_extra", "_token_ids", "block_hashes", "hash_block_size",
+                 "num_computed_tokens", "num_encoder_tokens", "num_prompt_tokens", "request_id")
+
+    def __init__(self, request_id: str, prompt_token_ids: Iterable[int], *,
+                 hash_block_size: int = 16, cache_salt: str | bytes | None = None,
+                 num_encoder_tokens: int = 0) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"KVCacheRequest: request_id must be a non-empty str, "
+                            f"got {request_id!r}")
+        if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int) \
+                or hash_block_size < 1:
+            raise ValueError(f"KVCacheRequest: hash_block_size must be an int >= 1, "
+                             f"got {hash_block_size!r}")
+        if isinstance(num_encoder_tokens, bool) or not isinstance(num_encoder_tokens, int) \
+                or num_encoder_tokens < 0:
+            raise ValueError(f"KVCacheRequest: num_encoder_tokens must be an int >= 0, "
+                             f"got {num_encoder_tokens!r}")
+        self.request_id = request_id
+        try:
+            self._token_ids = array("q", prompt_token_ids)
+        except (TypeError, OverflowError) as exc:
+            raise TypeError(f"KVCacheRequest {request_id!r}: token ids must be ints in the "
+                            f"int64 range ({exc})") from None
+        self.num_prompt_tokens = len(self._token_ids)
+        self.hash_block_size = hash_block_size
+        self.num_encoder_tokens = num_encoder_tokens
+        self.num_computed_tokens = 0
+        self._extra = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self._token_ids)
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """All tokens so far (an ``array('q')``; do not modify it, use ``append_token_ids``)."""
+        return self._token_ids
+
+    def append_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append generated tokens; hashes of newly full blocks are computed."""
+        if isinstance(token_ids, int):
+            self._token_ids.append(token_ids)
+        else:
+            self._token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        size = self.hash_block_size
+        hashes = self.block_hashes
+        tokens = self._token_ids
+        parent = hashes[-1] if hashes else None
+        for start in range(len(hashes) * size, len(tokens) - size + 1, size):
+            extra = self._extra if start == 0 else None
+            digest = hashlib.sha256(ROOT_BLOCK_HASH if parent is None else parent)
+            digest.update(tokens[start:start + size].tobytes())
+            if extra:
+                digest.update(b"\x00salt\x00")
+                digest.update(extra)
+            parent = digest.digest()
+            hashes.append(parent)
+
+    def __repr__(self) -> str:
+        return (f"KVCacheRequest({self.request_id!r}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens})")
