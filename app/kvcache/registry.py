@@ -297,9 +297,25 @@ def register_builtin_kv_cache_specs(registry: KVCacheSpecBindings) -> None:
     registry.register(s.MambaSpec, m.MambaManager, s.MambaSpec)
 
 
+#: The container attribute that holds its resolved bindings: the facade's hot path reads a
+#: plain reference instead of calling the provider (~0.5 us) on every lookup.
+_BINDINGS_ATTR = "_app_kv_cache_spec_bindings"
+
+
+def _container_bindings(container: Any) -> KVCacheSpecBindings:
+    bindings: KVCacheSpecBindings | None = getattr(container, _BINDINGS_ATTR, None)
+    if bindings is None:
+        bindings = container.kv_cache_spec_bindings()
+        if not isinstance(bindings, KVCacheSpecBindings):
+            raise TypeError("the container's kv_cache_spec_bindings provider must provide "
+                            f"KVCacheSpecBindings, got {bindings!r}")
+        setattr(container, _BINDINGS_ATTR, bindings)
+    return bindings
+
+
 def _active_bindings() -> KVCacheSpecBindings:
     container = get_container()
-    bindings: KVCacheSpecBindings = container.kv_cache_spec_bindings()
+    bindings = _container_bindings(container)
     if isinstance(bindings._platform, _Unset):
         bindings.attach(container.platform, container.config)
     return bindings
@@ -329,9 +345,8 @@ class KVCacheSpecRegistry:
     def get_manager_class(cls, kv_cache_spec: KVCacheSpec
                           ) -> type[SingleTypeKVCacheManager] | None:
         """The manager class bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
-        bindings: KVCacheSpecBindings = get_container().kv_cache_spec_bindings()
         try:
-            return bindings._manager_cache[type(kv_cache_spec)]
+            return _container_bindings(get_container())._manager_cache[type(kv_cache_spec)]
         except KeyError:
             return _active_bindings().get_manager_class(kv_cache_spec)
 
@@ -339,9 +354,8 @@ class KVCacheSpecRegistry:
     def get_uniform_type_base_spec(cls, kv_cache_spec: KVCacheSpec
                                    ) -> type[KVCacheSpec] | None:
         """The uniform base spec bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
-        bindings: KVCacheSpecBindings = get_container().kv_cache_spec_bindings()
         try:
-            return bindings._base_cache[type(kv_cache_spec)]
+            return _container_bindings(get_container())._base_cache[type(kv_cache_spec)]
         except KeyError:
             return _active_bindings().get_uniform_type_base_spec(kv_cache_spec)
 
