@@ -168,8 +168,8 @@ def _coerce_backend(value: object) -> MLAPrefillBackendEnum | None:
             return None
         name = value.strip()
         members = MLAPrefillBackendEnum.__members__
-        # Exact name first (run-time members may be lower case), then case-insensitively.
-        if name not in members and name.upper() in members:
+        # Exact name first (run-time members may be lower case), then upper case.
+        if name not in members:
             name = name.upper()
         try:
             return MLAPrefillBackendEnum[name]

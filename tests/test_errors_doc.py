@@ -11,6 +11,8 @@ import contextlib
 import io
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -232,7 +234,15 @@ def test_bad_input_gets_a_typed_error(area: str, what: str, fn: Callable[[], obj
 def test_errors_doc_is_current() -> None:
     if torch.cuda.is_available():
         pytest.skip("the doc is generated on a machine without CUDA")
-    text = render()
+    # A fresh process: other tests add backend members process-wide, which error messages
+    # that list the valid names would show.
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.test_errors_doc import render; "
+         "sys.stdout.write(render())"],
+        capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
     if os.environ.get("APP_UPDATE_ERRORS_DOC") == "1":
         DOC.parent.mkdir(exist_ok=True)
         DOC.write_text(text)

@@ -1,1 +1,30 @@
-"""Testing helpers for users of the library and for third-party backends."""
+"""Testing helpers for users of the library and for third-party backends.
+
+- ``run_conformance`` / ``assert_conformance``: the conformance kit every prefill backend (ours
+  and third parties') is checked with against a float64 reference; see
+  ``app.testing.conformance`` for the cases and how to run it on your backend.
+- ``reference_attention``: the float64 ragged attention the kit compares with.
+- The pytest fixtures (``app_container``, ``override_prefill_backend``, ``fake_platform``) live
+  in ``app.testing.pytest_plugin`` and are registered automatically through the ``pytest11``
+  entry point.
+"""
+
+from app.testing.conformance import (
+    CASES,
+    DEFAULT_TOLERANCES,
+    CaseResult,
+    ConformanceReport,
+    assert_conformance,
+    reference_attention,
+    run_conformance,
+)
+
+__all__ = [
+    "CASES",
+    "DEFAULT_TOLERANCES",
+    "CaseResult",
+    "ConformanceReport",
+    "assert_conformance",
+    "reference_attention",
+    "run_conformance",
+]

@@ -1,0 +1,310 @@
+"""TORCH_SDPA: MLA prefill on torch's own fused attention kernels; runs everywhere.
+
+**CPU** (the default there): the aten CPU flash kernel
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the natural-log
+LSE. It needs equal head dims, so ``v`` is zero-padded to the q/k head dim (the LSE does not
+depend on ``v``; the padded buffer is kept between calls, so only ``v`` is copied in) and the
+output sliced back. It computes in float32 unless the CPU has fast bf16 (AMX / AVX512-BF16),
+and takes strided ``[n, H, L, D]`` views of the ``[T, H, D]`` inputs (no layout copy;
+``cpu_head_major`` copies to ``[H, T, D]`` instead, which measured no faster). Consecutive
+requests with equal lengths run as one batched call. The kernel's ``is_causal`` is top-left
+aligned and it gives LSE 0 to rows that see no key, so:
+
+- rows that see no key (``q_len > kv_len`` under the bottom-right causal mask, or no keys at
+  all) are never handed to the kernel; they get out 0 and LSE ``-inf``;
+- a short causal call (at most ``cpu_chunked_causal_max`` query rows, or any call with more
+  keys than queries up to that size) runs as chunks of ``cpu_causal_chunk`` query rows, each
+  over the keys it can see with a small bottom-right additive mask: the kernel skips no work
+  inside a 512-key block, so one ``is_causal`` call would do the full square;
+- a long causal call runs as one ``is_causal`` call over the square part, merged by LSE with
+  a non-causal call over the extra leading keys when ``kv_len > q_len``.
+
+Measured limits of this kernel on a 2-core AVX512 machine (see docs/gpu-results.md and the
+benchmark): the zero-padded v costs 1/6 of the FLOPs (192 instead of 128 columns in P @ V),
+a long causal call does ~12% extra work (kv blocks of 512), and 32/64-row query blocks of
+short calls run well below the kernel's large-block rate.
+
+**CUDA**: torch's varlen flash kernel (``aten::_flash_attention_forward``, v padded to the
+q/k head dim, fp16/bf16, head dim <= 256), else the varlen memory-efficient kernel
+(``aten::_efficient_attention_forward``, bottom-right causal mask type), else a per-request
+float32 matmul-softmax-matmul. Not run on a GPU in this project's CI; see docs/gpu-results.md.
+
+No path syncs with the device per request: lengths come from the host copies of the
+``cu_seqlens`` read once in ``prepare_metadata``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.merge import merge_attn_states
+
+if TYPE_CHECKING:
+    from app.config import EngineConfig
+
+__all__ = ["TorchSDPABackend", "cpu_compute_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_NEG_INF = float("-inf")
+_MASK_CACHE_SIZE = 256
+
+
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    from app.platforms.cpu import CpuPlatform
+
+    return CpuPlatform().has_fast_bfloat16()
+
+
+def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU kernel computes in for ``dtype`` inputs: bf16 only where the CPU has
+    fast bf16 matmuls (AMX / AVX512-BF16), float32 otherwise (and always for fp16)."""
+    if dtype == torch.bfloat16 and _cpu_has_fast_bf16():
+        return torch.bfloat16
+    if dtype == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
+def _batch_view(x: torch.Tensor, start: int, count: int, length: int, head_major: bool
+                ) -> torch.Tensor:
+    """Rows ``[start, start + count * length)`` of ``x`` as ``[count, H, length, D]``."""
+    if head_major:  # x is [H, T, D]
+        heads, _, dim = x.shape
+        return x[:, start:start + count * length].view(heads, count, length, dim).transpose(0, 1)
+    _, heads, dim = x.shape  # x is [T, H, D]
+    return x[start:start + count * length].view(count, length, heads, dim).transpose(1, 2)
+
+
+class TorchSDPABackend(RaggedKernelBackend):
+    """Torch's fused attention kernels: the CPU default and the GPU fallback."""
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float16, torch.bfloat16, torch.float32)
+    supports_out: ClassVar[bool] = True
+    requires_device_capability: ClassVar[bool] = False
+    requires_cuda: ClassVar[bool] = False
+    needs_lse_buffer: ClassVar[bool] = True
+
+    #: Query rows per chunk of a short causal call on CPU (0: never chunk). Measured on a
+    #: 2-core AVX512 machine: 64..256 are within noise on 4 x 512; 256 keeps the kernel's
+    #: 64-row query blocks (shorter calls get 32-row blocks, which pack K more often).
+    cpu_causal_chunk: ClassVar[int] = 256
+    #: Causal calls with at most this many query rows (after dropping rows that see no key)
+    #: run in chunks on CPU; longer ones run as one ``is_causal`` call (from 768 rows the
+    #: kernel uses 256-row query blocks, and one call wins: 1 x 2048 is ~20% faster).
+    cpu_chunked_causal_max: ClassVar[int] = 768
+    #: Copy q/k/v into a head-major ``[H, T, D]`` layout on CPU (every (request, head) block
+    #: contiguous) instead of handing the kernel strided views of ``[T, H, D]``.
+    cpu_head_major: ClassVar[bool] = False
+    #: Largest zero-padded v buffer (bytes) kept between calls (its padding stays zero).
+    cpu_v_buffer_max_bytes: ClassVar[int] = 256 << 20
+
+    @staticmethod
+    def get_name() -> str:
+        """``"TORCH_SDPA"``."""
+        return "TORCH_SDPA"
+
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None
+                 ) -> None:
+        super().__init__(num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                         v_head_dim, config)
+        self._masks: OrderedDict[tuple[int, int, int, torch.dtype], torch.Tensor] = OrderedDict()
+        self._v_buffer: torch.Tensor | None = None
+        self._cuda_flash_failed = False
+        self._cuda_efficient_failed = False
+
+    def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
+                ) -> None:
+        if lse is None:  # pragma: no cover - needs_lse_buffer
+            raise RuntimeError("TORCH_SDPA needs an LSE buffer")
+        if q.device.type == "cpu":
+            self._run_cpu(layout, q, k, v, causal, out, lse)
+        elif q.device.type == "cuda":
+            self._run_cuda(layout, q, k, v, causal, out, lse)
+        else:
+            self._run_dense(layout, q, k, v, causal, out, lse)
+
+    # -- CPU ------------------------------------------------------------------------------
+
+    def _mask(self, rows: int, keys: int, diagonal: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``[rows, keys]`` mask: row r sees keys ``j <= diagonal + r``."""
+        key = (rows, keys, diagonal, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            hidden = torch.ones(rows, keys, dtype=torch.bool).triu(diagonal + 1)
+            mask = torch.zeros(rows, keys, dtype=dtype).masked_fill_(hidden, _NEG_INF)
+            self._masks[key] = mask
+            if len(self._masks) > _MASK_CACHE_SIZE:
+                self._masks.popitem(last=False)
+        else:
+            self._masks.move_to_end(key)
+        return mask
+
+    def _padded_v(self, v: torch.Tensor, dtype: torch.dtype, width: int, head_major: bool
+                  ) -> torch.Tensor:
+        """``v`` zero-padded to ``width`` in ``dtype``; the buffer is kept (and its padding
+        left zero) between calls when small enough, so a call only copies ``v`` in."""
+        tokens, heads, dim = v.shape
+        shape = (heads, tokens, width) if head_major else (tokens, heads, width)
+        buf = self._v_buffer
+        keep = tokens * heads * width * torch.empty((), dtype=dtype).element_size() \
+            <= self.cpu_v_buffer_max_bytes
+        axis = 1 if head_major else 0
+        if (buf is None or not keep or buf.dtype != dtype or buf.shape[axis] < tokens
+                or buf.shape[1 - axis] != shape[1 - axis] or buf.shape[2] != width):
+            buf = torch.zeros(shape, dtype=dtype)
+            self._v_buffer = buf if keep else None
+        buf = buf[:, :tokens] if head_major else buf[:tokens]
+        buf[..., :dim].copy_(v.transpose(0, 1) if head_major else v)
+        return buf
+
+    def _run_cpu(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 causal: bool, result: torch.Tensor, lse: torch.Tensor) -> None:
+        dtype = cpu_compute_dtype(q.dtype)
+        width = max(self.qk_head_dim, self.v_head_dim)
+        head_major = self.cpu_head_major
+        qk = []
+        for x in (q, k):
+            if head_major or x.shape[-1] < width:
+                buf = torch.empty((x.shape[1], x.shape[0], width) if head_major
+                                  else (x.shape[0], x.shape[1], width), dtype=dtype)
+                buf[..., x.shape[-1]:].zero_()
+                buf[..., :x.shape[-1]].copy_(x.transpose(0, 1) if head_major else x)
+                qk.append(buf)
+            else:
+                x = x.to(dtype)
+                qk.append(x if x.stride(-1) == 1 else x.contiguous())
+        vx = self._padded_v(v, dtype, width, head_major)
+        for q0, k0, count, q_len, kv_len in layout.runs():
+            if q_len:
+                self._cpu_run(
+                    _batch_view(qk[0], q0, count, q_len, head_major),
+                    _batch_view(qk[1], k0, count, kv_len, head_major),
+                    _batch_view(vx, k0, count, kv_len, head_major),
+                    result, lse, q0, count, q_len, kv_len, causal)
+
+    def _cpu_run(self, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                 result: torch.Tensor, lse: torch.Tensor, q0: int, count: int, q_len: int,
+                 kv_len: int, causal: bool) -> None:
+        """One dense batch of ``count`` requests with equal lengths (``[n, H, L, D]`` views)."""
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        heads, dv, scale = self.num_heads, self.v_head_dim, self.scale
+        width = qb.shape[-1]
+        res = result[q0:q0 + count * q_len].view(count, q_len, heads, dv)
+        lse_v = lse[:, q0:q0 + count * q_len].view(heads, count, q_len)
+
+        def emit(start: int, stop: int, o: torch.Tensor, lg: torch.Tensor) -> None:
+            res[:, start:stop].copy_(o[..., :dv].transpose(1, 2))
+            lse_v[:, :, start:stop].copy_(lg.transpose(0, 1))
+
+        dead = q_len if kv_len == 0 else (max(0, q_len - kv_len) if causal else 0)
+        if dead:
+            res[:, :dead].zero_()
+            lse_v[:, :, :dead].fill_(_NEG_INF)
+        if dead == q_len:
+            return
+        if not causal:
+            o, lg = op(qb, kb, vb, 0.0, False, scale=scale)
+            emit(0, q_len, o, lg)
+            return
+        rows = q_len - dead          # rows [dead, q_len) form a causal square ...
+        extra = kv_len - rows        # ... over keys [extra, kv_len), after `extra` visible keys
+        chunk = self.cpu_causal_chunk
+        if chunk > 0 and rows <= self.cpu_chunked_causal_max and (extra or rows > chunk):
+            for a in range(0, rows, chunk):
+                b = min(rows, a + chunk)
+                keys = extra + b
+                mask = self._mask(b - a, keys, extra + a, qb.dtype)
+                o, lg = op(qb[:, :, dead + a:dead + b], kb[:, :, :keys], vb[:, :, :keys], 0.0,
+                           False, attn_mask=mask, scale=scale)
+                emit(dead + a, dead + b, o, lg)
+            return
+        qs = qb[:, :, dead:]
+        o, lg = op(qs, kb[:, :, extra:], vb[:, :, extra:], 0.0, True, scale=scale)
+        if extra:
+            o2, lg2 = op(qs, kb[:, :, :extra], vb[:, :, :extra], 0.0, False, scale=scale)
+            # Kernel outputs are [n, H, rows, D] views of [n, rows, H, D] memory.
+            flat = (count * rows, heads, width)
+            merged, lse_m = merge_attn_states(
+                o.transpose(1, 2).reshape(flat), lg.permute(1, 0, 2).reshape(heads, -1),
+                o2.transpose(1, 2).reshape(flat), lg2.permute(1, 0, 2).reshape(heads, -1),
+                use_flashinfer=False)
+            o = merged.view(count, rows, heads, width).transpose(1, 2)
+            lg = lse_m.view(heads, count, rows).transpose(0, 1)
+        emit(dead, q_len, o, lg)
+
+    # -- generic per-request fallback -----------------------------------------------------
+
+    def _run_dense(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
+                   ) -> None:
+        """Per-request float32 matmul-softmax-matmul (lengths from the host layout)."""
+        for qs, ks, q_len, kv_len in zip(layout.q_starts, layout.kv_starts, layout.q_lens,
+                                         layout.kv_lens, strict=True):
+            if q_len == 0:
+                continue
+            if kv_len == 0:
+                result[qs:qs + q_len].zero_()
+                lse[:, qs:qs + q_len].fill_(_NEG_INF)
+                continue
+            qb = q[qs:qs + q_len].float().transpose(0, 1)
+            kb = k[ks:ks + kv_len].float().transpose(0, 1)
+            vb = v[ks:ks + kv_len].float().transpose(0, 1)
+            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(self.scale)
+            if causal:
+                hidden = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).triu(
+                    kv_len - q_len + 1)
+                scores.masked_fill_(hidden, _NEG_INF)
+            lg = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lg.unsqueeze(-1)).nan_to_num_(nan=0.0)
+            result[qs:qs + q_len].copy_(torch.matmul(probs, vb).transpose(0, 1))
+            lse[:, qs:qs + q_len].copy_(lg)
+
+    # -- CUDA -----------------------------------------------------------------------------
+
+    def _run_cuda(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
+                  ) -> None:
+        dqk, dv = self.qk_head_dim, self.v_head_dim
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+        done = False
+        major, _ = torch.cuda.get_device_capability(q.device)
+        if (not self._cuda_flash_failed and major >= 8 and dv <= dqk <= 256 and dqk % 8 == 0
+                and q.dtype in (torch.float16, torch.bfloat16)):
+            vp = v if dv == dqk else torch.nn.functional.pad(v, (0, dqk - dv))
+            try:
+                o, lg, *_ = torch.ops.aten._flash_attention_forward(
+                    q, k, vp, layout.cu_q, layout.cu_kv, layout.max_q, layout.max_kv, 0.0,
+                    causal, False, scale=self.scale)
+                result.copy_(o[..., :dv])
+                self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+                done = True
+            except RuntimeError as exc:
+                self._cuda_flash_failed = True
+                logger.warning("TORCH_SDPA: torch's flash kernel failed (%s); using the "
+                               "memory-efficient kernel", exc)
+        if not done and not self._cuda_efficient_failed:
+            try:
+                o, lg, *_ = torch.ops.aten._efficient_attention_forward(
+                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, layout.cu_q,
+                    layout.cu_kv, layout.max_q, layout.max_kv, 0.0, 2 if causal else 0, True,
+                    scale=self.scale)
+                result.copy_(o[0])
+                self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+                done = True
+            except RuntimeError as exc:
+                self._cuda_efficient_failed = True
+                logger.warning("TORCH_SDPA: torch's memory-efficient kernel failed (%s); "
+                               "using per-request matmul-softmax-matmul", exc)
+        if not done:
+            self._run_dense(layout, q, k, v, causal, result, lse)

@@ -1,0 +1,404 @@
+"""``python -m app bench prefill``: MLA prefill backends on ragged batches, with targets.
+
+Every backend valid on this device (``validate_configuration``) runs each case; beside it, in
+the same run and interleaved with it, a dense float32 matmul-softmax-matmul per request (the
+algorithm of vLLM's CPU backend; heads in groups so a score matrix stays <= 256 MiB) and this
+machine's float32 matmul rate (``torch.mm`` 2048^3, best of the measurements at the start and
+the end). Per case: ms per call (best and median), GFLOP/s and the ratio to the matmul rate.
+The baseline always computes the LSE, so it is timed once per shape (on the LSE case) and the
+no-LSE row of that shape is compared with it (``baseline_from``).
+
+FLOPs: ``2 * (P + R + V) * H * sum(q_len * kv_len)``, halved for causal cases. GFLOP/s and the
+targets use the best time of the repeats (the machine may be shared); medians are reported too.
+
+Default cases (16 heads, q/k 192 = 128 + 64, v 128, bf16 and fp32): ``4x512`` causal with and
+without LSE, ``1x4096`` causal with and without LSE, ``ctx 4x512+2048`` (each request's 512 new
+tokens over a 2048-token context chunk, non-causal, LSE). ``--quick`` shrinks everything for
+tests. Targets (issue 4, CPU): TORCH_SDPA >= 3x the dense baseline's throughput on 4x512 with
+LSE, and >= 0.75 of the matmul rate on 1x4096 causal; their pass/fail is in ``targets`` (a
+missed target does not make the command fail; ``ok`` is False only when something errored).
+On CUDA, ``wrapper_overhead`` compares each backend's full call with its bare kernel launch
+(``_launch`` on pre-allocated buffers) on 1x4096.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform as _pyplatform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from app._imports import import_object
+from app._types import DeviceCapability, MLADimensions
+from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
+
+HELP = "MLA prefill backends on ragged batches: ms, GFLOP/s, ratio to the fp32 matmul rate"
+
+#: Targets from the issue (CPU): speed-up over the dense baseline, fraction of the matmul rate.
+TARGET_SPEEDUP_4X512 = 3.0
+TARGET_MATMUL_FRACTION_4096 = 0.75
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DIMS = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
+@attrs.frozen
+class Case:
+    """One benchmark case: new-token lengths, an optional context chunk, LSE or not."""
+
+    name: str
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...] | None = None
+    lse: bool = True
+
+    @property
+    def causal(self) -> bool:
+        """New tokens are causal; a context chunk is not."""
+        return self.context_lens is None
+
+    def flops(self, heads: int, dims: MLADimensions) -> float:
+        """``2 * (P+R+V) * H * sum(q*kv)``, halved when causal."""
+        kv = self.context_lens or self.query_lens
+        pairs = sum(q * k for q, k in zip(self.query_lens, kv, strict=True))
+        total = 2.0 * (dims.qk_head_dim + dims.v_head_dim) * heads * pairs
+        return total / 2 if self.causal else total
+
+
+def default_cases(quick: bool) -> list[Case]:
+    """The issue's cases, or small ones with ``quick``."""
+    if quick:
+        return [Case("2x128", (128, 128)), Case("2x128 no-lse", (128, 128), lse=False),
+                Case("1x256", (256,)), Case("ctx 2x64+128", (64, 64), (128, 128))]
+    return [Case("4x512", (512,) * 4), Case("4x512 no-lse", (512,) * 4, lse=False),
+            Case("1x4096", (4096,)), Case("1x4096 no-lse", (4096,), lse=False),
+            Case("ctx 4x512+2048", (512,) * 4, (2048,) * 4)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quick``, ``--device``, ``--dtypes``, ``--backends``, ``--repeat``, ``--heads``."""
+    parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
+    parser.add_argument("--backends", default="valid",
+                        help="comma list of backend names, or 'valid' (every valid built-in)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed calls per case (default 5, 3 for >= 4k tokens, 2 quick)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the dense matmul-softmax-matmul baseline")
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
+                repeat: int = 10) -> float:
+    """Best ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = _sync(device)
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.mm(a, b)
+        best = math.inf
+        for _ in range(repeat):
+            sync()
+            start = time.perf_counter()
+            torch.mm(a, b)
+            sync()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return 2.0 * n ** 3 / best / 1e9
+
+
+def dense_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int],
+                   cu_kv: list[int], causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request: float32 ``softmax(q k^T * scale) v`` and the LSE, dense (full score
+    matrix, causal mask applied), heads in groups so one score matrix stays <= 256 MiB."""
+    tokens, heads, _ = q.shape
+    out = torch.empty(tokens, heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((heads, tokens), -math.inf, dtype=torch.float32, device=q.device)
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_kv[b], cu_kv[b + 1]
+        if qe == qs or ke == ks:
+            continue
+        qb = q[qs:qe].float().transpose(0, 1)
+        kb = k[ks:ke].float().transpose(0, 1)
+        vb = v[ks:ke].float().transpose(0, 1)
+        group = max(1, min(heads, (256 << 20) // (4 * (qe - qs) * (ke - ks))))
+        mask = (torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device)
+                .triu(ke - ks - (qe - qs) + 1) if causal else None)
+        for h in range(0, heads, group):
+            s = torch.matmul(qb[h:h + group], kb[h:h + group].transpose(1, 2)).mul_(scale)
+            if mask is not None:
+                s.masked_fill_(mask, -math.inf)
+            lg = torch.logsumexp(s, dim=-1)
+            p = s.sub_(lg.unsqueeze(-1)).exp_()
+            out[qs:qe, h:h + group] = torch.matmul(p, vb[h:h + group]).transpose(0, 1)
+            lse[h:h + group, qs:qe] = lg
+    return out, lse
+
+
+def _backend_classes(names: str, device: torch.device, dtype: torch.dtype
+                     ) -> tuple[list[type[MLAPrefillBackend]], dict[str, list[str]]]:
+    from app.containers import BUILTIN_MLA_PREFILL_BACKENDS
+
+    wanted = list(BUILTIN_MLA_PREFILL_BACKENDS) if names == "valid" else [
+        n.strip().upper() for n in names.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - set(BUILTIN_MLA_PREFILL_BACKENDS))
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; known: "
+                         f"{sorted(BUILTIN_MLA_PREFILL_BACKENDS)}")
+    cap = None
+    if device.type == "cuda":
+        cap = DeviceCapability(*torch.cuda.get_device_capability(device))
+    valid, skipped = [], {}
+    for name in wanted:
+        try:
+            cls: type[MLAPrefillBackend] = import_object(BUILTIN_MLA_PREFILL_BACKENDS[name])
+        except ImportError as exc:
+            skipped[name] = [f"ImportError: {exc}"]
+            continue
+        reasons = cls.validate_configuration(cap, MLAPrefillSelectorConfig(
+            dtype=dtype, mla_dimensions=_DIMS))
+        if reasons:
+            skipped[name] = reasons
+        else:
+            valid.append(cls)
+    return valid, skipped
+
+
+def _inputs(case: Case, heads: int, dtype: torch.dtype, device: torch.device
+            ) -> tuple[MLAPrefillMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunks = [list(case.context_lens)] if case.context_lens is not None else []
+    md = MLAPrefillMetadata.build(list(case.query_lens), chunks, device=device)
+    kv_tokens = md.context_chunks[0].total_kv if chunks else md.total_q
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(md.total_q, heads, _DIMS.qk_head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(kv_tokens, heads, _DIMS.qk_head_dim, generator=gen).to(device, dtype)
+    # v as the model produces it: a view of the up-projection's [T, H, nope + v] output.
+    kv = torch.randn(kv_tokens, heads, _DIMS.qk_nope_head_dim + _DIMS.v_head_dim,
+                     generator=gen).to(device, dtype)
+    return md, q, k, kv[..., _DIMS.qk_nope_head_dim:]
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    return {"ms": round(min(samples) * 1e3, 3),
+            "ms_median": round(statistics.median(samples) * 1e3, 3)}
+
+
+def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
+              device: torch.device, heads: int, repeat: int, baseline: bool, mm: float
+              ) -> dict[str, Any]:
+    md, q, k, v = _inputs(case, heads, dtype, device)
+    backend = cls(num_heads=heads, scale=1 / math.sqrt(_DIMS.qk_head_dim), kv_lora_rank=512,
+                  qk_nope_head_dim=_DIMS.qk_nope_head_dim,
+                  qk_rope_head_dim=_DIMS.qk_rope_head_dim, v_head_dim=_DIMS.v_head_dim)
+    backend.prepare_metadata(md)
+    if case.causal:
+        def call() -> object:
+            return backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=case.lse)
+    else:
+        def call() -> object:
+            return backend.run_prefill_context_chunk(0, q, k, v)
+    cu_q = md.cu_seqlens_q_cpu.tolist()
+    cu_kv = (md.context_chunks[0].cu_seqlens_kv_cpu if not case.causal
+             else md.cu_seqlens_kv_new_cpu).tolist()
+
+    def base() -> object:
+        return dense_baseline(q, k, v, cu_q, cu_kv, case.causal, backend.scale)
+
+    sync = _sync(device)
+    timed: dict[str, list[float]] = {"backend": [], "baseline": []}
+    fns: dict[str, Callable[[], object]] = {"backend": call}
+    if baseline:
+        fns["baseline"] = base
+    for fn in fns.values():  # warm-up
+        fn()
+    for _ in range(repeat):  # interleaved, so drift on a shared machine hits both alike
+        for key, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            timed[key].append(time.perf_counter() - start)
+    flops = case.flops(heads, _DIMS)
+    row: dict[str, Any] = {"backend": cls.get_name(), "case": case.name,
+                           "dtype": str(dtype).removeprefix("torch."), "causal": case.causal,
+                           "lse": case.lse, "tokens": md.total_q, "gflop": round(flops / 1e9, 3),
+                           **_stats(timed["backend"])}
+    row["gflops"] = round(flops / min(timed["backend"]) / 1e9, 1)
+    row["ratio_to_matmul"] = round(row["gflops"] / mm, 3)
+    if baseline:
+        row["baseline_ms"] = _stats(timed["baseline"])["ms"]
+        row["baseline_ms_median"] = _stats(timed["baseline"])["ms_median"]
+        row["baseline_gflops"] = round(flops / min(timed["baseline"]) / 1e9, 1)
+        row["speedup_vs_baseline"] = round(min(timed["baseline"]) / min(timed["backend"]), 2)
+    return row
+
+
+def _wrapper_overhead(cls: type[MLAPrefillBackend], dtype: torch.dtype, device: torch.device,
+                      heads: int, repeat: int) -> dict[str, Any]:
+    """CUDA only: full backend call vs its bare ``_launch`` on pre-allocated buffers."""
+    case = Case("1x4096", (4096,))
+    md, q, k, v = _inputs(case, heads, dtype, device)
+    backend: Any = cls(num_heads=heads, scale=1 / math.sqrt(_DIMS.qk_head_dim),
+                       kv_lora_rank=512, qk_nope_head_dim=_DIMS.qk_nope_head_dim,
+                       qk_rope_head_dim=_DIMS.qk_rope_head_dim, v_head_dim=_DIMS.v_head_dim)
+    backend.prepare_metadata(md)
+    if not hasattr(backend, "_launch"):
+        return {"error": "no _launch to compare with"}
+    layout = backend._step().new_tokens
+    out = torch.empty(md.total_q, heads, _DIMS.v_head_dim, dtype=dtype, device=device)
+    lse = torch.empty(heads, md.total_q, dtype=torch.float32, device=device)
+    sync = _sync(device)
+    fns: dict[str, Callable[[], object]] = {
+        "call": lambda: backend.run_prefill_new_tokens(q, k, v, True),
+        "launch": lambda: backend._launch(-1, layout, q, k, v, True, out, lse)}
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(max(repeat, 10)):
+        for key, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[key].append(time.perf_counter() - start)
+    call, launch = min(times["call"]), min(times["launch"])
+    return {"backend": cls.get_name(), "dtype": str(dtype).removeprefix("torch."),
+            "call_ms": round(call * 1e3, 4), "launch_ms": round(launch * 1e3, 4),
+            "overhead": round(call / launch - 1.0, 4), "target": 0.03,
+            "pass": call / launch - 1.0 <= 0.03}
+
+
+def _share_baselines(rows: list[dict[str, Any]]) -> None:
+    """Give each no-LSE row the baseline timed on the same shape's LSE row."""
+    timed = {(r["backend"], r["dtype"], r["gflop"], r["causal"]): r for r in rows
+             if "baseline_ms" in r and r["lse"]}
+    for row in rows:
+        source = timed.get((row["backend"], row["dtype"], row["gflop"], row["causal"]))
+        if row["lse"] or "baseline_ms" in row or source is None:
+            continue
+        for key in ("baseline_ms", "baseline_ms_median", "baseline_gflops"):
+            row[key] = source[key]
+        row["speedup_vs_baseline"] = round(source["baseline_ms"] / row["ms"], 2)
+        row["baseline_from"] = source["case"]
+
+
+def _targets(rows: list[dict[str, Any]], mm: float) -> list[dict[str, Any]]:
+    targets = []
+    for row in rows:
+        if row["backend"] != "TORCH_SDPA":
+            continue
+        if row["case"] == "4x512" and "speedup_vs_baseline" in row:
+            targets.append({"name": "TORCH_SDPA 4x512 causal+LSE vs dense fp32 baseline",
+                            "dtype": row["dtype"], "value": row["speedup_vs_baseline"],
+                            "target": TARGET_SPEEDUP_4X512,
+                            "pass": row["speedup_vs_baseline"] >= TARGET_SPEEDUP_4X512})
+        if row["case"] == "1x4096":
+            targets.append({"name": "TORCH_SDPA 1x4096 causal, fraction of the fp32 matmul rate",
+                            "dtype": row["dtype"], "value": row["ratio_to_matmul"],
+                            "target": TARGET_MATMUL_FRACTION_4096,
+                            "pass": row["ratio_to_matmul"] >= TARGET_MATMUL_FRACTION_4096})
+    return targets
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON result."""
+    started = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtypes = []
+    for name in str(args.dtypes).split(","):
+        if name.strip() not in _DTYPES:
+            raise ValueError(f"--dtypes: unknown {name!r}; allowed: {sorted(_DTYPES)}")
+        dtypes.append(_DTYPES[name.strip()])
+    if args.heads < 1:
+        raise ValueError(f"--heads must be >= 1, got {args.heads}")
+    cases = default_cases(args.quick)
+    mm_runs = [matmul_rate(device, repeat=3 if args.quick else 10)]
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, dict[str, list[str]]] = {}
+    overhead: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for dtype in dtypes:
+        classes, skip = _backend_classes(args.backends, device, dtype)
+        skipped[str(dtype).removeprefix("torch.")] = skip
+        for cls in classes:
+            for case in cases:
+                big = sum(case.query_lens) >= 4096
+                repeat = args.repeat or (2 if args.quick else (3 if big else 5))
+                # The baseline always computes the LSE: time it once per shape (LSE case).
+                try:
+                    rows.append(_run_case(cls, case, dtype, device, args.heads, repeat,
+                                          case.lse and not args.no_baseline, mm_runs[0]))
+                except (RuntimeError, ValueError) as exc:
+                    errors.append(f"{cls.get_name()} {case.name} {dtype}: {exc}")
+            _share_baselines(rows)
+            if device.type == "cuda" and not args.quick:
+                try:
+                    overhead.append(_wrapper_overhead(cls, dtype, device, args.heads,
+                                                      args.repeat or 10))
+                except (RuntimeError, ValueError) as exc:
+                    errors.append(f"{cls.get_name()} overhead {dtype}: {exc}")
+    mm_runs.append(matmul_rate(device, repeat=3 if args.quick else 10))
+    mm = max(mm_runs)
+    for row in rows:  # ratios against the best matmul rate of the run
+        row["ratio_to_matmul"] = round(row["gflops"] / mm, 3)
+    targets = _targets(rows, mm) if device.type == "cpu" else []
+    result: dict[str, Any] = {
+        "benchmark": "prefill", "device": str(device), "device_name": _device_name(device),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "python": _pyplatform.python_version(), "quick": bool(args.quick),
+        "heads": args.heads, "qk_head_dim": _DIMS.qk_head_dim, "v_head_dim": _DIMS.v_head_dim,
+        "matmul_fp32_gflops": round(mm, 1), "matmul_fp32_gflops_runs": [round(x, 1)
+                                                                        for x in mm_runs],
+        "results": rows, "skipped_backends": skipped, "targets": targets,
+        "targets_met": all(t["pass"] for t in targets) if targets else None,
+        "wrapper_overhead": overhead, "errors": errors, "ok": not errors,
+        "elapsed_s": round(time.perf_counter() - started, 1)}
+    return result
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_pyplatform.processor() or _pyplatform.machine()} (torch CPU capability " \
+           f"{torch.backends.cpu.get_cpu_capability()})"
+
+
+def render(result: dict[str, Any]) -> str:
+    """A readable table of the results and the targets."""
+    lines = [f"prefill benchmark on {result['device']} ({result['device_name']}), torch "
+             f"{result['torch']}, {result['threads']} threads; fp32 matmul "
+             f"{result['matmul_fp32_gflops']} GFLOP/s (runs {result['matmul_fp32_gflops_runs']})",
+             f"{'backend':14s} {'case':16s} {'dtype':9s} {'ms':>9s} {'median':>9s} "
+             f"{'GFLOP/s':>8s} {'x matmul':>8s} {'dense ms':>9s} {'speed-up':>8s}"]
+    for r in result["results"]:
+        lines.append(f"{r['backend']:14s} {r['case']:16s} {r['dtype']:9s} {r['ms']:9.2f} "
+                     f"{r['ms_median']:9.2f} {r['gflops']:8.1f} {r['ratio_to_matmul']:8.3f} "
+                     f"{r.get('baseline_ms', float('nan')):9.2f} "
+                     f"{r.get('speedup_vs_baseline', float('nan')):8.2f}")
+    for t in result["targets"]:
+        lines.append(f"target: {t['name']} ({t['dtype']}): {t['value']} vs >= {t['target']}: "
+                     f"{'pass' if t['pass'] else 'MISS'}")
+    for o in result["wrapper_overhead"]:
+        lines.append(f"wrapper overhead {o}")
+    for dtype, skip in result["skipped_backends"].items():
+        for name, reasons in skip.items():
+            lines.append(f"not run ({dtype}): {name}: {'; '.join(reasons)}")
+    for e in result["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""``python -m app bench prefill --quick``: the JSON it prints and its baseline's correctness."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from app.bench import prefill
+from app.cli import main
+from app.testing import reference_attention
+
+
+def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--json", "prefill", "--quick", "--dtypes", "fp32"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["ok"] is True and result["errors"] == []
+    assert result["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert result["matmul_fp32_gflops"] > 0
+    rows = [r for r in result["results"] if r["backend"] == "TORCH_SDPA"]
+    assert {r["case"] for r in rows} == {c.name for c in prefill.default_cases(quick=True)}
+    for row in rows:
+        assert row["ms"] > 0 and row["gflops"] > 0 and row["baseline_ms"] > 0
+        assert row["ratio_to_matmul"] == pytest.approx(
+            row["gflops"] / result["matmul_fp32_gflops"], abs=2e-3)
+    assert result["targets"] == []  # the issue's targets are on the full-size cases only
+
+
+def test_readable_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "prefill", "--quick", "--dtypes", "bf16", "--no-baseline",
+                 "--backends", "TORCH_SDPA"]) == 0
+    text = capsys.readouterr().out
+    assert "TORCH_SDPA" in text and "GFLOP/s" in text
+
+
+def test_bad_arguments() -> None:
+    assert main(["bench", "prefill", "--quick", "--dtypes", "int8"]) == 2
+    assert main(["bench", "prefill", "--quick", "--backends", "NOPE"]) == 2
+
+
+def test_flop_count_and_targets() -> None:
+    case = prefill.Case("1x4096", (4096,))
+    dims = prefill._DIMS
+    assert case.flops(16, dims) == 2 * 320 * 16 * 4096 * 4096 / 2
+    ctx = prefill.Case("ctx", (512,), (2048,))
+    assert ctx.flops(16, dims) == 2 * 320 * 16 * 512 * 2048
+    rows = [{"backend": "TORCH_SDPA", "case": "4x512", "dtype": "float32",
+             "speedup_vs_baseline": 3.2, "ratio_to_matmul": 0.3},
+            {"backend": "TORCH_SDPA", "case": "1x4096", "dtype": "float32",
+             "ratio_to_matmul": 0.6}]
+    targets = prefill._targets(rows, 300.0)
+    assert [t["pass"] for t in targets] == [True, False]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_baseline_is_correct(causal: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 5, 17]
+    q = torch.randn(17, 4, 192, generator=gen)
+    k = torch.randn(17, 4, 192, generator=gen)
+    v = torch.randn(17, 4, 128, generator=gen)
+    out, lse = prefill.dense_baseline(q, k, v, cu, cu, causal, 1 / math.sqrt(192))
+    ref_out, ref_lse = reference_attention(q, k, v, cu, cu, causal, 1 / math.sqrt(192))
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
