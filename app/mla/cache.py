@@ -1,0 +1,109 @@
+"""The paged latent KV cache of one MLA layer group.
+
+Storage is one tensor ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``: one latent
+vector (``kv_c`` then ``k_pe``) per token, as ``MLAAttentionSpec`` pages it. Which block holds
+which request's tokens is decided by the ``KVCacheManager``; this class only moves data: it
+writes new tokens into their slots and gathers a request's cached context by its block table.
+
+A *slot* is ``block_id * block_size + offset``; token ``i`` of a request lives in slot
+``block_table[i // block_size] * block_size + i % block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PagedLatentCache", "slot_indices"]
+
+
+def slot_indices(block_table: torch.Tensor, start: int, end: int, block_size: int
+                 ) -> torch.Tensor:
+    """Slots of tokens ``start:end`` of a request whose blocks are ``block_table`` (int64, on
+    the cache's device). Raises ``ValueError`` when the table is too short for ``end``."""
+    if not 0 <= start <= end:
+        raise ValueError(f"slot_indices: need 0 <= start <= end, got {start}, {end}")
+    needed = -(-end // block_size)
+    if needed > block_table.numel():
+        raise ValueError(f"slot_indices: tokens up to {end} need {needed} blocks of "
+                         f"{block_size}, the block table has {block_table.numel()}")
+    pos = torch.arange(start, end, dtype=torch.int64, device=block_table.device)
+    return block_table.index_select(0, pos // block_size) * block_size + pos % block_size
+
+
+class PagedLatentCache:
+    """``[num_blocks, block_size, latent_dim]`` latent storage with slot writes and gathers."""
+
+    def __init__(self, num_blocks: int, block_size: int, latent_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        for name, value, minimum in (("num_blocks", num_blocks, 1),
+                                     ("block_size", block_size, 1),
+                                     ("latent_dim", latent_dim, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"PagedLatentCache: {name} must be an int >= {minimum}, "
+                                 f"got {value!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.latent_dim = latent_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.data = torch.zeros(num_blocks, block_size, latent_dim, dtype=dtype,
+                                device=self.device)
+        self._flat = self.data.view(num_blocks * block_size, latent_dim)
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens the storage holds: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage tensor."""
+        return self.data.numel() * self.data.element_size()
+
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        if slots.dtype != torch.int64 or slots.dim() != 1 or slots.device != self.device:
+            raise ValueError(f"PagedLatentCache: slots must be a 1-D int64 tensor on "
+                             f"{self.device}, got {slots.dtype} {tuple(slots.shape)} on "
+                             f"{slots.device}")
+
+    def write(self, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """Store ``latent [T, latent_dim]`` (cast to the cache dtype) at ``slots [T]``."""
+        self._check_slots(slots)
+        if latent.dim() != 2 or latent.shape[1] != self.latent_dim or \
+                latent.shape[0] != slots.shape[0]:
+            raise ValueError(f"PagedLatentCache.write: expected latent [{slots.shape[0]}, "
+                             f"{self.latent_dim}], got {list(latent.shape)}")
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self.num_slots:
+                raise ValueError(f"PagedLatentCache.write: slots must be in [0, "
+                                 f"{self.num_slots}), got [{lo}, {hi}]")
+        self._flat.index_copy_(0, slots, latent.to(self.dtype))
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The latent vectors at ``slots [N]``: ``[N, latent_dim]`` (into ``out[:N]`` if given).
+
+        Slots come from ``slot_indices`` over block tables the manager handed out, so they are
+        in range by construction; ``index_select`` still refuses an out-of-range index.
+        """
+        self._check_slots(slots)
+        if out is None:
+            return self._flat.index_select(0, slots)
+        n = slots.shape[0]
+        if out.dim() != 2 or out.shape[0] < n or out.shape[1] != self.latent_dim \
+                or out.dtype != self.dtype:
+            raise ValueError(f"PagedLatentCache.gather: out must be [>= {n}, "
+                             f"{self.latent_dim}] {self.dtype}, got {list(out.shape)} "
+                             f"{out.dtype}")
+        return torch.index_select(self._flat, 0, slots, out=out[:n])
+
+    def read_tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Tokens ``start:end`` of a request with blocks ``block_ids`` (for tests and checks)."""
+        table = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return self.gather(slot_indices(table, start, end, self.block_size))
+
+    def __repr__(self) -> str:
+        return (f"PagedLatentCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"latent_dim={self.latent_dim}, dtype={self.dtype})")

@@ -1,0 +1,163 @@
+"""``python -m app run`` and ``python -m app bench run`` on small sizes."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.cli import main
+from app.commands.run import ProgressBar
+from tests.mla.conftest import TINY
+
+SMALL = ["--num-requests", "4", "--min-len", "8", "--max-len", "72", "--step-tokens", "48",
+         "--num-blocks", "64", "--no-progress", "--no-malloc-tuning"]
+EXAMPLE = Path(__file__).parents[2] / "examples" / "deployment.toml"
+
+
+@pytest.fixture
+def tiny_deployment(tmp_path: Path) -> Path:
+    """A CPU deployment of a tiny layer (fast runs)."""
+    path = tmp_path / "tiny.toml"
+    path.write_text('[deployment]\nplatform = "cpu"\n[model]\ndtype = "float32"\n'
+                    + "".join(f"{k} = {v}\n" for k, v in TINY.items()))
+    return path
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> Any:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_run_small_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--json", *SMALL, "--dtype", "float32"]) == 0
+    result = _json(capsys)
+    assert result["ok"] is True and result["malloc_tuned"] is False
+    assert result["backend"]["chosen"] == "TORCH_SDPA"
+    why_not = result["backend"]["why_not_others"]
+    assert why_not.get("FLASHINFER")
+    check = result["check"]
+    assert check["passed"] is True and check["rows_checked"] == result["prefill_tokens"]
+    assert check["max_relative_error"] < 1e-4
+    kv = result["kv_cache"]
+    assert kv["leaked_blocks"] == 0
+    assert kv["groups"][0]["spec"] == "MLAAttentionSpec"
+    assert result["steps"] >= 2 and 0.0 <= result["prefix_cache_hit_rate"] < 1.0
+
+
+def test_run_text_summary_and_progress(capsys: pytest.CaptureFixture[str],
+                                      tiny_deployment: Path) -> None:
+    args = [a for a in SMALL if a != "--no-progress"]
+    assert main(["run", *args, "--chunk-tokens", "16", "--block-size", "8", "--deployment",
+                 str(tiny_deployment)]) == 0
+    captured = capsys.readouterr()
+    for label in ("platform", "backend", "not FLASHINFER", "kv group 0", "kv pool", "steps",
+                  "prefill", "prefix cache", "max error"):
+        assert label in captured.out
+    assert "PASS" in captured.out
+    assert "prefill [" in captured.err and "4/4" in captured.err
+
+
+def test_run_fails_when_the_error_exceeds_the_tolerance(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tiny_deployment: Path) -> None:
+    from app.mla import reference
+
+    monkeypatch.setitem(reference.REFERENCE_TOLERANCES, torch.float32, 0.0)
+    assert main(["run", "--json", *SMALL, "--deployment", str(tiny_deployment)]) == 1
+    result = _json(capsys)
+    assert result["ok"] is False and result["check"]["passed"] is False
+
+
+def test_run_refuses_a_request_that_can_never_fit(capsys: pytest.CaptureFixture[str],
+                                                  tiny_deployment: Path) -> None:
+    assert main(["run", *SMALL, "--min-len", "60", "--num-blocks", "4", "--deployment",
+                 str(tiny_deployment)]) == 2
+    err = capsys.readouterr().err
+    assert "can never run" in err and "cache.num_blocks" in err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--min-len", "100", "--max-len", "10"], "--min-len"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--backend", "NOPE"], "Unknown MLA prefill backend"),
+    (["--backend", "FLASHINFER"], "not valid for this configuration"),
+    (["--deployment", "/nonexistent/deploy.toml"], "deploy.toml"),
+])
+def test_run_usage_errors(capsys: pytest.CaptureFixture[str], extra: list[str],
+                          message: str, tiny_deployment: Path) -> None:
+    if "--deployment" not in extra:
+        extra = [*extra, "--deployment", str(tiny_deployment)]
+    assert main(["run", *SMALL, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_with_a_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--json", *SMALL, "--deployment", str(EXAMPLE)]) == 0
+    result = _json(capsys)
+    assert result["deployment"] == str(EXAMPLE)
+    assert result["model"]["dtype"] == "bfloat16"
+    assert result["kv_cache"]["pool"]["num_blocks"] == 64
+
+
+def test_run_deployment_without_the_deployment_module(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tiny_deployment: Path) -> None:
+    monkeypatch.setitem(sys.modules, "app.deployment", None)
+    assert main(["run", *SMALL, "--deployment", str(tiny_deployment)]) == 2
+    assert "--deployment needs app.deployment" in capsys.readouterr().err
+
+
+def test_progress_bar_plain_lines() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(20, "work", stream=stream)
+    for i in range(1, 21):
+        bar.update(i, "info")
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 11  # one line per 10%, from the first update on
+    assert lines[-1].startswith("work [" + "#" * 30 + "] 20/20")
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    bar = ProgressBar(3, "work", stream=tty)
+    for i in range(1, 4):
+        bar.update(i)
+    bar.close()
+    text = tty.getvalue()
+    assert text.startswith("\rwork [") and "3/3" in text and text.endswith("\n")
+    quiet = io.StringIO()
+    ProgressBar(5, "x", stream=quiet, enabled=False).update(5)
+    assert quiet.getvalue() == ""
+
+
+def test_malloc_tuning_in_a_fresh_process() -> None:
+    code = ("from app.mla.process import tune_malloc_for_large_tensors as tune\n"
+            "import torch\nprint(tune()); x = torch.ones(50_000_000); del x\n"
+            "print(float(torch.ones(60_000_000).sum()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    applied, total = proc.stdout.split()
+    assert applied == str(sys.platform.startswith("linux")) and float(total) == 6e7
+
+
+def test_bench_run_small(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--json", "run", "--context-len", "64", "--new-tokens", "32",
+                 "--requests-per-step", "2", "--steps", "1", "--dtype", "float32",
+                 "--chunk-tokens", "48", "--no-malloc-tuning"])
+    result = _json(capsys)
+    assert code == (0 if result["ok"] else 1)
+    assert result["workload"]["context_len"] == 64
+    assert set(result["targets"]) == {"attention_kernels_share_of_step",
+                                      "merge_and_bookkeeping_share_of_step"}
+    phases = result["phase_seconds_per_step"]
+    assert phases["attention_context"] > 0 and phases["gather"] > 0
+    assert result["prefill_tokens_per_s"] > 0
