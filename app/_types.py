@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import attrs
 
+from app._validation import is_int
+
 
 def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(
             f"{type(instance).__name__}.{attribute.name} must be an int, "
             f"got {value!r} ({type(value).__name__})"

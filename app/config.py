@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from app._types import MLADimensions
+from app._validation import is_int
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -82,7 +83,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def _int_at_least(minimum: int) -> Any:
     def check(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
         where = f"{type(instance).__name__}.{attribute.name}"
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise TypeError(f"{where}: expected an int >= {minimum}, got {value!r} "
                             f"({type(value).__name__})")
         if value < minimum:

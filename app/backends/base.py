@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
+from app._validation import is_int
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -53,7 +54,7 @@ class MLAPrefillSelectorConfig:
 
 def _cu_seqlens(lengths: Sequence[int], what: str) -> torch.Tensor:
     for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"{what}[{i}] must be an int >= 0, got {n!r}")
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
@@ -209,7 +210,7 @@ class MLAPrefillBackend(ABC):
         for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_nope_head_dim", qk_nope_head_dim),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{type(self).__name__}: {name} must be an int >= 0, "
                                  f"got {value!r}")
         if num_heads < 1 or v_head_dim < 1 or qk_nope_head_dim + qk_rope_head_dim < 1:
@@ -254,7 +255,7 @@ class MLAPrefillBackend(ABC):
     def context_chunk(self, chunk: int) -> ContextChunkMetadata:
         """The metadata of context chunk ``chunk`` (``ValueError`` when out of range)."""
         chunks = self.metadata.context_chunks
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < len(chunks):
+        if not is_int(chunk) or not 0 <= chunk < len(chunks):
             raise ValueError(f"{type(self).__name__}: context chunk index must be in "
                              f"[0, {len(chunks)}), got {chunk!r}")
         return chunks[chunk]

@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 
 from app._imports import import_object
+from app._validation import is_int
 from app.commands._output import format_table, print_json
 
 if sys.version_info >= (3, 11):
@@ -131,7 +132,7 @@ def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
             raise ValueError(f"{where}: a name with '{{i}}' needs 'count' or 'indices'")
         return [name]
     if count is not None:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if not is_int(count) or count < 1:
             raise ValueError(f"{where}: 'count' must be an int >= 1, got {count!r}")
         indices = list(range(count))
     if not isinstance(indices, list) or not all(
@@ -212,7 +213,7 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def _positive_option(value: object, name: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
 

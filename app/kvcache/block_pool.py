@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from app._validation import is_int
+
 __all__ = ["BlockHash", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 
 #: A block hash: the digest of a chained prefix (see ``app.kvcache.request``).
@@ -155,7 +157,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+        if not is_int(num_blocks):
             raise TypeError(f"BlockPool: num_blocks must be an int, got {num_blocks!r}")
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks must be >= 2 (block 0 is the null block), "

@@ -13,6 +13,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 
+from app._validation import is_int
 from app.kvcache.block_pool import BlockHash
 
 __all__ = ["ROOT_BLOCK_HASH", "KVCacheRequest", "hash_block_tokens"]
@@ -54,11 +55,11 @@ class KVCacheRequest:
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"KVCacheRequest: request_id must be a non-empty str, "
                             f"got {request_id!r}")
-        if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int) \
+        if not is_int(hash_block_size) \
                 or hash_block_size < 1:
             raise ValueError(f"KVCacheRequest: hash_block_size must be an int >= 1, "
                              f"got {hash_block_size!r}")
-        if isinstance(num_encoder_tokens, bool) or not isinstance(num_encoder_tokens, int) \
+        if not is_int(num_encoder_tokens) \
                 or num_encoder_tokens < 0:
             raise ValueError(f"KVCacheRequest: num_encoder_tokens must be an int >= 0, "
                              f"got {num_encoder_tokens!r}")

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import torch
 
+from app._validation import is_int
 from app.config import DTYPE_ALIASES
 
 __all__ = [
@@ -98,14 +99,14 @@ def _to_shapes(value: object) -> tuple[tuple[int, ...], ...]:
             raise TypeError(f"expected each shape to be a sequence of ints, got {shape!r}")
         dims = tuple(shape)
         for dim in dims:
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            if not is_int(dim) or dim < 1:
                 raise ValueError(f"shape dimensions must be ints >= 1, got {dims!r}")
         shapes.append(dims)
     return tuple(shapes)
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{type(instance).__name__}.{attribute.name}: expected an int >= 1, "
                         f"got {value!r} ({type(value).__name__})")
     if value < 1:

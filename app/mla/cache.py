@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from app._validation import is_int
+
 __all__ = ["PagedLatentCache", "slot_indices"]
 
 
@@ -40,7 +42,7 @@ class PagedLatentCache:
         for name, value, minimum in (("num_blocks", num_blocks, 1),
                                      ("block_size", block_size, 1),
                                      ("latent_dim", latent_dim, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if not is_int(value) or value < minimum:
                 raise ValueError(f"PagedLatentCache: {name} must be an int >= {minimum}, "
                                  f"got {value!r}")
         self.num_blocks = num_blocks

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from app._validation import is_int
 from app.backends.base import MLAPrefillBackend
 from app.backends.selector import get_mla_prefill_backend
 from app.config import EngineConfig
@@ -158,7 +159,7 @@ class MLAPrefillEngine:
                  step_tokens: int = 8192, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  weights: MLALayerWeights | None = None, keep_outputs: bool = True,
                  timer: PhaseTimer | None = None) -> None:
-        if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
+        if not is_int(step_tokens) or step_tokens < 1:
             raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
         container = get_container() if container is None else container
         config = container.config() if config is None else config

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from app._validation import is_int
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.backends.merge import merge_attn_states
 from app.mla.cache import PagedLatentCache, slot_indices
@@ -48,7 +49,7 @@ def plan_context_chunks(context_lens: Sequence[int], chunk_tokens: int
     Requests are packed in order and a request's context may straddle chunks, so the number of
     chunks is the minimum, ``ceil(sum(context_lens) / chunk_tokens)``.
     """
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+    if not is_int(chunk_tokens) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     chunks: list[list[tuple[int, int]]] = []
     room = 0
@@ -96,7 +97,7 @@ class MLAPrefillExecutor:
                 or backend.v_head_dim != layer.v_head_dim:
             raise ValueError(f"backend {backend!r} does not match the layer's heads/head dims "
                              f"({layer.num_heads}, {layer.qk_head_dim}, {layer.v_head_dim})")
-        if isinstance(context_chunk_tokens, bool) or not isinstance(context_chunk_tokens, int) \
+        if not is_int(context_chunk_tokens) \
                 or context_chunk_tokens < 1:
             raise ValueError(f"context_chunk_tokens must be an int >= 1, "
                              f"got {context_chunk_tokens!r}")

@@ -27,6 +27,7 @@ import math
 import attrs
 import torch
 
+from app._validation import is_int
 from app.config import ModelConfig
 
 __all__ = [
@@ -78,7 +79,7 @@ class MLALayerWeights:
     def generate(cls, model: ModelConfig, seed: int = 0) -> MLALayerWeights:
         """Draw the weights for ``model``'s dims from ``seed`` (on the CPU; deterministic)."""
         _check_model(model)
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             raise TypeError(f"seed must be an int, got {seed!r}")
         gen = torch.Generator(device="cpu").manual_seed(seed)
         h, d = model.num_heads, model.hidden_size
@@ -114,7 +115,7 @@ class TokenEmbedding:
     def generate(cls, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  seed: int = 0) -> TokenEmbedding:
         """Draw a ``[vocab_size, hidden_size]`` unit-variance table from ``seed``."""
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        if not is_int(vocab_size) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         gen = torch.Generator(device="cpu").manual_seed(seed + 0x5EED)
         table = torch.randn(vocab_size, hidden_size, generator=gen, dtype=torch.float64)

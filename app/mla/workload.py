@@ -12,6 +12,8 @@ import random
 
 import attrs
 
+from app._validation import is_int
+
 __all__ = ["WorkloadRequest", "make_workload"]
 
 
@@ -38,7 +40,7 @@ def make_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int
     for name, value, low in (("num_requests", num_requests, 1), ("min_len", min_len, 1),
                              ("max_len", max_len, 1), ("vocab_size", vocab_size, 1),
                              ("num_prefixes", num_prefixes, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"make_workload: {name} must be an int >= {low}, got {value!r}")
     if min_len > max_len:
         raise ValueError(f"make_workload: min_len ({min_len}) > max_len ({max_len})")
