@@ -21,7 +21,7 @@ from app.containers import create_container, use_container
 from app.platforms import CpuPlatform
 
 THREADS = 16
-SECONDS = 2.0
+SECONDS = 3.0
 
 
 def _subclasses(prefix: str, n: int) -> list[type[TorchSDPABackend]]:

@@ -20,6 +20,7 @@ from typing import IO, Any
 import attrs
 import torch
 
+from app import deployment
 from app.commands._output import print_json
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -125,17 +126,6 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"--{name} must be >= 1, got {value}")
 
 
-def _load_deployment(path: Path) -> Any:
-    try:
-        from app.deployment import load
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("app.deployment", "app"):
-            raise
-        raise ValueError("--deployment needs app.deployment (deployment files), which this "
-                         "installation does not have") from None
-    return load(path)
-
-
 def build_config(args: argparse.Namespace, base: EngineConfig) -> EngineConfig:
     """``base`` with the command-line options applied (validated by the config classes)."""
     model, attention, cache = base.model, base.attention, base.cache
@@ -176,7 +166,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     if args.min_len > args.max_len:
         raise ValueError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
     if args.deployment is not None:
-        container = _load_deployment(args.deployment)
+        container = deployment.load(args.deployment)
         config = build_config(args, container.config())
     else:
         config = build_config(args, EngineConfig())

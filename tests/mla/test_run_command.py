@@ -105,14 +105,6 @@ def test_run_with_a_deployment(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["kv_cache"]["pool"]["num_blocks"] == 64
 
 
-def test_run_deployment_without_the_deployment_module(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-        tiny_deployment: Path) -> None:
-    monkeypatch.setitem(sys.modules, "app.deployment", None)
-    assert main(["run", *SMALL, "--deployment", str(tiny_deployment)]) == 2
-    assert "--deployment needs app.deployment" in capsys.readouterr().err
-
-
 def test_progress_bar_plain_lines() -> None:
     stream = io.StringIO()
     bar = ProgressBar(20, "work", stream=stream)
