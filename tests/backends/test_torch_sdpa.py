@@ -43,9 +43,32 @@ def test_conforms_on_a_long_causal_request() -> None:
     {"cpu_head_major": True},                   # head-major copies instead of strided views
     {"cpu_head_major": True, "cpu_chunked_causal_max": 0},
     {"cpu_v_buffer_max_bytes": 0},              # no v buffer kept between calls
+    {"cpu_blocked_rows": 0},                    # short causal calls through the aten kernel
+    {"cpu_blocked_rows": 5},                    # odd plain-matmul blocks, short last block
+    {"cpu_blocked_heads": 3},                   # head groups that do not divide the heads
 ])
 def test_every_cpu_path_conforms(attrs: dict[str, int]) -> None:
     assert_conformance(variant(**attrs), dtype=torch.float32)
+
+
+def test_blocked_path_is_exact_with_scores_far_below_the_row_max() -> None:
+    """The plain-matmul path clamps exp inputs at -80; scores hundreds below the max (and
+    masked keys) must still get no weight beyond float32 resolution."""
+    be = make()
+    md = MLAPrefillMetadata.build([40, 70], new_kv_lens=[40, 90])
+    be.prepare_metadata(md)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(md.total_q, H, 192, generator=gen) * 6.0
+    k = torch.randn(md.total_new_kv, H, 192, generator=gen) * 6.0
+    v = torch.randn(md.total_new_kv, H, 128, generator=gen)
+    out, lse = be.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
+    ref_out, ref_lse = reference_attention(q, k, v, md.cu_seqlens_q_cpu.tolist(),
+                                           md.cu_seqlens_kv_new_cpu.tolist(), True, be.scale)
+    scores = torch.einsum("hd,khd->hk", q[39], k[:40]) * be.scale  # request 0's last row
+    spread = (scores.amax(-1) - scores.amin(-1)).min().item()
+    assert spread > 80  # every head has visible keys the clamp touches
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
 def test_equal_length_requests_run_batched_and_match_the_reference() -> None:
