@@ -226,8 +226,9 @@ _VLLM_SCRIPT = textwrap.dedent("""
             return DeviceCapability(10, 0)
 
     dims = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-    assert SM100.get_mla_prefill_backend_cls(
-        selector.MLAPrefillSelectorConfig(dtype=torch.bfloat16, mla_dimensions=dims)) is Valid
+    if SM100.get_mla_prefill_backend_cls(selector.MLAPrefillSelectorConfig(
+            dtype=torch.bfloat16, mla_dimensions=dims)) is not Valid:
+        raise SystemExit("vLLM's selector did not pick the stand-in backend")
 
     @functools.cache
     def auto_select(sc):
