@@ -9,15 +9,15 @@ import torch
 
 from app import deployment
 from app.backends import MLAPrefillBackendEnum, get_mla_prefill_backend
-from app.backends.base import MLAPrefillBackend
 from app.containers import get_container, use_container
 from app.kvcache import FullAttentionSpec, KVCacheSpecRegistry
 from app.platforms import CpuPlatform, CudaPlatform, DeviceCapability
+from app.testing import SelectionOnlyBackend
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "deployment.toml"
 
 
-class DeployedBackend(MLAPrefillBackend):
+class DeployedBackend(SelectionOnlyBackend):
     """A backend class deployments point at by dotted path."""
 
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,11 +26,6 @@ class DeployedBackend(MLAPrefillBackend):
     def get_name() -> str:
         return "DEPLOYED"
 
-    def run_prefill_new_tokens(self, q, k, v, return_softmax_lse, out=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
-
-    def run_prefill_context_chunk(self, chunk, q, k, v, out=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
 
 
 class DeployedSpec(FullAttentionSpec):

@@ -52,22 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _stub_backends() -> dict[str, type[Any]]:
     """Five stand-in backends: four invalid (capability, dtype, availability, dimensions), then
     a valid ``TORCH_SDPA``."""
-    from app.backends.base import MLAPrefillBackend
+    from app.testing import SelectionOnlyBackend
 
-    class _Stub(MLAPrefillBackend):
+    class _Stub(SelectionOnlyBackend):
         @staticmethod
         def get_name() -> str:
             return "STUB"
-
-        def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   return_softmax_lse: bool, out: torch.Tensor | None = None
-                                   ) -> torch.Tensor:
-            raise NotImplementedError
-
-        def run_prefill_context_chunk(self, chunk: int, q: torch.Tensor, k: torch.Tensor,
-                                      v: torch.Tensor, out: torch.Tensor | None = None
-                                      ) -> tuple[torch.Tensor, torch.Tensor]:
-            raise NotImplementedError
 
     class WrongCapability(_Stub):
         @classmethod

@@ -3,6 +3,7 @@
 - ``run_conformance`` / ``assert_conformance``: the conformance kit every prefill backend (ours
   and third parties') is checked with against a float64 reference; see
   ``app.testing.conformance`` for the cases and how to run it on your backend.
+- ``SelectionOnlyBackend``: a backend to register and select in tests; it runs nothing.
 - ``reference_attention``: the float64 ragged attention the kit compares with.
 - The pytest fixtures (``app_container``, ``override_prefill_backend``, ``fake_platform``) live
   in ``app.testing.pytest_plugin`` and are registered automatically through the ``pytest11``
@@ -18,12 +19,14 @@ from app.testing.conformance import (
     reference_attention,
     run_conformance,
 )
+from app.testing.stubs import SelectionOnlyBackend
 
 __all__ = [
     "CASES",
     "DEFAULT_TOLERANCES",
     "CaseResult",
     "ConformanceReport",
+    "SelectionOnlyBackend",
     "assert_conformance",
     "reference_attention",
     "run_conformance",

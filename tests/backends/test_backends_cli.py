@@ -8,31 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from dependency_injector import providers
 
-from app.backends import MLAPrefillBackend, MLAPrefillBackendEnum, register_mla_prefill_backend
+from app.backends import MLAPrefillBackendEnum, register_mla_prefill_backend
 from app.cli import main
 from app.containers import Application
 from app.platforms import CpuPlatform
+from app.testing import SelectionOnlyBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class CliBackend(MLAPrefillBackend):
+class CliBackend(SelectionOnlyBackend):
     @staticmethod
     def get_name() -> str:
         return "CLI"
 
-    def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               return_softmax_lse: bool, out: torch.Tensor | None = None
-                               ) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run_prefill_context_chunk(self, chunk: int, q: torch.Tensor, k: torch.Tensor,
-                                  v: torch.Tensor, out: torch.Tensor | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
 
 
 @pytest.fixture

@@ -8,11 +8,9 @@ import uuid
 from typing import Any
 
 import pytest
-import torch
 from dependency_injector import providers
 
 from app.backends import (
-    MLAPrefillBackend,
     MLAPrefillBackendEnum,
     get_mla_prefill_backend,
     override_mla_prefill_backend,
@@ -28,26 +26,18 @@ from app.containers import (
     use_container,
 )
 from app.platforms import CpuPlatform
+from app.testing import SelectionOnlyBackend
 
 BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA"]
 
 
-class StubBackend(MLAPrefillBackend):
+class StubBackend(SelectionOnlyBackend):
     """Valid everywhere; never runs."""
 
     @staticmethod
     def get_name() -> str:
         return "STUB"
 
-    def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               return_softmax_lse: bool, out: torch.Tensor | None = None
-                               ) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run_prefill_context_chunk(self, chunk: int, q: torch.Tensor, k: torch.Tensor,
-                                  v: torch.Tensor, out: torch.Tensor | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
 
 
 class OtherBackend(StubBackend):

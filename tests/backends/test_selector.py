@@ -26,12 +26,13 @@ from app.backends.selector import select_for_container
 from app.config import EngineConfig
 from app.containers import Application, create_container, use_container
 from app.platforms import TRTLLM_PREFERRED_DIMENSIONS, CpuPlatform, CudaPlatform, Platform
+from app.testing import SelectionOnlyBackend
 
 BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA"]
 DEEPSEEK = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
-class Stub(MLAPrefillBackend):
+class Stub(SelectionOnlyBackend):
     """Valid everywhere; counts how often it is validated."""
 
     validations: ClassVar[int] = 0
@@ -46,15 +47,6 @@ class Stub(MLAPrefillBackend):
         Stub.validations += 1
         return super().validate_configuration(device_capability, selector_config)
 
-    def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               return_softmax_lse: bool, out: torch.Tensor | None = None
-                               ) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run_prefill_context_chunk(self, chunk: int, q: torch.Tensor, k: torch.Tensor,
-                                  v: torch.Tensor, out: torch.Tensor | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
 
 
 class Valid(Stub):
