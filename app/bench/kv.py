@@ -276,7 +276,7 @@ except Exception as exc:
     import traceback
     out["error"] = f"{type(exc).__name__}: {exc}"
     out["traceback"] = traceback.format_exc()[-2000:]
-print("VLLM_BENCH_JSON " + json.dumps(out))
+sys.stdout.write("VLLM_BENCH_JSON " + json.dumps(out) + "\n")
 '''
 
 

@@ -245,9 +245,9 @@ _VLLM_SCRIPT = textwrap.dedent("""
                 "max_us": round(max(per), 4), "number": n, "repeat": repeat}
 
     import vllm
-    print(json.dumps({"vllm_version": vllm.__version__, "validated_classes": 4,
-                      "cached": loop(cached, number), "uncached": loop(uncached,
-                                                                       uncached_number)}))
+    sys.stdout.write(json.dumps({"vllm_version": vllm.__version__, "validated_classes": 4,
+                                 "cached": loop(cached, number),
+                                 "uncached": loop(uncached, uncached_number)}) + "\\n")
 """)
 
 

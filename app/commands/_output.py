@@ -14,6 +14,11 @@ def print_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
+def print_text(text: str = "") -> None:
+    """Print ``text`` and a newline on stdout (the human-readable form of a command)."""
+    sys.stdout.write(text + "\n")
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain-text table with left-aligned columns."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

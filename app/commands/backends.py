@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 from app._types import DeviceCapability
-from app.commands._output import format_mapping, format_table, print_json
+from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show which MLA prefill backends are valid here, why not, and which one is chosen"
 
@@ -133,5 +133,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
     else:
-        print(render(info))
+        print_text(render(info))
     return 0 if info["chosen"] is not None else 1

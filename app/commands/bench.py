@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
-from app.commands._output import print_json
+from app.commands._output import print_json, print_text
 
 HELP = "run a benchmark (selection, prefill, kv, run) and report JSON"
 
@@ -50,5 +49,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        sys.stdout.write(args._bench.render(result) + "\n")
+        print_text(args._bench.render(result))
     return 0 if result.get("ok", True) else 1

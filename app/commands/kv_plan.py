@@ -41,7 +41,7 @@ import attrs
 
 from app._imports import import_object
 from app._validation import is_int
-from app.commands._output import format_table, print_json
+from app.commands._output import format_table, print_json, print_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -330,5 +330,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(plan)
     else:
-        print(render_plan(plan))
+        print_text(render_plan(plan))
     return 0

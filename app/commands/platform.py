@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from app.commands._output import format_mapping, format_table, print_json
+from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show the detected platform, device capability, torch and kernel packages"
 
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print_json(info)
         return 0
     packages = info.pop("kernel_packages")
-    print(format_mapping(info))
-    print()
-    print(format_table(
+    print_text(format_mapping(info))
+    print_text()
+    print_text(format_table(
         ["package", "version", "imports", "error"],
         [[p["module"], p["version"] or "-", "yes" if p["imports"] else "no", p["error"] or ""]
          for p in packages]))

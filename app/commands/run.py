@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from app import deployment
-from app.commands._output import print_json
+from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
 HELP = "run the main job: chunked MLA prefill of many requests, checked against float64"
@@ -300,5 +300,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        print(render(result))
+        print_text(render(result))
     return 0 if result["ok"] else 1

@@ -21,7 +21,7 @@ Run it on your backend (any ``MLAPrefillBackend`` subclass)::
     from app.testing import assert_conformance, run_conformance
 
     report = run_conformance(MyBackend, device="cuda", dtype=torch.bfloat16)
-    print(report.format())                 # one line per case: max errors vs tolerances
+    text = report.format()                 # one line per case: max errors vs tolerances
 
     def test_my_backend_conforms():          # in pytest
         assert_conformance(MyBackend, device="cuda", dtype=torch.bfloat16)
