@@ -407,9 +407,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                         for x in mm_runs],
         "results": rows, "skipped_backends": skipped, "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
+        "cpu_kernel": _cpu_kernel() if device.type == "cpu" else None,
         "wrapper_overhead": overhead, "errors": errors, "ok": not errors,
         "elapsed_s": round(time.perf_counter() - started, 1)}
     return result
+
+
+def _cpu_kernel() -> str:
+    """Which kernel TORCH_SDPA's float32 CPU path ran: the native one, or aten's and why."""
+    from app.backends._cpu_native import native_kernel_status
+
+    status = native_kernel_status()
+    if status.available:
+        return f"native ({status.library})"
+    return f"aten ({'; '.join(status.reasons)})"
 
 
 def _device_name(device: torch.device) -> str:
@@ -423,7 +434,9 @@ def render(result: dict[str, Any]) -> str:
     """A readable table of the results and the targets."""
     lines = [f"prefill benchmark on {result['device']} ({result['device_name']}), torch "
              f"{result['torch']}, {result['threads']} threads; fp32 matmul "
-             f"{result['matmul_fp32_gflops']} GFLOP/s (runs {result['matmul_fp32_gflops_runs']})",
+             f"{result['matmul_fp32_gflops']} GFLOP/s (runs {result['matmul_fp32_gflops_runs']})"
+             + (f"; TORCH_SDPA CPU kernel: {result['cpu_kernel']}" if result.get("cpu_kernel")
+                else ""),
              f"{'backend':14s} {'case':16s} {'dtype':9s} {'ms':>9s} {'median':>9s} "
              f"{'GFLOP/s':>8s} {'x matmul':>8s} {'dense ms':>9s} {'speed-up':>8s} "
              f"{'vllm-alg':>8s}"]

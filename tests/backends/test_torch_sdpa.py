@@ -24,9 +24,14 @@ def variant(**attrs: Any) -> type[TorchSDPABackend]:
     return type("TorchSDPAVariant", (TorchSDPABackend,), attrs)
 
 
+#: The aten-kernel paths, which run where the native kernel cannot (tested on every machine).
+ATEN = {"cpu_native_kernel": False}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["default", "aten"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_conforms(dtype: torch.dtype) -> None:
-    assert_conformance(TorchSDPABackend, dtype=dtype)
+def test_conforms(dtype: torch.dtype, native: bool) -> None:
+    assert_conformance(TorchSDPABackend if native else variant(**ATEN), dtype=dtype)
 
 
 @pytest.mark.slow
@@ -47,14 +52,16 @@ def test_conforms_on_a_long_causal_request() -> None:
     {"cpu_blocked_rows": 5},                    # odd plain-matmul blocks, short last block
     {"cpu_blocked_heads": 3},                   # head groups that do not divide the heads
 ])
-def test_every_cpu_path_conforms(attrs: dict[str, int]) -> None:
-    assert_conformance(variant(**attrs), dtype=torch.float32)
+def test_every_aten_cpu_path_conforms(attrs: dict[str, int]) -> None:
+    assert_conformance(variant(**attrs, **ATEN), dtype=torch.float32)
 
 
-def test_blocked_path_is_exact_with_scores_far_below_the_row_max() -> None:
-    """The plain-matmul path clamps exp inputs at -80; scores hundreds below the max (and
-    masked keys) must still get no weight beyond float32 resolution."""
-    be = make()
+@pytest.mark.parametrize("native", [True, False], ids=["default", "aten"])
+def test_scores_far_below_the_row_max_get_no_weight(native: bool) -> None:
+    """Both CPU paths clamp exp inputs (aten's plain-matmul path at -80, the native kernel
+    at 2^-126); scores hundreds below the max (and masked keys) must still get no weight
+    beyond float32 resolution."""
+    be = make() if native else make(variant(**ATEN))
     md = MLAPrefillMetadata.build([40, 70], new_kv_lens=[40, 90])
     be.prepare_metadata(md)
     gen = torch.Generator().manual_seed(3)
@@ -72,7 +79,7 @@ def test_blocked_path_is_exact_with_scores_far_below_the_row_max() -> None:
 
 
 def test_equal_length_requests_run_batched_and_match_the_reference() -> None:
-    be = make()
+    be = make(variant(**ATEN))
     md = MLAPrefillMetadata.build([64, 64, 64, 9, 9], [[30, 30, 30, 0, 5]])
     be.prepare_metadata(md)
     assert [r[2] for r in be._step().new_tokens.runs()] == [3, 2]

@@ -1,0 +1,363 @@
+"""The native CPU MLA prefill kernel: ``_native/mla_prefill_cpu.c``, built at first use.
+
+TORCH_SDPA runs float32 CPU prefill through this kernel where it can (an x86-64 CPU with
+AVX-512 and a C compiler), and through the aten CPU flash kernel otherwise. Why a kernel of
+our own: aten's kernel needs ``v`` zero-padded from 128 to 192 columns (1/6 of the FLOPs
+wasted), computes whole 512-key blocks on the causal diagonal, and its small per-block BLAS
+calls run well below the machine's matmul rate; it measured ~0.55 of the fp32 matmul rate
+on 1 x 4096 causal on a 2-core AVX-512 machine, this kernel ~0.76 (``python -m app bench
+prefill``; docs/benchmarks.md).
+
+The library is compiled once per (source, compiler, flags) into a cache directory
+(``$APP_CACHE_DIR``, else ``$XDG_CACHE_HOME/app``, else ``~/.cache/app``), checked against a
+float64 reference on a small problem, and loaded with ctypes, which releases the GIL during
+the call: ``torch.get_num_threads()`` Python threads each run their share of the (request,
+head) items. ``APP_CPU_NATIVE_KERNEL=0`` turns it off. A kernel that cannot be built or
+loaded is not an error: :func:`native_kernel_status` says why, and callers fall back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import attrs
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DISABLE_ENV", "NativeKernelStatus", "NativeMLAPrefillKernel", "load_native_kernel",
+           "native_kernel_status"]
+
+#: Set to ``0`` to keep TORCH_SDPA on the aten CPU kernel.
+DISABLE_ENV = "APP_CPU_NATIVE_KERNEL"
+_SOURCE = Path(__file__).with_name("_native") / "mla_prefill_cpu.c"
+_FLAGS = ("-O3", "-mavx512f", "-mfma", "-mf16c", "-fPIC", "-shared")
+#: The kernel's p.v tiles are 64 output columns wide.
+V_HEAD_DIM_MULTIPLE = 64
+
+_c_long, _c_ptr = ctypes.c_long, ctypes.c_void_p
+_Item = tuple[int, int]  # (request, head)
+#: The element types the kernel reads and writes (its DT_* codes); it computes in float32.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@attrs.frozen
+class NativeKernelStatus:
+    """Whether the native kernel is usable here; if not, every reason why."""
+
+    available: bool
+    reasons: tuple[str, ...] = ()
+    library: Path | None = None
+
+
+class NativeMLAPrefillKernel:
+    """A loaded kernel library: ragged float32 MLA attention on the CPU."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._attend = library.mla_cpu_attend_head
+        self._attend.restype = None
+        c_int = ctypes.c_int
+        self._attend.argtypes = [_c_ptr, _c_long, _c_ptr, _c_long, _c_ptr, _c_long, c_int,
+                                 _c_long, _c_long, _c_long, _c_long, c_int, ctypes.c_float,
+                                 _c_ptr, _c_long, c_int, _c_ptr, _c_ptr]
+        self._scratch_floats = library.mla_cpu_scratch_floats
+        self._scratch_floats.restype = _c_long
+        self._scratch_floats.argtypes = [_c_long, _c_long, _c_long, _c_long]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q_starts: Sequence[int], q_lens: Sequence[int], kv_starts: Sequence[int],
+               kv_lens: Sequence[int], causal: bool, scale: float, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+        """Attention of every request, written into ``out`` and ``lse``.
+
+        ``q: [total_q, H, D]``, ``k: [total_kv, H, D]``, ``v: [total_kv, H, Dv]`` of one
+        dtype and ``out: [total_q, H, Dv]`` of any (float32, bfloat16 or float16; computed
+        in float32), on the CPU with a unit-stride last dim (other strides free: ``v`` may be
+        a view into a wider tensor); ``lse: [H, total_q]`` float32 with unit stride along the
+        tokens (natural log). Request ``b`` is rows
+        ``q_starts[b]:+q_lens[b]`` of ``q`` against rows ``kv_starts[b]:+kv_lens[b]`` of
+        ``k``/``v``; ``causal`` is bottom-right aligned. A query that sees no key gets a zero
+        row and LSE ``-inf``. ``Dv`` must be a multiple of 64.
+        """
+        heads, d, dv = q.shape[1], q.shape[2], v.shape[2]
+        self._check(q, k, v, out, lse, q_starts, q_lens, kv_starts, kv_lens)
+        in_dt, out_dt = DTYPE_CODES[q.dtype], DTYPE_CODES[out.dtype]
+        items = [(b, h) for b in range(len(q_lens)) if q_lens[b] for h in range(heads)]
+        if not items:
+            return
+
+        def cost(item: _Item) -> int:
+            b = item[0]
+            return q_lens[b] * max(kv_lens[b], 1) + kv_lens[b]
+
+        def run(work: list[_Item]) -> None:
+            scratch = _scratch(max(self._scratch_floats(q_lens[b], kv_lens[b], d, dv)
+                                   for b, _ in work))
+            for b, h in work:
+                self._attend(
+                    _address(q, q_starts[b], h), q.stride(0), _address(k, kv_starts[b], h),
+                    k.stride(0), _address(v, kv_starts[b], h), v.stride(0), in_dt, q_lens[b],
+                    kv_lens[b], d, dv, int(causal), scale, _address(out, q_starts[b], h),
+                    out.stride(0), out_dt,
+                    lse.data_ptr() + 4 * (h * lse.stride(0) + q_starts[b]), scratch.data_ptr())
+
+        shares = _balance(items, cost, max(1, torch.get_num_threads()))
+        if len(shares) == 1:
+            run(shares[0])
+            return
+        pool = _pool.get(len(shares))
+        for future in [pool.submit(run, share) for share in shares]:
+            future.result()
+
+    @staticmethod
+    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, q_starts: Sequence[int], q_lens: Sequence[int],
+               kv_starts: Sequence[int], kv_lens: Sequence[int]) -> None:
+        # The C code trusts every pointer and length it gets: check them all here.
+        for name, t, rank, dtypes in (
+                ("q", q, 3, tuple(DTYPE_CODES)), ("k", k, 3, (q.dtype,)),
+                ("v", v, 3, (q.dtype,)), ("out", out, 3, tuple(DTYPE_CODES)),
+                ("lse", lse, 2, (torch.float32,))):
+            if t.dtype not in dtypes or t.device.type != "cpu" or t.dim() != rank:
+                allowed = "/".join(str(x).removeprefix("torch.") for x in dtypes)
+                raise ValueError(f"native CPU kernel: expected {name} a {rank}-d {allowed} CPU "
+                                 f"tensor, got {tuple(t.shape)} {t.dtype} on {t.device}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"native CPU kernel: expected {name} with a unit-stride last "
+                                 f"dim, got strides {t.stride()}")
+        heads, d, dv = q.shape[1], q.shape[2], v.shape[2]
+        expected = {"k": (k.shape[0], heads, d), "v": (k.shape[0], heads, dv),
+                    "out": (q.shape[0], heads, dv), "lse": (heads, q.shape[0])}
+        for name, t in (("k", k), ("v", v), ("out", out), ("lse", lse)):
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"native CPU kernel: expected {name} of shape "
+                                 f"{expected[name]}, got {tuple(t.shape)}")
+        if dv % V_HEAD_DIM_MULTIPLE:
+            raise ValueError(f"native CPU kernel: expected a v head dim that is a multiple of "
+                             f"{V_HEAD_DIM_MULTIPLE}, got {dv}")
+        if not len(q_starts) == len(q_lens) == len(kv_starts) == len(kv_lens):
+            raise ValueError("native CPU kernel: expected as many starts as lengths, got "
+                             f"{len(q_starts)}/{len(q_lens)}/{len(kv_starts)}/{len(kv_lens)}")
+        for b in range(len(q_lens)):
+            for what, start, n, total in (("query", q_starts[b], q_lens[b], q.shape[0]),
+                                          ("kv", kv_starts[b], kv_lens[b], k.shape[0])):
+                if start < 0 or n < 0 or start + n > total:
+                    raise ValueError(f"native CPU kernel: request {b}'s {what} rows "
+                                     f"[{start}, {start + n}) are outside [0, {total})")
+
+
+#: Largest per-thread scratch buffer kept between calls (fresh pages cost page faults).
+SCRATCH_KEEP_BYTES = 256 << 20
+_thread_scratch = threading.local()
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    """This thread's scratch of at least ``floats`` float32s, reused between calls."""
+    buf: torch.Tensor | None = getattr(_thread_scratch, "buf", None)
+    if buf is not None and buf.numel() >= floats:
+        return buf
+    buf = torch.empty(floats, dtype=torch.float32)
+    _thread_scratch.buf = buf if floats * 4 <= SCRATCH_KEEP_BYTES else None
+    return buf
+
+
+def _address(t: torch.Tensor, row: int, head: int) -> int:
+    return t.data_ptr() + t.element_size() * (row * t.stride(0) + head * t.stride(1))
+
+
+def _balance(items: list[_Item], cost: Callable[[_Item], int], workers: int
+             ) -> list[list[_Item]]:
+    """Longest-first onto the least-loaded worker; only non-empty shares are returned."""
+    shares: list[list[_Item]] = [[] for _ in range(min(workers, len(items)))]
+    loads = [0] * len(shares)
+    for item in sorted(items, key=cost, reverse=True):
+        i = loads.index(min(loads))
+        shares[i].append(item)
+        loads[i] += cost(item)
+    return shares
+
+
+class _WorkerPool:
+    """One thread pool per process, resized when ``torch.get_num_threads()`` changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+
+    def get(self, workers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._size != workers:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="app-mla-cpu")
+                self._size = workers
+            return self._pool
+
+
+_pool = _WorkerPool()
+
+
+# -- building and loading -----------------------------------------------------------------
+
+_load_lock = threading.Lock()
+_loaded: dict[str, NativeMLAPrefillKernel | NativeKernelStatus] = {}
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def _static_reasons() -> list[str]:
+    reasons = []
+    if os.environ.get(DISABLE_ENV, "").strip() == "0":
+        reasons.append(f"turned off by {DISABLE_ENV}=0")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        reasons.append(f"needs an x86-64 CPU, this is {platform.machine()}")
+    elif not _cpu_has_avx512():
+        reasons.append("needs a CPU with AVX-512 (avx512f), this one has none")
+    if _compiler() is None:
+        reasons.append("needs a C compiler to build it (set CC, or install cc/gcc/clang)")
+    return reasons
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("APP_CACHE_DIR")
+    if base:
+        return Path(base) / "cpu-kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "app" / "cpu-kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=60, check=False).stdout
+    key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()).hexdigest()
+    name = f"mla_prefill_cpu-{key[:16]}.so"
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"app-{os.getuid()}"):
+        target = directory / name
+        if target.is_file():
+            return target
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        tmp = directory / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        proc = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent builder never loads a partial file
+        return target
+    raise RuntimeError(f"no writable cache directory ({_cache_dir()}, {tempfile.gettempdir()})")
+
+
+def _self_test(kernel: NativeMLAPrefillKernel) -> str | None:
+    """A small ragged causal problem against float64; the error text if it disagrees."""
+    gen = torch.Generator().manual_seed(0)
+    q_lens, kv_lens = (37, 5, 130), (37, 9, 130)
+    q = torch.randn(sum(q_lens), 3, 80, generator=gen)
+    k = torch.randn(sum(kv_lens), 3, 80, generator=gen)
+    v = torch.randn(sum(kv_lens), 3, 64, generator=gen)
+    out, lse = torch.empty(q.shape[0], 3, 64), torch.empty(3, q.shape[0])
+    # bf16 in and out too: the conversions are the kernel's own code as well.
+    out16 = torch.empty(q.shape[0], 3, 64, dtype=torch.bfloat16)
+    kernel.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), [0, 37, 42], q_lens, [0, 37, 46],
+                  kv_lens, True, 0.1, out16, torch.empty(3, q.shape[0]))
+    q_starts = [0, 37, 42]
+    kv_starts = [0, 37, 46]
+    kernel.attend(q, k, v, q_starts, q_lens, kv_starts, kv_lens, True, 0.1, out, lse)
+    for b in range(3):
+        qs, ks = q_starts[b], kv_starts[b]
+        qb = q[qs:qs + q_lens[b]].double().transpose(0, 1)
+        kb = k[ks:ks + kv_lens[b]].double().transpose(0, 1)
+        vb = v[ks:ks + kv_lens[b]].double().transpose(0, 1)
+        s = (qb @ kb.transpose(1, 2)) * 0.1
+        hidden = torch.ones(q_lens[b], kv_lens[b], dtype=torch.bool).triu(
+            kv_lens[b] - q_lens[b] + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+        ref_lse = torch.logsumexp(s, -1)
+        ref = (torch.softmax(s, -1) @ vb).transpose(0, 1)
+        rows = slice(qs, qs + q_lens[b])
+        err = max((out[rows].double() - ref).abs().max().item(),
+                  (lse[:, rows].double() - ref_lse).abs().max().item())
+        # bf16 inputs vs the float32 result: input rounding (2^-9 relative) dominates.
+        err16 = (out16[rows].double() - out[rows].double()).abs().max().item()
+        if not (err < 1e-4 and err16 < 5e-2):
+            return (f"self-test against float64 failed: max error {err:.3g} (float32), "
+                    f"{err16:.3g} (bfloat16) in request {b}")
+    return None
+
+
+def _load() -> NativeMLAPrefillKernel | NativeKernelStatus:
+    reasons = _static_reasons()
+    if reasons:
+        return NativeKernelStatus(False, tuple(reasons))
+    compiler = _compiler()
+    if compiler is None:  # pragma: no cover - _static_reasons checked it
+        return NativeKernelStatus(False, ("no C compiler",))
+    try:
+        path = _build(compiler)
+        kernel = NativeMLAPrefillKernel(ctypes.CDLL(str(path)), path)
+        failure = _self_test(kernel)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return NativeKernelStatus(False, (f"could not build or load it: {exc}",))
+    if failure:
+        return NativeKernelStatus(False, (failure,), path)
+    return kernel
+
+
+def load_native_kernel() -> NativeMLAPrefillKernel | None:
+    """The kernel, built and loaded on the first call in a process; None where it cannot be
+    (see :func:`native_kernel_status`; the reason is logged once at INFO)."""
+    with _load_lock:
+        result = _loaded.get("kernel")
+        if result is None:
+            result = _load()
+            _loaded["kernel"] = result
+            if isinstance(result, NativeKernelStatus):
+                logger.info("native CPU MLA kernel unavailable: %s", "; ".join(result.reasons))
+    return result if isinstance(result, NativeMLAPrefillKernel) else None
+
+
+def native_kernel_status() -> NativeKernelStatus:
+    """Whether :func:`load_native_kernel` gives a kernel (building it if not yet tried)."""
+    kernel = load_native_kernel()
+    if kernel is not None:
+        return NativeKernelStatus(True, (), kernel.path)
+    status = _loaded["kernel"]
+    return status if isinstance(status, NativeKernelStatus) else NativeKernelStatus(False)
+
+
+def _reset_for_tests() -> None:
+    """Forget the loaded kernel, so the next call probes and builds again."""
+    with _load_lock:
+        _loaded.clear()

@@ -1,0 +1,309 @@
+/* MLA prefill attention for one (request, head) on an AVX-512 CPU, float32.
+ *
+ * Built at first use by app/backends/_cpu_native.py (cc -O3 -mavx512f -mfma) and called
+ * through ctypes, which releases the GIL, so one Python thread per core runs its own
+ * (request, head) items. A flash-attention loop: query blocks of BQ rows, key blocks of BK
+ * keys, scores in registers tiles of MR x 32 (q.k) and PR x 64 (p.v), an online softmax in
+ * the log2 domain (k is pre-scaled by scale * log2(e) while it is packed), and keys past a
+ * tile's last visible key are never touched (bottom-right causal mask).
+ *
+ * Layouts (elements, last dim contiguous): q [q_len rows, ld_q], k [kv_len rows, ld_k],
+ * v [kv_len rows, ld_v], out [q_len rows, ld_o]; lse [q_len] float32 (natural log; -inf and
+ * a zero output row for a query that sees no key). q/k/v share one element type and out has
+ * one (DT_F32, DT_BF16 or DT_F16); they are converted to float32 while packing and back
+ * when the output is written (bf16 rounds to nearest even), so the math is float32 always.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MR 14          /* query rows per q.k register tile */
+#define NR 32          /* keys per q.k register tile (two vectors) */
+#define PR 7           /* query rows per p.v register tile (x 64 output columns) */
+#define BQ 112         /* query rows per block (a multiple of MR and PR) */
+#define BK 512         /* keys per block (a multiple of NR) */
+#define LDS (BK + 16)  /* score row stride: padded so score rows do not share cache sets */
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+static long round_up(long x, long m) { return (x + m - 1) / m * m; }
+
+static inline float load_elem(const void* p, long i, int dt) {
+  if (dt == DT_BF16) {
+    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  if (dt == DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
+  return ((const float*)p)[i];
+}
+
+static inline __m512 load16(const void* p, long i, int dt) {
+  if (dt == DT_F32) return _mm512_loadu_ps((const float*)p + i);
+  __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+  if (dt == DT_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(void* p, long i, __m512 x, int dt) {
+  if (dt == DT_F32) {
+    _mm512_storeu_ps((float*)p + i, x);
+  } else if (dt == DT_F16) {
+    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {  /* bf16, round to nearest even */
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+
+static inline long elem_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* Scratch floats for one (request, head) of these sizes: packed q, packed k, v copy,
+ * scores, accumulator, row max and row sum, rows being packed, plus 16 floats to align the
+ * packed k. */
+long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv) {
+  return round_up(q_len, MR) * d + round_up(kv_len, NR) * d + kv_len * dv +
+         BQ * LDS + BQ * dv + 2 * BQ + NR * d + 16;
+}
+
+/* rows x d elements (row stride ld) -> float32 rows x d, contiguous. */
+static inline __attribute__((always_inline)) void widen_rows(
+    const void* src, long ld, long rows, long d, const int dt, float* dst) {
+  for (long r = 0; r < rows; ++r) {
+    long c = 0;
+    for (; c + 16 <= d; c += 16) _mm512_storeu_ps(dst + r * d + c, load16(src, r * ld + c, dt));
+    for (; c < d; ++c) dst[r * d + c] = load_elem(src, r * ld + c, dt);
+  }
+}
+
+/* Query rows -> tiles of MR rows, each stored [d][MR] (rows past n are zero). Rows are read
+ * whole into tmp [MR x d] first: reading one element of each of MR rows per step makes the
+ * rows (a whole-row stride apart) evict each other from L1. */
+static inline __attribute__((always_inline)) void pack_q(
+    const void* q, long ld, long n, long d, const int dt, float* tmp, float* dst) {
+  for (long t = 0; t * MR < n; ++t) {
+    float* tile = dst + t * d * MR;
+    const long rows = n - t * MR < MR ? n - t * MR : MR;
+    widen_rows((const char*)q + t * MR * ld * elem_size(dt), ld, rows, d, dt, tmp);
+    for (long c = 0; c < d; ++c)
+      for (long i = 0; i < MR; ++i) tile[c * MR + i] = i < rows ? tmp[i * d + c] : 0.f;
+  }
+}
+
+/* Keys -> panels of NR keys, each stored [d][NR] and multiplied by mult (keys past n: 0). */
+static inline __attribute__((always_inline)) void pack_k(
+    const void* k, long ld, long n, long d, const int dt, float mult, float* tmp, float* dst) {
+  for (long p = 0; p * NR < n; ++p) {
+    float* panel = dst + p * d * NR;
+    const long keys = n - p * NR < NR ? n - p * NR : NR;
+    widen_rows((const char*)k + p * NR * ld * elem_size(dt), ld, keys, d, dt, tmp);
+    for (long c = 0; c < d; ++c)
+      for (long j = 0; j < NR; ++j) panel[c * NR + j] = j < keys ? tmp[j * d + c] * mult : 0.f;
+  }
+}
+
+/* Pack q and k and copy v to float32; one specialised copy per element type. */
+static inline __attribute__((always_inline)) void pack_inputs_as(
+    const void* q, long ld_q, const void* k, long ld_k, const void* v, long ld_v, const int dt,
+    long q_len, long kv_len, long d, long dv, float k_mult, float* qpack, float* kpack,
+    float* vbuf, float* tmp) {
+  pack_q(q, ld_q, q_len, d, dt, tmp, qpack);
+  pack_k(k, ld_k, kv_len, d, dt, k_mult, tmp, kpack);
+  for (long r = 0; r < kv_len; ++r)
+    for (long c = 0; c < dv; c += 16) _mm512_storeu_ps(vbuf + r * dv + c, load16(v, r * ld_v + c, dt));
+}
+
+static void pack_inputs(const void* q, long ld_q, const void* k, long ld_k, const void* v,
+                        long ld_v, int dt, long q_len, long kv_len, long d, long dv,
+                        float k_mult, float* qpack, float* kpack, float* vbuf, float* tmp) {
+  if (dt == DT_BF16)
+    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_BF16, q_len, kv_len, d, dv, k_mult, qpack,
+                   kpack, vbuf, tmp);
+  else if (dt == DT_F16)
+    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_F16, q_len, kv_len, d, dv, k_mult, qpack,
+                   kpack, vbuf, tmp);
+  else
+    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_F32, q_len, kv_len, d, dv, k_mult, qpack,
+                   kpack, vbuf, tmp);
+}
+
+/* s[mr x NR] = q tile . k panel (mr <= MR). */
+static inline __attribute__((always_inline)) void qk_tile(
+    const float* qt, const float* kp, long d, const int mr, float* s) {
+  __m512 c0[MR], c1[MR];
+  _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i) {
+    c0[i] = _mm512_setzero_ps();
+    c1[i] = _mm512_setzero_ps();
+  }
+  for (long c = 0; c < d; ++c) {
+    __m512 b0 = _mm512_load_ps(kp + c * NR), b1 = _mm512_load_ps(kp + c * NR + 16);
+    _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i) {
+      __m512 a = _mm512_set1_ps(qt[c * MR + i]);
+      c0[i] = _mm512_fmadd_ps(a, b0, c0[i]);
+      c1[i] = _mm512_fmadd_ps(a, b1, c1[i]);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int i = 0; i < mr; ++i) {
+    _mm512_storeu_ps(s + i * LDS, c0[i]);
+    _mm512_storeu_ps(s + i * LDS + 16, c1[i]);
+  }
+}
+
+/* acc[mr x 64] += p[mr x keys] . v[keys x 64] (mr <= PR). */
+static inline __attribute__((always_inline)) void pv_tile(
+    const float* p, const float* v, long ld_v, long keys, const int mr, float* acc, long ld_a) {
+  __m512 c[PR][4];
+  _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      c[i][u] = i < mr ? _mm512_loadu_ps(acc + i * ld_a + 16 * u) : _mm512_setzero_ps();
+  for (long j = 0; j < keys; ++j) {
+    const float* vr = v + j * ld_v;
+    __m512 b0 = _mm512_loadu_ps(vr), b1 = _mm512_loadu_ps(vr + 16);
+    __m512 b2 = _mm512_loadu_ps(vr + 32), b3 = _mm512_loadu_ps(vr + 48);
+    _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i) {
+      __m512 a = _mm512_set1_ps(p[i * LDS + j]);
+      c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(a, b2, c[i][2]);
+      c[i][3] = _mm512_fmadd_ps(a, b3, c[i][3]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int i = 0; i < mr; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      _mm512_storeu_ps(acc + i * ld_a + 16 * u, c[i][u]);
+}
+
+/* 2^x for x <= 0 (relative error ~1e-7); inputs below -126 give 2^-126, never a denormal. */
+static inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* One score row: keep the first `vis` of `width` scores (exponentiated against the new
+ * running max), zero the rest; update the row's running max m, sum l and accumulator. */
+static void softmax_row(float* row, long vis, long width, float* m, float* l, float* acc,
+                        long dv) {
+  for (long j = vis; j < width; ++j) row[j] = 0.f;
+  if (vis <= 0) return;
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  long j = 0;
+  for (; j + 16 <= vis; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+  __mmask16 tail = (__mmask16)((1u << (vis - j)) - 1);
+  if (j < vis)
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + j));
+  float row_max = _mm512_reduce_max_ps(vmax);
+  float m_new = *m > row_max ? *m : row_max;
+  float alpha = exp2f(*m - m_new);  /* 0 on the first block (m = -inf) */
+  __m512 vm = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= vis; j += 16) {
+    __m512 e = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
+    _mm512_storeu_ps(row + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < vis) {
+    __m512 e = exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), vm));
+    e = _mm512_maskz_mov_ps(tail, e);
+    _mm512_mask_storeu_ps(row + j, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  *m = m_new;
+  if (alpha != 1.f) {
+    __m512 va = _mm512_set1_ps(alpha);
+    for (long c = 0; c < dv; c += 16)
+      _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), va));
+  }
+}
+
+/* Attention of one (request, head). d: q/k head dim (any); dv: v head dim, a multiple of
+ * 64. causal: query r sees keys <= r + kv_len - q_len. in_dt: the element type of q/k/v,
+ * out_dt: of out. scratch: mla_cpu_scratch_floats. */
+void mla_cpu_attend_head(const void* q, long ld_q, const void* k, long ld_k, const void* v,
+                         long ld_v, int in_dt, long q_len, long kv_len, long d, long dv,
+                         int causal, float scale, void* out, long ld_o, int out_dt, float* lse,
+                         float* scratch) {
+  float* qpack = scratch;
+  float* kpack = qpack + round_up(q_len, MR) * d;
+  kpack += (16 - ((unsigned long)kpack / sizeof(float)) % 16) % 16;  /* 64-byte aligned */
+  float* vbuf = kpack + round_up(kv_len, NR) * d;
+  float* S = vbuf + kv_len * dv;
+  float* acc = S + BQ * LDS;
+  float* m = acc + BQ * dv;
+  float* l = m + BQ;
+  float* tmp = l + BQ;  /* [NR x d] */
+  const long off = kv_len - q_len;
+  pack_inputs(q, ld_q, k, ld_k, v, ld_v, in_dt, q_len, kv_len, d, dv,
+              scale * 1.4426950408889634f, qpack, kpack, vbuf, tmp);
+
+  for (long qs = 0; qs < q_len; qs += BQ) {
+    const long qn = q_len - qs < BQ ? q_len - qs : BQ;
+    long kv_end = causal ? qs + qn + off : kv_len;
+    if (kv_end > kv_len) kv_end = kv_len;
+    for (long i = 0; i < qn; ++i) { m[i] = -INFINITY; l[i] = 0.f; }
+    memset(acc, 0, sizeof(float) * qn * dv);
+    for (long ks = 0; ks < kv_end; ks += BK) {
+      const long kn = kv_end - ks < BK ? kv_end - ks : BK;
+      long tile_keys[BQ / MR];  /* keys of this block the tile's last row sees */
+      for (long i0 = 0; i0 < qn; i0 += MR) {
+        const long mr = qn - i0 < MR ? qn - i0 : MR;
+        long end = causal ? qs + i0 + mr + off : kv_end;
+        if (end > ks + kn) end = ks + kn;
+        tile_keys[i0 / MR] = end > ks ? end - ks : 0;
+      }
+      for (long p0 = 0; p0 < kn; p0 += NR) {  /* a k panel stays in L1 across the tiles */
+        const float* kp = kpack + (ks + p0) * d;
+        for (long i0 = 0; i0 < qn; i0 += MR) {
+          if (p0 >= tile_keys[i0 / MR]) continue;
+          const int mr = qn - i0 < MR ? (int)(qn - i0) : MR;
+          const float* qt = qpack + (qs + i0) * d;
+          if (mr == MR) qk_tile(qt, kp, d, MR, S + i0 * LDS + p0);
+          else qk_tile(qt, kp, d, mr, S + i0 * LDS + p0);
+        }
+      }
+      for (long i = 0; i < qn; ++i) {
+        const long tk = tile_keys[i / MR];
+        long vis = causal ? qs + i + off + 1 - ks : kn;
+        if (vis > tk) vis = tk;
+        if (vis < 0) vis = 0;
+        softmax_row(S + i * LDS, vis, tk, m + i, l + i, acc + i * dv, dv);
+      }
+      for (long i0 = 0; i0 < qn; i0 += PR) {
+        const long tk = tile_keys[i0 / MR];
+        if (tk == 0) continue;
+        const int pr = qn - i0 < PR ? (int)(qn - i0) : PR;
+        for (long c0 = 0; c0 < dv; c0 += 64) {
+          const float* vb = vbuf + ks * dv + c0;
+          if (pr == PR) pv_tile(S + i0 * LDS, vb, dv, tk, PR, acc + i0 * dv + c0, dv);
+          else pv_tile(S + i0 * LDS, vb, dv, tk, pr, acc + i0 * dv + c0, dv);
+        }
+      }
+    }
+    for (long i = 0; i < qn; ++i) {
+      const long o = (qs + i) * ld_o;
+      if (l[i] == 0.f) {
+        memset((char*)out + o * elem_size(out_dt), 0, (size_t)(elem_size(out_dt) * dv));
+        lse[qs + i] = -INFINITY;
+        continue;
+      }
+      __m512 inv = _mm512_set1_ps(1.f / l[i]);
+      for (long c = 0; c < dv; c += 16)
+        store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
+      lse[qs + i] = (m[i] + log2f(l[i])) * 0.6931471805599453f;
+    }
+  }
+}
