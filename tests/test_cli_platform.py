@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from app.backends._cpu_native import native_kernel_status
 from app.cli import main
 
 
@@ -19,6 +20,10 @@ def test_platform_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
                 "kernel_packages"):
         assert key in data
     assert data["torch_version"] == torch.__version__
+    status = native_kernel_status()
+    assert data["cpu_native_kernel"] == (
+        f"available ({status.library})" if status.available
+        else f"unavailable: {'; '.join(status.reasons)}")
     modules = {p["module"]: p for p in data["kernel_packages"]}
     assert set(modules) >= {"flashinfer", "tokenspeed_mla", "flash_attn", "flash_attn.cute"}
     for entry in modules.values():

@@ -26,6 +26,7 @@ from app.backends import (
     get_mla_prefill_backend,
     register_mla_prefill_backend,
 )
+from app.backends._cpu_native import enabled_by_environment
 from app.backends.torch_sdpa import TorchSDPABackend
 from app.cli import main
 from app.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig
@@ -96,6 +97,20 @@ def _in_fresh_container(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def _with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
+
+
 class _NotABackend:
     """Not an MLAPrefillBackend."""
 
@@ -154,6 +169,8 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("selector", "an explicit backend that cannot run here (FLASHINFER on a CPU)",
      _in_fresh_container(lambda: get_mla_prefill_backend(EngineConfig.from_dict(
          {"attention": {"mla_prefill_backend": "FLASHINFER"}})))),
+    ("platform", "`APP_CPU_NATIVE_KERNEL=maybe` (read when TORCH_SDPA first runs on CPU)",
+     _with_env("APP_CPU_NATIVE_KERNEL", "maybe", enabled_by_environment)),
     ("platform", "`CudaPlatform()` on a machine without CUDA",
      lambda: CudaPlatform() if not torch.cuda.is_available() else (_ for _ in ()).throw(
          ValueError("(this machine has CUDA)"))),

@@ -36,11 +36,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISABLE_ENV", "NativeKernelStatus", "NativeMLAPrefillKernel", "load_native_kernel",
-           "native_kernel_status"]
+__all__ = ["DISABLE_ENV", "NativeKernelStatus", "NativeMLAPrefillKernel",
+           "enabled_by_environment", "load_native_kernel", "native_kernel_status"]
 
-#: Set to ``0`` to keep TORCH_SDPA on the aten CPU kernel.
+#: Set to ``0`` (or false/off/no) to keep TORCH_SDPA on the aten CPU kernel.
 DISABLE_ENV = "APP_CPU_NATIVE_KERNEL"
+_ENV_VALUES = {"": True, "1": True, "true": True, "on": True, "yes": True,
+               "0": False, "false": False, "off": False, "no": False}
 _SOURCE = Path(__file__).with_name("_native") / "mla_prefill_cpu.c"
 _FLAGS = ("-O3", "-mavx512f", "-mfma", "-mf16c", "-fPIC", "-shared")
 #: The kernel's p.v tiles are 64 output columns wide.
@@ -234,10 +236,20 @@ def _compiler() -> str | None:
     return None
 
 
+def enabled_by_environment() -> bool:
+    """``$APP_CPU_NATIVE_KERNEL`` read strictly: unset/1/true/on/yes or 0/false/off/no."""
+    raw = os.environ.get(DISABLE_ENV, "")
+    value = _ENV_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(f"{DISABLE_ENV}: expected one of 1/true/on/yes or 0/false/off/no "
+                         f"(or unset), got {raw!r}")
+    return value
+
+
 def _static_reasons() -> list[str]:
     reasons = []
-    if os.environ.get(DISABLE_ENV, "").strip() == "0":
-        reasons.append(f"turned off by {DISABLE_ENV}=0")
+    if not enabled_by_environment():
+        reasons.append(f"turned off by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         reasons.append(f"needs an x86-64 CPU, this is {platform.machine()}")
     elif not _cpu_has_avx512():
@@ -337,7 +349,8 @@ def _load() -> NativeMLAPrefillKernel | NativeKernelStatus:
 
 def load_native_kernel() -> NativeMLAPrefillKernel | None:
     """The kernel, built and loaded on the first call in a process; None where it cannot be
-    (see :func:`native_kernel_status`; the reason is logged once at INFO)."""
+    (see :func:`native_kernel_status`; the reason is logged once at INFO). Raises
+    ``ValueError`` for an unrecognised ``$APP_CPU_NATIVE_KERNEL`` (nothing is cached then)."""
     with _load_lock:
         result = _loaded.get("kernel")
         if result is None:

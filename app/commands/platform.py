@@ -56,8 +56,20 @@ def collect() -> dict[str, Any]:
     info["torch_version"] = torch.__version__
     info["torch_cuda"] = torch.version.cuda
     info["python_version"] = _pyplatform.python_version()
+    info["cpu_native_kernel"] = cpu_native_kernel()
     info["kernel_packages"] = probe_kernel_packages()
     return info
+
+
+def cpu_native_kernel() -> str:
+    """TORCH_SDPA's native CPU kernel: ``available (<library>)`` or ``unavailable: <why>``
+    (builds it on first use, ~1 s)."""
+    from app.backends._cpu_native import native_kernel_status
+
+    status = native_kernel_status()
+    if status.available:
+        return f"available ({status.library})"
+    return f"unavailable: {'; '.join(status.reasons)}"
 
 
 def run(args: argparse.Namespace) -> int:

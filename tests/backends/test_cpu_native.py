@@ -152,6 +152,22 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch, fresh_lo
     assert f"turned off by {native.DISABLE_ENV}=0" in status.reasons
 
 
+@pytest.mark.parametrize("value", ["off", "False", " no "])
+def test_other_spellings_of_off(monkeypatch: pytest.MonkeyPatch, fresh_load: None, value: str
+                                ) -> None:
+    monkeypatch.setenv(native.DISABLE_ENV, value)
+    assert native.load_native_kernel() is None
+
+
+def test_an_unrecognised_setting_raises_and_is_not_cached(
+        monkeypatch: pytest.MonkeyPatch, fresh_load: None) -> None:
+    monkeypatch.setenv(native.DISABLE_ENV, "maybe")
+    with pytest.raises(ValueError, match="expected one of 1/true/on/yes or 0/false/off/no"):
+        native.load_native_kernel()
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.load_native_kernel() is None  # read again, not a cached failure
+
+
 def test_a_failing_compiler_is_a_reason_not_an_error(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_load: None) -> None:
     if native._static_reasons():
