@@ -24,6 +24,7 @@
 #define BQ 112         /* query rows per block (a multiple of MR and PR) */
 #define BK 512         /* keys per block (a multiple of NR) */
 #define LDS (BK + 16)  /* score row stride: padded so score rows do not share cache sets */
+#define PREFETCH_ROWS 4  /* input rows are a whole token apart: fetch ahead of the copy */
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -73,9 +74,15 @@ long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv) {
 }
 
 /* rows x d elements (row stride ld) -> float32 rows x d, contiguous. */
+static inline void prefetch_row(const void* src, long row, long ld, long width, int dt) {
+  const char* p = (const char*)src + row * ld * elem_size(dt);
+  for (long b = 0; b < width * elem_size(dt); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) void widen_rows(
     const void* src, long ld, long rows, long d, const int dt, float* dst) {
   for (long r = 0; r < rows; ++r) {
+    if (r + PREFETCH_ROWS < rows) prefetch_row(src, r + PREFETCH_ROWS, ld, d, dt);
     long c = 0;
     for (; c + 16 <= d; c += 16) _mm512_storeu_ps(dst + r * d + c, load16(src, r * ld + c, dt));
     for (; c < d; ++c) dst[r * d + c] = load_elem(src, r * ld + c, dt);
@@ -115,8 +122,11 @@ static inline __attribute__((always_inline)) void pack_inputs_as(
     float* vbuf, float* tmp) {
   pack_q(q, ld_q, q_len, d, dt, tmp, qpack);
   pack_k(k, ld_k, kv_len, d, dt, k_mult, tmp, kpack);
-  for (long r = 0; r < kv_len; ++r)
-    for (long c = 0; c < dv; c += 16) _mm512_storeu_ps(vbuf + r * dv + c, load16(v, r * ld_v + c, dt));
+  for (long r = 0; r < kv_len; ++r) {
+    if (r + PREFETCH_ROWS < kv_len) prefetch_row(v, r + PREFETCH_ROWS, ld_v, dv, dt);
+    for (long c = 0; c < dv; c += 16)
+      _mm512_storeu_ps(vbuf + r * dv + c, load16(v, r * ld_v + c, dt));
+  }
 }
 
 static void pack_inputs(const void* q, long ld_q, const void* k, long ld_k, const void* v,
