@@ -1,11 +1,13 @@
 /* MLA prefill attention for one (request, head) on an AVX-512 CPU, float32.
  *
- * Built at first use by app/backends/_cpu_native.py (cc -O3 -mavx512f -mfma) and called
- * through ctypes, which releases the GIL, so one Python thread per core runs its own
+ * Built at first use by app/backends/_cpu_native.py (cc -O3 -mavx512f -mfma -mf16c) and
+ * called through ctypes, which releases the GIL, so one Python thread per core runs its own
  * (request, head) items. A flash-attention loop: query blocks of BQ rows, key blocks of BK
- * keys, scores in registers tiles of MR x 32 (q.k) and PR x 64 (p.v), an online softmax in
- * the log2 domain (k is pre-scaled by scale * log2(e) while it is packed), and keys past a
- * tile's last visible key are never touched (bottom-right causal mask).
+ * keys, register tiles of MR x 32 scores (q.k) and PR x 64 outputs (p.v), an online softmax
+ * in the log2 domain (k is pre-scaled by scale * log2(e) while it is packed), and keys past
+ * a tile's last visible key are never touched (bottom-right causal mask). q and k are packed
+ * per (request, head) into the tile layouts and v copied contiguous: read in place, rows a
+ * whole token apart (H * D elements) evict each other from L1 and halve the p.v rate.
  *
  * Layouts (elements, last dim contiguous): q [q_len rows, ld_q], k [kv_len rows, ld_k],
  * v [kv_len rows, ld_v], out [q_len rows, ld_o]; lse [q_len] float32 (natural log; -inf and
