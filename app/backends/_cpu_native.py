@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import attrs
@@ -120,7 +120,9 @@ class NativeMLAPrefillKernel:
             run(shares[0])
             return
         pool = _pool.get(len(shares))
-        for future in [pool.submit(run, share) for share in shares]:
+        futures = [pool.submit(run, share) for share in shares]
+        wait(futures)  # every share done before an error surfaces: none still writes to out
+        for future in futures:
             future.result()
 
     @staticmethod
@@ -192,20 +194,22 @@ def _balance(items: list[_Item], cost: Callable[[_Item], int], workers: int
 
 
 class _WorkerPool:
-    """One thread pool per process, resized when ``torch.get_num_threads()`` changes."""
+    """One thread pool per process, resized when ``torch.get_num_threads()`` changes and
+    made anew in a forked child (whose copy of the pool has no threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._size = 0
+        self._pid = 0
 
     def get(self, workers: int) -> ThreadPoolExecutor:
         with self._lock:
-            if self._pool is None or self._size != workers:
-                if self._pool is not None:
+            if self._pool is None or self._size != workers or self._pid != os.getpid():
+                if self._pool is not None and self._pid == os.getpid():
                     self._pool.shutdown(wait=False)
                 self._pool = ThreadPoolExecutor(workers, thread_name_prefix="app-mla-cpu")
-                self._size = workers
+                self._size, self._pid = workers, os.getpid()
             return self._pool
 
 

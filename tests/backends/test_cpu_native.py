@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,3 +194,28 @@ def test_built_once_into_the_cache_then_reused(monkeypatch: pytest.MonkeyPatch,
     assert second is not None and second.path == first.path
     assert second.path.stat().st_mtime_ns == stamp
     assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # no temp left
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_runs_in_a_forked_child_after_the_parent_used_it() -> None:
+    """A forked engine worker inherits the pool object but not its threads."""
+    kern = kernel()
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(64, H, 192, generator=gen), torch.randn(64, H, 192, generator=gen)
+    v = torch.randn(64, H, 128, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the parent's call goes through the pool
+    try:
+        out, lse = torch.empty(64, H, 128), torch.empty(H, 64)
+        kern.attend(q, k, v, [0, 32], [32, 32], [0, 32], [32, 32], True, 0.07, out, lse)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, not blocks
+            child, child_lse = torch.empty(64, H, 128), torch.empty(H, 64)
+            kern.attend(q, k, v, [0, 32], [32, 32], [0, 32], [32, 32], True, 0.07, child,
+                        child_lse)
+            os._exit(0 if torch.equal(child, out) else 3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert os.waitstatus_to_exitcode(status) == 0
