@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -49,7 +49,6 @@ _FLAGS = ("-O3", "-mavx512f", "-mfma", "-mf16c", "-fPIC", "-shared")
 V_HEAD_DIM_MULTIPLE = 64
 
 _c_long, _c_ptr = ctypes.c_long, ctypes.c_void_p
-_Item = tuple[int, int]  # (request, head)
 #: The element types the kernel reads and writes (its DT_* codes); it computes in float32.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -68,12 +67,13 @@ class NativeMLAPrefillKernel:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._attend = library.mla_cpu_attend_head
+        self._attend = library.mla_cpu_attend
         self._attend.restype = None
-        c_int = ctypes.c_int
-        self._attend.argtypes = [_c_ptr, _c_long, _c_ptr, _c_long, _c_ptr, _c_long, c_int,
-                                 _c_long, _c_long, _c_long, _c_long, c_int, ctypes.c_float,
-                                 _c_ptr, _c_long, c_int, _c_ptr, _c_ptr]
+        c_int, c_float = ctypes.c_int, ctypes.c_float
+        self._attend.argtypes = [
+            _c_ptr, _c_long, _c_long, _c_ptr, _c_long, _c_long, _c_ptr, _c_long, _c_long,
+            c_int, _c_long, _c_long, c_int, c_float, _c_ptr, _c_long, _c_long, c_int, _c_ptr,
+            _c_long, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_long, _c_ptr]
         self._scratch_floats = library.mla_cpu_scratch_floats
         self._scratch_floats.restype = _c_long
         self._scratch_floats.argtypes = [_c_long, _c_long, _c_long, _c_long]
@@ -88,39 +88,43 @@ class NativeMLAPrefillKernel:
         dtype and ``out: [total_q, H, Dv]`` of any (float32, bfloat16 or float16; computed
         in float32), on the CPU with a unit-stride last dim (other strides free: ``v`` may be
         a view into a wider tensor); ``lse: [H, total_q]`` float32 with unit stride along the
-        tokens (natural log). Request ``b`` is rows
-        ``q_starts[b]:+q_lens[b]`` of ``q`` against rows ``kv_starts[b]:+kv_lens[b]`` of
-        ``k``/``v``; ``causal`` is bottom-right aligned. A query that sees no key gets a zero
-        row and LSE ``-inf``. ``Dv`` must be a multiple of 64.
+        tokens (natural log). Request ``b`` is rows ``q_starts[b]:+q_lens[b]`` of ``q``
+        against rows ``kv_starts[b]:+kv_lens[b]`` of ``k``/``v``; ``causal`` is bottom-right
+        aligned. A query that sees no key gets a zero row and LSE ``-inf``. ``Dv`` must be a
+        multiple of 64. Each of ``torch.get_num_threads()`` threads makes one kernel call
+        over its share of the (request, head) items.
         """
         heads, d, dv = q.shape[1], q.shape[2], v.shape[2]
         self._check(q, k, v, out, lse, q_starts, q_lens, kv_starts, kv_lens)
-        in_dt, out_dt = DTYPE_CODES[q.dtype], DTYPE_CODES[out.dtype]
-        items = [(b, h) for b in range(len(q_lens)) if q_lens[b] for h in range(heads)]
-        if not items:
+        live = sorted((b for b in range(len(q_lens)) if q_lens[b]),
+                      key=lambda b: q_lens[b] * max(kv_lens[b], 1), reverse=True)
+        if not live:
             return
+        lengths = torch.tensor([list(q_starts), list(q_lens), list(kv_starts), list(kv_lens)],
+                               dtype=torch.int64)
+        # Costliest first, dealt round-robin: shares differ by at most one item's cost.
+        items = torch.tensor([(b, h) for b in live for h in range(heads)], dtype=torch.int64)
+        workers = max(1, min(torch.get_num_threads(), items.shape[0]))
+        fixed = (q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                 k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), DTYPE_CODES[q.dtype], d,
+                 dv, int(causal), scale, out.data_ptr(), out.stride(0), out.stride(1),
+                 DTYPE_CODES[out.dtype], lse.data_ptr(), lse.stride(0),
+                 *(lengths[i].data_ptr() for i in range(4)))
 
-        def cost(item: _Item) -> int:
-            b = item[0]
-            return q_lens[b] * max(kv_lens[b], 1) + kv_lens[b]
+        def run(share: torch.Tensor, floats: int) -> None:
+            # No torch op that may parallelise here: torch forbids its OpenMP pool from
+            # these threads in a forked child ("Invalid thread pool").
+            self._attend(*fixed, share.data_ptr(), share.shape[0], _scratch(floats).data_ptr())
 
-        def run(work: list[_Item]) -> None:
-            scratch = _scratch(max(self._scratch_floats(q_lens[b], kv_lens[b], d, dv)
-                                   for b, _ in work))
-            for b, h in work:
-                self._attend(
-                    _address(q, q_starts[b], h), q.stride(0), _address(k, kv_starts[b], h),
-                    k.stride(0), _address(v, kv_starts[b], h), v.stride(0), in_dt, q_lens[b],
-                    kv_lens[b], d, dv, int(causal), scale, _address(out, q_starts[b], h),
-                    out.stride(0), out_dt,
-                    lse.data_ptr() + 4 * (h * lse.stride(0) + q_starts[b]), scratch.data_ptr())
-
-        shares = _balance(items, cost, max(1, torch.get_num_threads()))
-        if len(shares) == 1:
-            run(shares[0])
+        shares = [items[w::workers].contiguous() for w in range(workers)]
+        floats = [self._scratch_floats(max(q_lens[b] for b in requests),
+                                       max(kv_lens[b] for b in requests), d, dv)
+                  for requests in (set(share[:, 0].tolist()) for share in shares)]
+        if workers == 1:
+            run(shares[0], floats[0])
             return
-        pool = _pool.get(len(shares))
-        futures = [pool.submit(run, share) for share in shares]
+        pool = _pool.get(workers)
+        futures = [pool.submit(run, share, n) for share, n in zip(shares, floats, strict=True)]
         wait(futures)  # every share done before an error surfaces: none still writes to out
         for future in futures:
             future.result()
@@ -175,22 +179,6 @@ def _scratch(floats: int) -> torch.Tensor:
     buf = torch.empty(floats, dtype=torch.float32)
     _thread_scratch.buf = buf if floats * 4 <= SCRATCH_KEEP_BYTES else None
     return buf
-
-
-def _address(t: torch.Tensor, row: int, head: int) -> int:
-    return t.data_ptr() + t.element_size() * (row * t.stride(0) + head * t.stride(1))
-
-
-def _balance(items: list[_Item], cost: Callable[[_Item], int], workers: int
-             ) -> list[list[_Item]]:
-    """Longest-first onto the least-loaded worker; only non-empty shares are returned."""
-    shares: list[list[_Item]] = [[] for _ in range(min(workers, len(items)))]
-    loads = [0] * len(shares)
-    for item in sorted(items, key=cost, reverse=True):
-        i = loads.index(min(loads))
-        shares[i].append(item)
-        loads[i] += cost(item)
-    return shares
 
 
 class _WorkerPool:

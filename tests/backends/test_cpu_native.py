@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -209,12 +210,18 @@ def test_runs_in_a_forked_child_after_the_parent_used_it() -> None:
         out, lse = torch.empty(64, H, 128), torch.empty(H, 64)
         kern.attend(q, k, v, [0, 32], [32, 32], [0, 32], [32, 32], True, 0.07, out, lse)
         pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, not blocks
-            child, child_lse = torch.empty(64, H, 128), torch.empty(H, 64)
-            kern.attend(q, k, v, [0, 32], [32, 32], [0, 32], [32, 32], True, 0.07, child,
-                        child_lse)
-            os._exit(0 if torch.equal(child, out) else 3)
+        if pid == 0:  # pragma: no cover - runs in the child, which must never return
+            code = 4
+            try:
+                faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, not blocks
+                child, child_lse = torch.empty(64, H, 128), torch.empty(H, 64)
+                kern.attend(q, k, v, [0, 32], [32, 32], [0, 32], [32, 32], True, 0.07, child,
+                            child_lse)
+                code = 0 if torch.equal(child, out) else 3
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
         _, status = os.waitpid(pid, 0)
     finally:
         torch.set_num_threads(threads)

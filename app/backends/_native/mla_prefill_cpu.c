@@ -245,7 +245,7 @@ static void softmax_row(float* row, long vis, long width, float* m, float* l, fl
 /* Attention of one (request, head). d: q/k head dim (any); dv: v head dim, a multiple of
  * 64. causal: query r sees keys <= r + kv_len - q_len. in_dt: the element type of q/k/v,
  * out_dt: of out. scratch: mla_cpu_scratch_floats. */
-void mla_cpu_attend_head(const void* q, long ld_q, const void* k, long ld_k, const void* v,
+static void attend_head(const void* q, long ld_q, const void* k, long ld_k, const void* v,
                          long ld_v, int in_dt, long q_len, long kv_len, long d, long dv,
                          int causal, float scale, void* out, long ld_o, int out_dt, float* lse,
                          float* scratch) {
@@ -317,5 +317,28 @@ void mla_cpu_attend_head(const void* q, long ld_q, const void* k, long ld_k, con
         store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
       lse[qs + i] = (m[i] + log2f(l[i])) * 0.6931471805599453f;
     }
+  }
+}
+
+/* A worker's share of a ragged batch: items[2 i] is a request, items[2 i + 1] a head. Tensor
+ * strides are in elements: q [tokens, heads, d] with strides (q_row, q_head, 1), likewise k,
+ * v, out; lse [heads, tokens] float32 with strides (lse_head, 1). Request b is q rows
+ * q_start[b] .. + q_len[b] against k/v rows kv_start[b] .. + kv_len[b]. scratch holds
+ * mla_cpu_scratch_floats for the largest request of the share. */
+void mla_cpu_attend(const void* q, long q_row, long q_head, const void* k, long k_row,
+                    long k_head, const void* v, long v_row, long v_head, int in_dt, long d,
+                    long dv, int causal, float scale, void* out, long o_row, long o_head,
+                    int out_dt, float* lse, long lse_head, const int64_t* q_start,
+                    const int64_t* q_len, const int64_t* kv_start, const int64_t* kv_len,
+                    const int64_t* items, long n_items, float* scratch) {
+  const long in_size = elem_size(in_dt), out_size = elem_size(out_dt);
+  for (long it = 0; it < n_items; ++it) {
+    const long b = items[2 * it], h = items[2 * it + 1];
+    attend_head((const char*)q + (q_start[b] * q_row + h * q_head) * in_size, q_row,
+                (const char*)k + (kv_start[b] * k_row + h * k_head) * in_size, k_row,
+                (const char*)v + (kv_start[b] * v_row + h * v_head) * in_size, v_row, in_dt,
+                q_len[b], kv_len[b], d, dv, causal, scale,
+                (char*)out + (q_start[b] * o_row + h * o_head) * out_size, o_row, out_dt,
+                lse + h * lse_head + q_start[b], scratch);
   }
 }
