@@ -5,11 +5,12 @@ the same run and interleaved with it: two dense float32 baselines per request, v
 backend algorithm exactly (``vllm_algorithm_baseline``: matmul, mask, softmax, matmul, and a
 separate logsumexp; new-token cases only) and a stricter one that computes the LSE once and
 reuses it for the probabilities (``dense_baseline``; heads in groups so a score matrix stays
-<= 256 MiB); and this machine's float32 matmul rate (``torch.mm`` 2048^3, best of the
-measurements at the start and the end). Per case: ms per call (best and median), GFLOP/s and
-the ratio to the matmul rate. The baselines always compute the LSE, so they are timed once per
-shape (on the LSE case) and the no-LSE row of that shape is compared with them
-(``baseline_from``).
+<= 256 MiB); and this machine's float32 matmul rate (``torch.mm`` 2048^3: the best of
+measurements at the start, before every case and at the end, since on a shared machine it
+drifts and a low reading would flatter the ratios). Per case: ms per call (best and
+median), GFLOP/s and the ratio to the matmul rate. The baselines always compute the LSE, so
+they are timed once per shape (on the LSE case) and the no-LSE row of that shape is compared
+with them (``baseline_from``).
 
 FLOPs: ``2 * (P + R + V) * H * sum(q_len * kv_len)``, halved for causal cases. GFLOP/s and the
 targets use the best time of the repeats (the machine may be shared); medians are reported too.
@@ -92,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="valid",
                         help="comma list of backend names, or 'valid' (every valid built-in)")
     parser.add_argument("--repeat", type=int, default=None,
-                        help="timed calls per case (default 5, 3 for >= 4k tokens, 2 quick)")
+                        help="timed calls per case (default 5, 2 with --quick)")
     parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the dense matmul-softmax-matmul baseline")
@@ -378,8 +379,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         skipped[str(dtype).removeprefix("torch.")] = skip
         for cls in classes:
             for case in cases:
-                big = sum(case.query_lens) >= 4096
-                repeat = args.repeat or (2 if args.quick else (3 if big else 5))
+                if not args.quick:  # the rate drifts by a quarter within minutes here: the
+                    mm_runs.append(matmul_rate(device, repeat=5))  # ratios use the best seen
+                # Five samples even for >= 4k tokens: the minimum of three was at the mercy
+                # of a slow spell on these shared machines.
+                repeat = args.repeat or (2 if args.quick else 5)
                 # The baseline always computes the LSE: time it once per shape (LSE case).
                 try:
                     rows.append(_run_case(cls, case, dtype, device, args.heads, repeat,
