@@ -114,7 +114,8 @@ class NativeMLAPrefillKernel:
         def run(share: torch.Tensor, floats: int) -> None:
             # No torch op that may parallelise here: torch forbids its OpenMP pool from
             # these threads in a forked child ("Invalid thread pool").
-            self._attend(*fixed, share.data_ptr(), share.shape[0], _scratch(floats).data_ptr())
+            scratch = _scratch(floats)  # held by name: the C call must not outlive it
+            self._attend(*fixed, share.data_ptr(), share.shape[0], scratch.data_ptr())
 
         shares = [items[w::workers].contiguous() for w in range(workers)]
         floats = [self._scratch_floats(max(q_lens[b] for b in requests),

@@ -226,3 +226,10 @@ def test_runs_in_a_forked_child_after_the_parent_used_it() -> None:
     finally:
         torch.set_num_threads(threads)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_scratch_larger_than_the_kept_size_stays_alive_during_the_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scratch above SCRATCH_KEEP_BYTES is not cached: the call itself must hold it."""
+    monkeypatch.setattr(native, "SCRATCH_KEEP_BYTES", 0)
+    attend([300, 200], [300, 260], True)

@@ -75,12 +75,13 @@ long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv) {
          BQ * LDS + BQ * dv + 2 * BQ + NR * d + 16;
 }
 
-/* rows x d elements (row stride ld) -> float32 rows x d, contiguous. */
+/* A hint to fetch one input row (never faults). */
 static inline void prefetch_row(const void* src, long row, long ld, long width, int dt) {
   const char* p = (const char*)src + row * ld * elem_size(dt);
   for (long b = 0; b < width * elem_size(dt); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+/* rows x d elements (row stride ld) -> float32 rows x d, contiguous. */
 static inline __attribute__((always_inline)) void widen_rows(
     const void* src, long ld, long rows, long d, const int dt, float* dst) {
   for (long r = 0; r < rows; ++r) {
