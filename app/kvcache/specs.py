@@ -174,8 +174,11 @@ class KVCacheSpec:
                 "manager_class=...) or KVCacheSpecRegistry.register(...).")
         return all(isinstance(spec, base) for spec in _values(kv_cache_specs))
 
-    def _same_block_size(self, specs: list[KVCacheSpec]) -> bool:
-        return all(spec.block_size == self.block_size for spec in specs)
+    def _same_block_size_and(self, specs: list[KVCacheSpec], field: str) -> bool:
+        """Every spec has this spec's block size and this spec's value of ``field``."""
+        mine = getattr(self, field)
+        return all(spec.block_size == self.block_size and getattr(spec, field, None) == mine
+                   for spec in specs)
 
     def copy_with(self, **changes: Any) -> KVCacheSpec:
         """A copy with some fields changed (validated again)."""
@@ -309,9 +312,8 @@ class SlidingWindowSpec(AttentionSpec):
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
         """The base rule, plus an equal ``sliding_window`` and an equal block size."""
         specs = _values(kv_cache_specs)
-        return (super().is_uniform_with_collection(specs) and self._same_block_size(specs)
-                and all(getattr(s, "sliding_window", None) == self.sliding_window
-                        for s in specs))
+        return (super().is_uniform_with_collection(specs)
+                and self._same_block_size_and(specs, "sliding_window"))
 
 
 @attrs.frozen(kw_only=True)
@@ -346,9 +348,8 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
         """The base rule, plus an equal ``attention_chunk_size`` and an equal block size."""
         specs = _values(kv_cache_specs)
-        return (super().is_uniform_with_collection(specs) and self._same_block_size(specs)
-                and all(getattr(s, "attention_chunk_size", None) == self.attention_chunk_size
-                        for s in specs))
+        return (super().is_uniform_with_collection(specs)
+                and self._same_block_size_and(specs, "attention_chunk_size"))
 
 
 @attrs.frozen(kw_only=True)
@@ -409,8 +410,8 @@ class MambaSpec(KVCacheSpec):
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
         """The base rule, plus equal state ``shapes`` and an equal block size."""
         specs = _values(kv_cache_specs)
-        return (super().is_uniform_with_collection(specs) and self._same_block_size(specs)
-                and all(getattr(s, "shapes", None) == self.shapes for s in specs))
+        return (super().is_uniform_with_collection(specs)
+                and self._same_block_size_and(specs, "shapes"))
 
 
 def spec_summary(spec: KVCacheSpec) -> dict[str, Any]:
