@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import is_int
+from app._validation import check_int_at_least, is_int
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -54,8 +54,7 @@ class MLAPrefillSelectorConfig:
 
 def _cu_seqlens(lengths: Sequence[int], what: str) -> torch.Tensor:
     for i, n in enumerate(lengths):
-        if not is_int(n) or n < 0:
-            raise ValueError(f"{what}[{i}] must be an int >= 0, got {n!r}")
+        check_int_at_least(f"{what}[{i}]", n, 0)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
@@ -210,9 +209,7 @@ class MLAPrefillBackend(ABC):
         for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_nope_head_dim", qk_nope_head_dim),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
-            if not is_int(value) or value < 0:
-                raise ValueError(f"{type(self).__name__}: {name} must be an int >= 0, "
-                                 f"got {value!r}")
+            check_int_at_least(f"{type(self).__name__}: {name}", value, 0)
         if num_heads < 1 or v_head_dim < 1 or qk_nope_head_dim + qk_rope_head_dim < 1:
             raise ValueError(f"{type(self).__name__}: num_heads, v_head_dim and the qk head dim "
                              f"must be >= 1, got {num_heads}, {v_head_dim}, "

@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 
 from app._imports import import_object
-from app._validation import is_int
+from app._validation import check_int_at_least
 from app.commands._output import format_table, print_json, print_text
 
 if sys.version_info >= (3, 11):
@@ -132,8 +132,7 @@ def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
             raise ValueError(f"{where}: a name with '{{i}}' needs 'count' or 'indices'")
         return [name]
     if count is not None:
-        if not is_int(count) or count < 1:
-            raise ValueError(f"{where}: 'count' must be an int >= 1, got {count!r}")
+        check_int_at_least(f"{where}: 'count'", count, 1)
         indices = list(range(count))
     if not isinstance(indices, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in indices):
@@ -213,9 +212,7 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def _positive_option(value: object, name: str) -> int | None:
     if value is None:
         return None
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+    return check_int_at_least(name, value, 1)
 
 
 def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,

@@ -13,7 +13,7 @@ import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
 
-from app._validation import is_int
+from app._validation import check_int_at_least
 from app.kvcache.block_pool import BlockHash
 
 __all__ = ["ROOT_BLOCK_HASH", "KVCacheRequest", "hash_block_tokens"]
@@ -55,14 +55,8 @@ class KVCacheRequest:
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"KVCacheRequest: request_id must be a non-empty str, "
                             f"got {request_id!r}")
-        if not is_int(hash_block_size) \
-                or hash_block_size < 1:
-            raise ValueError(f"KVCacheRequest: hash_block_size must be an int >= 1, "
-                             f"got {hash_block_size!r}")
-        if not is_int(num_encoder_tokens) \
-                or num_encoder_tokens < 0:
-            raise ValueError(f"KVCacheRequest: num_encoder_tokens must be an int >= 0, "
-                             f"got {num_encoder_tokens!r}")
+        check_int_at_least("KVCacheRequest: hash_block_size", hash_block_size, 1)
+        check_int_at_least("KVCacheRequest: num_encoder_tokens", num_encoder_tokens, 0)
         self.request_id = request_id
         try:
             self._token_ids = array("q", prompt_token_ids)

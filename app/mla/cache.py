@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from app._validation import is_int
+from app._validation import check_int_at_least
 
 __all__ = ["PagedLatentCache", "slot_indices"]
 
@@ -42,9 +42,7 @@ class PagedLatentCache:
         for name, value, minimum in (("num_blocks", num_blocks, 1),
                                      ("block_size", block_size, 1),
                                      ("latent_dim", latent_dim, 1)):
-            if not is_int(value) or value < minimum:
-                raise ValueError(f"PagedLatentCache: {name} must be an int >= {minimum}, "
-                                 f"got {value!r}")
+            check_int_at_least(f"PagedLatentCache: {name}", value, minimum)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.latent_dim = latent_dim

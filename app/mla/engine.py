@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from app._validation import is_int
+from app._validation import check_int_at_least
 from app.backends.base import MLAPrefillBackend
 from app.backends.selector import get_mla_prefill_backend
 from app.config import EngineConfig
@@ -159,8 +159,7 @@ class MLAPrefillEngine:
                  step_tokens: int = 8192, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  weights: MLALayerWeights | None = None, keep_outputs: bool = True,
                  timer: PhaseTimer | None = None) -> None:
-        if not is_int(step_tokens) or step_tokens < 1:
-            raise ValueError(f"step_tokens must be an int >= 1, got {step_tokens!r}")
+        check_int_at_least("step_tokens", step_tokens, 1)
         container = get_container() if container is None else container
         config = container.config() if config is None else config
         if not isinstance(config, EngineConfig):

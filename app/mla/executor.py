@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from app._validation import is_int
+from app._validation import check_int_at_least
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.backends.merge import merge_attn_states
 from app.mla.cache import PagedLatentCache, slot_indices
@@ -49,8 +49,7 @@ def plan_context_chunks(context_lens: Sequence[int], chunk_tokens: int
     Requests are packed in order and a request's context may straddle chunks, so the number of
     chunks is the minimum, ``ceil(sum(context_lens) / chunk_tokens)``.
     """
-    if not is_int(chunk_tokens) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    check_int_at_least("chunk_tokens", chunk_tokens, 1)
     chunks: list[list[tuple[int, int]]] = []
     room = 0
     for b, n in enumerate(context_lens):
@@ -97,10 +96,7 @@ class MLAPrefillExecutor:
                 or backend.v_head_dim != layer.v_head_dim:
             raise ValueError(f"backend {backend!r} does not match the layer's heads/head dims "
                              f"({layer.num_heads}, {layer.qk_head_dim}, {layer.v_head_dim})")
-        if not is_int(context_chunk_tokens) \
-                or context_chunk_tokens < 1:
-            raise ValueError(f"context_chunk_tokens must be an int >= 1, "
-                             f"got {context_chunk_tokens!r}")
+        check_int_at_least("context_chunk_tokens", context_chunk_tokens, 1)
         self.layer = layer
         self.cache = cache
         self.backend = backend

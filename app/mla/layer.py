@@ -27,7 +27,7 @@ import math
 import attrs
 import torch
 
-from app._validation import is_int
+from app._validation import check_int_at_least, is_int
 from app.config import ModelConfig
 
 __all__ = [
@@ -115,8 +115,7 @@ class TokenEmbedding:
     def generate(cls, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  seed: int = 0) -> TokenEmbedding:
         """Draw a ``[vocab_size, hidden_size]`` unit-variance table from ``seed``."""
-        if not is_int(vocab_size) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        check_int_at_least("vocab_size", vocab_size, 1)
         gen = torch.Generator(device="cpu").manual_seed(seed + 0x5EED)
         table = torch.randn(vocab_size, hidden_size, generator=gen, dtype=torch.float64)
         return cls(table=table.to(dtype).double(), dtype=dtype)

@@ -12,7 +12,7 @@ import random
 
 import attrs
 
-from app._validation import is_int
+from app._validation import check_int_at_least
 
 __all__ = ["WorkloadRequest", "make_workload"]
 
@@ -40,8 +40,7 @@ def make_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int
     for name, value, low in (("num_requests", num_requests, 1), ("min_len", min_len, 1),
                              ("max_len", max_len, 1), ("vocab_size", vocab_size, 1),
                              ("num_prefixes", num_prefixes, 0)):
-        if not is_int(value) or value < low:
-            raise ValueError(f"make_workload: {name} must be an int >= {low}, got {value!r}")
+        check_int_at_least(f"make_workload: {name}", value, low)
     if min_len > max_len:
         raise ValueError(f"make_workload: min_len ({min_len}) > max_len ({max_len})")
     if not 0.0 <= shared_fraction <= 1.0:

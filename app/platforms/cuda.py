@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import is_int
+from app._validation import check_int_at_least
 from app.platforms.base import Platform, SupportsMLADimensions
 
 #: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.
@@ -30,9 +30,7 @@ class CudaPlatform(Platform):
         if device_capability is not None and not isinstance(device_capability, DeviceCapability):
             raise TypeError("CudaPlatform: device_capability must be a DeviceCapability or None, "
                             f"got {device_capability!r}")
-        if not is_int(device_index) or device_index < 0:
-            raise ValueError(
-                f"CudaPlatform: device_index must be an int >= 0, got {device_index!r}")
+        check_int_at_least("CudaPlatform: device_index", device_index, 0)
         self._emulated = device_capability is not None
         if device_capability is None:
             device_capability = _detect_capability(device_index)
