@@ -432,27 +432,19 @@ def register_mla_prefill_backend(
     """
     where = "register_mla_prefill_backend"
     if isinstance(backend, str):
-        name = backend
-        _check_new_name(name)
-        if class_path is not None:
-            _register_by_name(name, _check_target(class_path, where))
-            return _identity
-
-        def add_and_register(cls: _C, /) -> _C:
-            _register_by_name(name, _check_class(cls, where))
-            return cls
-
-        return add_and_register
-    if not isinstance(backend, MLAPrefillBackendEnum):
+        _check_new_name(backend)
+        register = functools.partial(_register_by_name, backend)
+    elif isinstance(backend, MLAPrefillBackendEnum):
+        register = functools.partial(_register, backend)
+    else:
         raise TypeError(f"{where}: expected an MLAPrefillBackendEnum member or a new backend "
                         f"name, got {backend!r} ({type(backend).__name__})")
-    member = backend
     if class_path is not None:
-        _register(member, _check_target(class_path, where))
+        register(_check_target(class_path, where))
         return _identity
 
     def register_class(cls: _C, /) -> _C:
-        _register(member, _check_class(cls, where))
+        register(_check_class(cls, where))
         return cls
 
     return register_class
