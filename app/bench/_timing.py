@@ -39,3 +39,23 @@ def time_loop(fn: Callable[[], Any], *, number: int, repeat: int = 5) -> dict[st
         per_call.append((time.perf_counter() - start) / number)
     return {"median_s": statistics.median(per_call), "min_s": min(per_call),
             "max_s": max(per_call), "number": number, "repeat": repeat}
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: int = 1,
+                     sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each of ``fns``, the calls interleaved round by round so drift on
+    a shared machine hits them alike; ``warmup`` untimed rounds first."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(repeat):
+        for key, fn in fns.items():
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            samples[key].append(time.perf_counter() - start)
+    return samples

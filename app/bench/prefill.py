@@ -42,6 +42,7 @@ import torch
 from app._imports import import_object
 from app._types import DeviceCapability, MLADimensions
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
+from app.bench._timing import time_calls, time_interleaved
 
 HELP = "MLA prefill backends on ragged batches: ms, GFLOP/s, ratio to the fp32 matmul rate"
 
@@ -110,18 +111,10 @@ def matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int
     """Best ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    sync = _sync(device)
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        torch.mm(a, b)
-        best = math.inf
-        for _ in range(repeat):
-            sync()
-            start = time.perf_counter()
-            torch.mm(a, b)
-            sync()
-            best = min(best, time.perf_counter() - start)
+        best = time_calls(lambda: torch.mm(a, b), repeat=repeat, sync=_sync(device))["min_s"]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     return 2.0 * n ** 3 / best / 1e9
@@ -250,22 +243,12 @@ def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
     def vllm_base() -> object:
         return vllm_algorithm_baseline(q, k, v, cu_q, cu_kv, case.causal, backend.scale)
 
-    sync = _sync(device)
-    timed: dict[str, list[float]] = {"backend": [], "baseline": [], "vllm_algorithm": []}
     fns: dict[str, Callable[[], object]] = {"backend": call}
     if baseline:
         fns["baseline"] = base
         if case.causal:  # vLLM's algorithm is only the target's baseline for new tokens
             fns["vllm_algorithm"] = vllm_base
-    for fn in fns.values():  # warm-up
-        fn()
-    for _ in range(repeat):  # interleaved, so drift on a shared machine hits both alike
-        for key, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            timed[key].append(time.perf_counter() - start)
+    timed = {"vllm_algorithm": [], **time_interleaved(fns, repeat=repeat, sync=_sync(device))}
     flops = case.flops(heads, _DIMS)
     row: dict[str, Any] = {"backend": cls.get_name(), "case": case.name,
                            "dtype": str(dtype).removeprefix("torch."), "causal": case.causal,
@@ -299,20 +282,10 @@ def _wrapper_overhead(cls: type[MLAPrefillBackend], dtype: torch.dtype, device: 
     layout = backend._step().new_tokens
     out = torch.empty(md.total_q, heads, _DIMS.v_head_dim, dtype=dtype, device=device)
     lse = torch.empty(heads, md.total_q, dtype=torch.float32, device=device)
-    sync = _sync(device)
     fns: dict[str, Callable[[], object]] = {
         "call": lambda: backend.run_prefill_new_tokens(q, k, v, True),
         "launch": lambda: backend._launch(-1, layout, q, k, v, True, out, lse)}
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(max(repeat, 10)):
-        for key, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[key].append(time.perf_counter() - start)
+    times = time_interleaved(fns, repeat=max(repeat, 10), sync=_sync(device))
     call, launch = min(times["call"]), min(times["launch"])
     return {"backend": cls.get_name(), "dtype": str(dtype).removeprefix("torch."),
             "call_ms": round(call * 1e3, 4), "launch_ms": round(launch * 1e3, 4),
