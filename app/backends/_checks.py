@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -281,6 +282,27 @@ def lse_rows_to_heads_tokens(lse: torch.Tensor, num_heads: int, total_q: int, *,
     elif src.data_ptr() != out.data_ptr() or src.stride() != out.stride():
         out.copy_(src)
     return out
+
+
+class DeviceWorkspaces:
+    """One ``uint8`` kernel workspace of ``nbytes`` per device, made on first use and shared
+    by every backend instance of a module (thread-safe)."""
+
+    def __init__(self, nbytes: int, *, zeroed: bool) -> None:
+        self.nbytes = nbytes
+        self.zeroed = zeroed
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        """The workspace on ``device``."""
+        with self._lock:
+            buf = self._buffers.get(device)
+            if buf is None:
+                make = torch.zeros if self.zeroed else torch.empty
+                buf = make(self.nbytes, dtype=torch.uint8, device=device)
+                self._buffers[device] = buf
+            return buf
 
 
 def unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from app._types import DeviceCapability
-from app.backends._checks import RaggedKernelBackend, RaggedLayout, StepLayouts, unit_stride
+from app.backends._checks import (
+    DeviceWorkspaces,
+    RaggedKernelBackend,
+    RaggedLayout,
+    StepLayouts,
+    unit_stride,
+)
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -35,8 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["FlashInferBackend", "wrapper_backend_for"]
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
-_workspaces: dict[torch.device, torch.Tensor] = {}
-_workspace_lock = threading.Lock()
+_workspaces = DeviceWorkspaces(_WORKSPACE_BYTES, zeroed=False)
 
 
 @functools.cache
@@ -49,14 +53,6 @@ def _probe() -> ModuleType | None:
         return None
     return flashinfer
 
-
-def _workspace(device: torch.device) -> torch.Tensor:
-    with _workspace_lock:
-        buf = _workspaces.get(device)
-        if buf is None:
-            buf = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            _workspaces[device] = buf
-        return buf
 
 
 def wrapper_backend_for(capability: DeviceCapability, qk_head_dim: int, v_head_dim: int) -> str:
@@ -151,7 +147,7 @@ class FlashInferBackend(RaggedKernelBackend):
                 raise RuntimeError(self.unavailable_reason())
             major, minor = torch.cuda.get_device_capability(device)
             kwargs = self.wrapper_kwargs(DeviceCapability(major, minor))
-            wrapper = module.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), **kwargs)
+            wrapper = module.BatchPrefillWithRaggedKVCacheWrapper(_workspaces.get(device), **kwargs)
             self._wrappers[call] = wrapper
         return wrapper
 

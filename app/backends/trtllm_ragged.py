@@ -17,20 +17,18 @@ signature). Not run on a GPU in this project's CI; see docs/gpu-results.md.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends._checks import DeviceWorkspaces, RaggedKernelBackend, RaggedLayout, unit_stride
 
 __all__ = ["TrtllmRaggedBackend"]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
-_workspaces: dict[torch.device, torch.Tensor] = {}
-_workspace_lock = threading.Lock()
+_workspaces = DeviceWorkspaces(_WORKSPACE_BYTES, zeroed=True)
 
 
 @functools.cache
@@ -42,14 +40,6 @@ def _probe() -> Callable[..., Any] | None:
         return None
     return trtllm_ragged_attention_deepseek  # type: ignore[no-any-return]
 
-
-def _workspace(device: torch.device) -> torch.Tensor:
-    with _workspace_lock:
-        buf = _workspaces.get(device)
-        if buf is None:
-            buf = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            _workspaces[device] = buf
-        return buf
 
 
 class TrtllmRaggedBackend(RaggedKernelBackend):
@@ -110,7 +100,7 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
         lse_nh = torch.empty(layout.total_q, self.num_heads, dtype=torch.float32,
                              device=q.device)
         kernel(**self.run_kwargs(layout, unit_stride(q), unit_stride(k), v.contiguous(),
-                                 causal, out, lse_nh, _workspace(q.device),
+                                 causal, out, lse_nh, _workspaces.get(q.device),
                                  self._kv_lens(layout, q.device)))
         if lse is not None:
             self._copy_kernel_lse(lse_nh, layout, lse, tokens_first=True, base2=True)

@@ -26,6 +26,7 @@ from app.backends import flash_attn as fa_mod
 from app.backends import flashinfer as fi_mod
 from app.backends import tokenspeed_mla as ts_mod
 from app.backends import trtllm_ragged as trt_mod
+from app.backends._checks import DeviceWorkspaces
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
 from app.backends.flash_attn import FlashAttnBackend
 from app.backends.flashinfer import FlashInferBackend, wrapper_backend_for
@@ -320,8 +321,7 @@ def test_trtllm_plumbing_conforms(monkeypatch: pytest.MonkeyPatch, pretend_gpu: 
     monkeypatch.setattr(trt_mod, "_probe",
                         lambda: fakes.make_trtllm(prefill.trtllm_ragged_attention_deepseek,
                                                   calls))
-    monkeypatch.setattr(trt_mod, "_WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(trt_mod, "_workspaces", {})
+    monkeypatch.setattr(trt_mod, "_workspaces", DeviceWorkspaces(1024, zeroed=True))
     pretend_gpu(SM100)
     assert_conformance(on_cpu(TrtllmRaggedBackend), dtype=torch.bfloat16)
     assert calls and all(c["return_lse"] for c in calls)
