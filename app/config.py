@@ -11,7 +11,6 @@ Build one in code, from a plain dict (``EngineConfig.from_dict``) or from a TOML
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,13 +18,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from app._toml import load_toml
 from app._types import MLADimensions
 from app._validation import is_int
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 if TYPE_CHECKING:
     from app.backends.registry import MLAPrefillBackendEnum
@@ -252,15 +247,7 @@ class EngineConfig:
     @classmethod
     def from_toml(cls, path: str | Path) -> EngineConfig:
         """Build from a TOML file with ``[model]``, ``[attention]`` and ``[cache]`` tables."""
-        path = Path(path)
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(path)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(load_toml(path, "config file"))
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, TOML/JSON-friendly dict that ``from_dict`` turns back into an equal config."""

@@ -29,7 +29,6 @@ Class paths are imported: load only files the deployer controls.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,15 +37,11 @@ import attrs
 from dependency_injector import providers
 
 from app._imports import import_object
+from app._toml import load_toml
 from app._types import DeviceCapability
 from app.config import EngineConfig
 from app.containers import Application, create_container, use_container
 from app.platforms import CpuPlatform, CudaPlatform, Platform
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["Deployment", "load", "parse", "parse_dict"]
 
@@ -102,16 +97,8 @@ def load(path: str | Path) -> Application:
 
 def parse(path: str | Path) -> Deployment:
     """Read and validate a deployment file without building anything."""
-    path = Path(path)
-    source = f"deployment file {str(path)!r}"
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"{source} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{source} is not valid TOML: {exc}") from None
-    return parse_dict(data, source=source)
+    data = load_toml(path, "deployment file")
+    return parse_dict(data, source=f"deployment file {str(path)!r}")
 
 
 def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deployment:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,13 +39,9 @@ from typing import Any
 import attrs
 
 from app._imports import import_object
+from app._toml import load_toml
 from app._validation import check_int_at_least
 from app.commands._output import format_table, print_json, print_text
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 HELP = "plan the KV cache of a model: groups, managers, page sizes, blocks in a memory budget"
 
@@ -172,13 +167,7 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read the TOML file: ``({layer_name: spec}, plan_options)``."""
     from app.config import CacheConfig
 
-    try:
-        with Path(path).open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    data = load_toml(path, "config file")
     unknown = sorted(set(data) - {"cache", "plan", "defaults", "layers"})
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {unknown}; allowed: cache, plan, defaults, "
