@@ -36,7 +36,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISABLE_ENV", "NativeKernelStatus", "NativeMLAPrefillKernel",
+__all__ = ["DISABLE_ENV", "NativeKernelStatus", "NativeMLAPrefillKernel", "NativePlan",
            "enabled_by_environment", "load_native_kernel", "native_kernel_status"]
 
 #: Set to ``0`` (or false/off/no) to keep TORCH_SDPA on the aten CPU kernel.
@@ -78,62 +78,93 @@ class NativeMLAPrefillKernel:
         self._scratch_floats.restype = _c_long
         self._scratch_floats.argtypes = [_c_long, _c_long, _c_long, _c_long]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               q_starts: Sequence[int], q_lens: Sequence[int], kv_starts: Sequence[int],
-               kv_lens: Sequence[int], causal: bool, scale: float, out: torch.Tensor,
-               lse: torch.Tensor) -> None:
-        """Attention of every request, written into ``out`` and ``lse``.
+    def plan(self, q_starts: Sequence[int], q_lens: Sequence[int], kv_starts: Sequence[int],
+             kv_lens: Sequence[int], *, total_q: int, total_kv: int, num_heads: int,
+             head_dim: int, v_head_dim: int) -> NativePlan:
+        """The step's work split, reusable by every layer of the step (flashinfer's plan).
+
+        Request ``b`` is rows ``q_starts[b]:+q_lens[b]`` of a ``[total_q, H, D]`` q against
+        rows ``kv_starts[b]:+kv_lens[b]`` of ``[total_kv, H, D]`` k / ``[total_kv, H, Dv]`` v.
+        The (request, head) items are dealt costliest first, round-robin, onto
+        ``torch.get_num_threads()`` shares (shares differ by at most one item's cost).
+        """
+        if v_head_dim % V_HEAD_DIM_MULTIPLE:
+            raise ValueError(f"native CPU kernel: expected a v head dim that is a multiple of "
+                             f"{V_HEAD_DIM_MULTIPLE}, got {v_head_dim}")
+        if not len(q_starts) == len(q_lens) == len(kv_starts) == len(kv_lens):
+            raise ValueError("native CPU kernel: expected as many starts as lengths, got "
+                             f"{len(q_starts)}/{len(q_lens)}/{len(kv_starts)}/{len(kv_lens)}")
+        for b in range(len(q_lens)):
+            for what, start, n, total in (("query", q_starts[b], q_lens[b], total_q),
+                                          ("kv", kv_starts[b], kv_lens[b], total_kv)):
+                if start < 0 or n < 0 or start + n > total:
+                    raise ValueError(f"native CPU kernel: request {b}'s {what} rows "
+                                     f"[{start}, {start + n}) are outside [0, {total})")
+        live = sorted((b for b in range(len(q_lens)) if q_lens[b]),
+                      key=lambda b: q_lens[b] * max(kv_lens[b], 1), reverse=True)
+        lengths = torch.tensor([list(q_starts), list(q_lens), list(kv_starts), list(kv_lens)],
+                               dtype=torch.int64)
+        items = torch.tensor([(b, h) for b in live for h in range(num_heads)],
+                             dtype=torch.int64).reshape(-1, 2)
+        workers = max(1, min(torch.get_num_threads(), items.shape[0]))
+        shares = tuple(items[w::workers].contiguous() for w in range(workers)) if live else ()
+        scratch = tuple(self._scratch_floats(max(q_lens[b] for b in requests),
+                                             max(kv_lens[b] for b in requests), head_dim,
+                                             v_head_dim)
+                        for requests in (set(share[:, 0].tolist()) for share in shares))
+        return NativePlan(lengths, shares, scratch, (total_q, total_kv, num_heads, head_dim,
+                                                     v_head_dim))
+
+    def run(self, plan: NativePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Attention of every request of ``plan``, written into ``out`` and ``lse``.
 
         ``q: [total_q, H, D]``, ``k: [total_kv, H, D]``, ``v: [total_kv, H, Dv]`` of one
         dtype and ``out: [total_q, H, Dv]`` of any (float32, bfloat16 or float16; computed
         in float32), on the CPU with a unit-stride last dim (other strides free: ``v`` may be
         a view into a wider tensor); ``lse: [H, total_q]`` float32 with unit stride along the
-        tokens (natural log). Request ``b`` is rows ``q_starts[b]:+q_lens[b]`` of ``q``
-        against rows ``kv_starts[b]:+kv_lens[b]`` of ``k``/``v``; ``causal`` is bottom-right
-        aligned. A query that sees no key gets a zero row and LSE ``-inf``. ``Dv`` must be a
-        multiple of 64. Each of ``torch.get_num_threads()`` threads makes one kernel call
-        over its share of the (request, head) items.
+        tokens (natural log). ``causal`` is bottom-right aligned. A query that sees no key
+        gets a zero row and LSE ``-inf``. Each share is one kernel call on its own thread.
         """
-        heads, d, dv = q.shape[1], q.shape[2], v.shape[2]
-        self._check(q, k, v, out, lse, q_starts, q_lens, kv_starts, kv_lens)
-        live = sorted((b for b in range(len(q_lens)) if q_lens[b]),
-                      key=lambda b: q_lens[b] * max(kv_lens[b], 1), reverse=True)
-        if not live:
+        self._check(plan, q, k, v, out, lse)
+        if not plan.shares:
             return
-        lengths = torch.tensor([list(q_starts), list(q_lens), list(kv_starts), list(kv_lens)],
-                               dtype=torch.int64)
-        # Costliest first, dealt round-robin: shares differ by at most one item's cost.
-        items = torch.tensor([(b, h) for b in live for h in range(heads)], dtype=torch.int64)
-        workers = max(1, min(torch.get_num_threads(), items.shape[0]))
+        lengths = plan.lengths
         fixed = (q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                 k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), DTYPE_CODES[q.dtype], d,
-                 dv, int(causal), scale, out.data_ptr(), out.stride(0), out.stride(1),
-                 DTYPE_CODES[out.dtype], lse.data_ptr(), lse.stride(0),
+                 k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), DTYPE_CODES[q.dtype],
+                 q.shape[2], v.shape[2], int(causal), scale, out.data_ptr(), out.stride(0),
+                 out.stride(1), DTYPE_CODES[out.dtype], lse.data_ptr(), lse.stride(0),
                  *(lengths[i].data_ptr() for i in range(4)))
 
-        def run(share: torch.Tensor, floats: int) -> None:
+        def work(share: torch.Tensor, floats: int) -> None:
             # No torch op that may parallelise here: torch forbids its OpenMP pool from
             # these threads in a forked child ("Invalid thread pool").
             scratch = _scratch(floats)  # held by name: the C call must not outlive it
             self._attend(*fixed, share.data_ptr(), share.shape[0], scratch.data_ptr())
 
-        shares = [items[w::workers].contiguous() for w in range(workers)]
-        floats = [self._scratch_floats(max(q_lens[b] for b in requests),
-                                       max(kv_lens[b] for b in requests), d, dv)
-                  for requests in (set(share[:, 0].tolist()) for share in shares)]
-        if workers == 1:
-            run(shares[0], floats[0])
+        if len(plan.shares) == 1:
+            work(plan.shares[0], plan.scratch_floats[0])
             return
-        pool = _pool.get(workers)
-        futures = [pool.submit(run, share, n) for share, n in zip(shares, floats, strict=True)]
+        pool = _pool.get(len(plan.shares))
+        futures = [pool.submit(work, share, n)
+                   for share, n in zip(plan.shares, plan.scratch_floats, strict=True)]
         wait(futures)  # every share done before an error surfaces: none still writes to out
         for future in futures:
             future.result()
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q_starts: Sequence[int], q_lens: Sequence[int], kv_starts: Sequence[int],
+               kv_lens: Sequence[int], causal: bool, scale: float, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+        """:meth:`plan` then :meth:`run`, for a one-off call."""
+        plan = self.plan(q_starts, q_lens, kv_starts, kv_lens, total_q=q.shape[0],
+                         total_kv=k.shape[0], num_heads=q.shape[1], head_dim=q.shape[2],
+                         v_head_dim=v.shape[2])
+        self.run(plan, q, k, v, causal, scale, out, lse)
+
     @staticmethod
-    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, q_starts: Sequence[int], q_lens: Sequence[int],
-               kv_starts: Sequence[int], kv_lens: Sequence[int]) -> None:
+    def _check(plan: NativePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor) -> None:
         # The C code trusts every pointer and length it gets: check them all here.
         for name, t, rank, dtypes in (
                 ("q", q, 3, tuple(DTYPE_CODES)), ("k", k, 3, (q.dtype,)),
@@ -146,25 +177,29 @@ class NativeMLAPrefillKernel:
             if t.stride(-1) != 1:
                 raise ValueError(f"native CPU kernel: expected {name} with a unit-stride last "
                                  f"dim, got strides {t.stride()}")
-        heads, d, dv = q.shape[1], q.shape[2], v.shape[2]
-        expected = {"k": (k.shape[0], heads, d), "v": (k.shape[0], heads, dv),
-                    "out": (q.shape[0], heads, dv), "lse": (heads, q.shape[0])}
-        for name, t in (("k", k), ("v", v), ("out", out), ("lse", lse)):
+        total_q, total_kv, heads, d, dv = plan.shape
+        expected = {"q": (total_q, heads, d), "k": (total_kv, heads, d),
+                    "v": (total_kv, heads, dv), "out": (total_q, heads, dv),
+                    "lse": (heads, total_q)}
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
             if tuple(t.shape) != expected[name]:
                 raise ValueError(f"native CPU kernel: expected {name} of shape "
                                  f"{expected[name]}, got {tuple(t.shape)}")
-        if dv % V_HEAD_DIM_MULTIPLE:
-            raise ValueError(f"native CPU kernel: expected a v head dim that is a multiple of "
-                             f"{V_HEAD_DIM_MULTIPLE}, got {dv}")
-        if not len(q_starts) == len(q_lens) == len(kv_starts) == len(kv_lens):
-            raise ValueError("native CPU kernel: expected as many starts as lengths, got "
-                             f"{len(q_starts)}/{len(q_lens)}/{len(kv_starts)}/{len(kv_lens)}")
-        for b in range(len(q_lens)):
-            for what, start, n, total in (("query", q_starts[b], q_lens[b], q.shape[0]),
-                                          ("kv", kv_starts[b], kv_lens[b], k.shape[0])):
-                if start < 0 or n < 0 or start + n > total:
-                    raise ValueError(f"native CPU kernel: request {b}'s {what} rows "
-                                     f"[{start}, {start + n}) are outside [0, {total})")
+
+
+@attrs.frozen(eq=False)
+class NativePlan:
+    """A step's work split for :meth:`NativeMLAPrefillKernel.run`.
+
+    ``lengths: [4, batch]`` int64 (q starts, q lens, kv starts, kv lens); ``shares``: one
+    ``[n, 2]`` int64 (request, head) array per worker thread; ``scratch_floats``: each
+    share's scratch size; ``shape``: ``(total_q, total_kv, H, D, Dv)`` the tensors must have.
+    """
+
+    lengths: torch.Tensor
+    shares: tuple[torch.Tensor, ...]
+    scratch_floats: tuple[int, ...]
+    shape: tuple[int, int, int, int, int]
 
 
 #: Largest per-thread scratch buffer kept between calls (fresh pages cost page faults).

@@ -58,6 +58,7 @@ from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends._cpu_native import (
     V_HEAD_DIM_MULTIPLE,
     NativeMLAPrefillKernel,
+    NativePlan,
     load_native_kernel,
 )
 from app.backends.merge import merge_attn_states
@@ -221,8 +222,16 @@ class TorchSDPABackend(RaggedKernelBackend):
         def unit_last(x: torch.Tensor) -> torch.Tensor:
             return x if x.stride(-1) == 1 else x.contiguous()
 
-        kernel.attend(unit_last(q), unit_last(k), unit_last(v), layout.q_starts, layout.q_lens,
-                      layout.kv_starts, layout.kv_lens, causal, self.scale, result, lse)
+        key = (id(layout), "native-plan")  # one plan per step, shared by every layer
+        plan = self._device_cache.get(key)
+        if not isinstance(plan, NativePlan):
+            plan = kernel.plan(layout.q_starts, layout.q_lens, layout.kv_starts,
+                               layout.kv_lens, total_q=layout.total_q,
+                               total_kv=layout.total_kv, num_heads=self.num_heads,
+                               head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim)
+            self._device_cache[key] = plan
+        kernel.run(plan, unit_last(q), unit_last(k), unit_last(v), causal, self.scale, result,
+                   lse)
 
     def _run_cpu(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  causal: bool, result: torch.Tensor, lse: torch.Tensor) -> None:

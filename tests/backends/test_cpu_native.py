@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from app.backends import _cpu_native as native
+from app.backends.base import MLAPrefillMetadata
+from app.backends.torch_sdpa import TorchSDPABackend
 from app.testing import reference_attention
 
 H = 3
@@ -233,3 +235,34 @@ def test_scratch_larger_than_the_kept_size_stays_alive_during_the_call(
     """Scratch above SCRATCH_KEEP_BYTES is not cached: the call itself must hold it."""
     monkeypatch.setattr(native, "SCRATCH_KEEP_BYTES", 0)
     attend([300, 200], [300, 260], True)
+
+
+def test_torch_sdpa_plans_once_per_step_for_every_layer(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    kern = kernel()
+    plans: list[native.NativePlan] = []
+    real_plan = native.NativeMLAPrefillKernel.plan
+
+    def counting_plan(self: native.NativeMLAPrefillKernel, *a: object, **kw: object
+                      ) -> native.NativePlan:
+        plans.append(real_plan(self, *a, **kw))  # type: ignore[arg-type]
+        return plans[-1]
+
+    monkeypatch.setattr(native.NativeMLAPrefillKernel, "plan", counting_plan)
+    be = TorchSDPABackend(num_heads=H, scale=0.07, kv_lora_rank=512, qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128)
+    assert be._native_kernel(torch.float32) is kern
+    gen = torch.Generator().manual_seed(5)
+    for lens in ([30, 50], [7]):  # two steps, three layers each
+        md = MLAPrefillMetadata.build(lens)
+        be.prepare_metadata(md)
+        for _ in range(3):
+            q = torch.randn(md.total_q, H, 192, generator=gen)
+            k = torch.randn(md.total_q, H, 192, generator=gen)
+            v = torch.randn(md.total_q, H, 128, generator=gen)
+            out, lse = be.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
+            cu = md.cu_seqlens_q_cpu.tolist()
+            ref_out, ref_lse = reference_attention(q, k, v, cu, cu, True, 0.07)
+            torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+    assert len(plans) == 2
