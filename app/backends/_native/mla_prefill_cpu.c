@@ -284,6 +284,8 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
           if (p0 >= tile_keys[i0 / MR]) continue;
           const int mr = qn - i0 < MR ? (int)(qn - i0) : MR;
           const float* qt = qpack + (qs + i0) * d;
+          /* A constant row count lets the compiler keep the whole tile in registers;
+           * only a query block's last, partial tile takes the variable-count copy. */
           if (mr == MR) qk_tile(qt, kp, d, MR, S + i0 * LDS + p0);
           else qk_tile(qt, kp, d, mr, S + i0 * LDS + p0);
         }
