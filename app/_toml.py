@@ -18,8 +18,9 @@ def load_toml(path: str | Path, what: str) -> dict[str, Any]:
     source = f"{what} {str(path)!r}"
     try:
         with Path(path).open("rb") as fh:
-            return tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)  # tomli (checked as 3.10) is untyped
     except FileNotFoundError:
         raise ValueError(f"{source} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{source} is not valid TOML: {exc}") from None
+    return data
