@@ -65,8 +65,9 @@ def attend(q_lens: list[int], kv_lens: list[int], causal: bool, d: int = 192, dv
 
 @pytest.mark.parametrize(("q_lens", "kv_lens"), [
     ([1], [1]),
-    ([13, 14, 15], [13, 14, 15]),            # around one 14-row register tile
-    ([111, 112, 113], [111, 112, 113]),      # around one 112-row query block
+    ([13, 14, 15], [13, 14, 15]),            # around one 14-row q.k register tile
+    ([5, 6, 7, 20], [5, 6, 7, 20]),          # 6-row p.v tiles, one spanning two q.k tiles
+    ([125, 126, 127], [125, 126, 127]),      # around one 126-row query block
     ([600], [600]),                          # more than one 512-key block
     ([40, 7], [700, 7]),                     # keys before the causal square
     ([40, 5], [10, 0]),                      # rows that see no key; a request without keys

@@ -22,11 +22,14 @@
 
 #define MR 14          /* query rows per q.k register tile */
 #define NR 32          /* keys per q.k register tile (two vectors) */
-#define PR 7           /* query rows per p.v register tile (x 64 output columns) */
-#define BQ 112         /* query rows per block (a multiple of MR and PR) */
+/* query rows per p.v register tile (x 64 output columns): 6 x 4 accumulators, 4 v vectors
+ * and the broadcast fit the 32 registers; with 7 rows the compiler spilled one accumulator
+ * to the stack on every key (p.v ran ~4% slower end to end) */
+#define PR 6
+#define BQ 126         /* query rows per block (a multiple of MR and PR) */
 #define BK 512         /* keys per block (a multiple of NR) */
 #define LDS (BK + 16)  /* score row stride: padded so score rows do not share cache sets */
-#define PREFETCH_ROWS 4  /* input rows are a whole token apart: fetch ahead of the copy */
+#define PREFETCH_ROWS 4  /* v rows are a whole token apart: fetch ahead of the copy */
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -68,11 +71,10 @@ static inline void store16(void* p, long i, __m512 x, int dt) {
 static inline long elem_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 
 /* Scratch floats for one (request, head) of these sizes: packed q, packed k, v copy,
- * scores, accumulator, row max and row sum, rows being packed, plus 16 floats to align the
- * packed k. */
+ * scores, accumulator, row max and row sum, plus 16 floats to align the packed k. */
 long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv) {
   return round_up(q_len, MR) * d + round_up(kv_len, NR) * d + kv_len * dv +
-         BQ * LDS + BQ * dv + 2 * BQ + NR * d + 16;
+         BQ * LDS + BQ * dv + 2 * BQ + 16;
 }
 
 /* A hint to fetch one input row (never faults). */
@@ -81,50 +83,85 @@ static inline void prefetch_row(const void* src, long row, long ld, long width, 
   for (long b = 0; b < width * elem_size(dt); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-/* rows x d elements (row stride ld) -> float32 rows x d, contiguous. */
-static inline __attribute__((always_inline)) void widen_rows(
-    const void* src, long ld, long rows, long d, const int dt, float* dst) {
-  for (long r = 0; r < rows; ++r) {
-    if (r + PREFETCH_ROWS < rows) prefetch_row(src, r + PREFETCH_ROWS, ld, d, dt);
-    long c = 0;
-    for (; c + 16 <= d; c += 16) _mm512_storeu_ps(dst + r * d + c, load16(src, r * ld + c, dt));
-    for (; c < d; ++c) dst[r * d + c] = load_elem(src, r * ld + c, dt);
+/* cols[c] = column c of the 16 x 16 block rows (element r of cols[c] is element c of
+ * rows[r]): three rounds of in-lane unpacks and lane shuffles. */
+static inline __attribute__((always_inline)) void transpose16(const __m512 rows[16],
+                                                              __m512 cols[16]) {
+  __m512 t[16], u[16];
+  _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  /* 128-bit lane k of u[4 g + m]: element 4 k + m of rows 4 g .. 4 g + 3. */
+  _Pragma("GCC unroll 4") for (int g = 0; g < 4; ++g) {
+    __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    __m512d c = _mm512_castps_pd(t[4 * g + 2]), e = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  _Pragma("GCC unroll 4") for (int m = 0; m < 4; ++m) {
+    __m512 lo0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44);
+    __m512 hi0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+    __m512 lo1 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+    __m512 hi1 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+    cols[m] = _mm512_shuffle_f32x4(lo0, lo1, 0x88);
+    cols[4 + m] = _mm512_shuffle_f32x4(lo0, lo1, 0xDD);
+    cols[8 + m] = _mm512_shuffle_f32x4(hi0, hi1, 0x88);
+    cols[12 + m] = _mm512_shuffle_f32x4(hi0, hi1, 0xDD);
   }
 }
 
-/* Query rows -> tiles of MR rows, each stored [d][MR] (rows past n are zero). Rows are read
- * whole into tmp [MR x d] first: reading one element of each of MR rows per step makes the
- * rows (a whole-row stride apart) evict each other from L1. */
-static inline __attribute__((always_inline)) void pack_q(
-    const void* q, long ld, long n, long d, const int dt, float* tmp, float* dst) {
-  for (long t = 0; t * MR < n; ++t) {
-    float* tile = dst + t * d * MR;
-    const long rows = n - t * MR < MR ? n - t * MR : MR;
-    widen_rows((const char*)q + t * MR * ld * elem_size(dt), ld, rows, d, dt, tmp);
-    for (long c = 0; c < d; ++c)
-      for (long i = 0; i < MR; ++i) tile[c * MR + i] = i < rows ? tmp[i * d + c] : 0.f;
+/* Up to 16 rows of src (row stride ld; rows past `rows` read as zero), transposed and
+ * multiplied by mult: dst[c * ld_d + r] = src[r][c] * mult for c < d and the lanes r set in
+ * `lanes`. A whole 16 x 16 block moves through registers, so each source cache line is read
+ * once and whole (a scalar transpose ran at ~6 cycles an element). */
+static inline __attribute__((always_inline)) void transpose_rows(
+    const void* src, long ld, long rows, long d, const int dt, float mult, float* dst,
+    long ld_d, __mmask16 lanes) {
+  const __m512 vm = _mm512_set1_ps(mult);
+  long c0 = 0;
+  for (; c0 + 16 <= d; c0 += 16) {
+    __m512 r[16], c[16];
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
+      r[i] = i < rows ? load16(src, i * ld + c0, dt) : _mm512_setzero_ps();
+    transpose16(r, c);
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)
+      _mm512_mask_storeu_ps(dst + (c0 + i) * ld_d, lanes, _mm512_mul_ps(c[i], vm));
   }
+  for (; c0 < d; ++c0)  /* d % 16 trailing columns */
+    for (long i = 0; i < 16; ++i)
+      if ((lanes >> i) & 1)
+        dst[c0 * ld_d + i] = i < rows ? load_elem(src, i * ld + c0, dt) * mult : 0.f;
+}
+
+/* Query rows -> tiles of MR rows, each stored [d][MR] (rows past n are zero). */
+static inline __attribute__((always_inline)) void pack_q(
+    const void* q, long ld, long n, long d, const int dt, float* dst) {
+  for (long t = 0; t * MR < n; ++t)
+    transpose_rows((const char*)q + t * MR * ld * elem_size(dt), ld,
+                   n - t * MR < MR ? n - t * MR : MR, d, dt, 1.f, dst + t * d * MR, MR,
+                   (__mmask16)((1u << MR) - 1));
 }
 
 /* Keys -> panels of NR keys, each stored [d][NR] and multiplied by mult (keys past n: 0). */
 static inline __attribute__((always_inline)) void pack_k(
-    const void* k, long ld, long n, long d, const int dt, float mult, float* tmp, float* dst) {
-  for (long p = 0; p * NR < n; ++p) {
-    float* panel = dst + p * d * NR;
-    const long keys = n - p * NR < NR ? n - p * NR : NR;
-    widen_rows((const char*)k + p * NR * ld * elem_size(dt), ld, keys, d, dt, tmp);
-    for (long c = 0; c < d; ++c)
-      for (long j = 0; j < NR; ++j) panel[c * NR + j] = j < keys ? tmp[j * d + c] * mult : 0.f;
-  }
+    const void* k, long ld, long n, long d, const int dt, float mult, float* dst) {
+  for (long p = 0; p * NR < n; ++p)
+    for (long j0 = 0; j0 < NR; j0 += 16)
+      transpose_rows((const char*)k + (p * NR + j0) * ld * elem_size(dt), ld,
+                     n - p * NR - j0, d, dt, mult, dst + p * d * NR + j0, NR,
+                     (__mmask16)0xFFFF);
 }
 
 /* Pack q and k and copy v to float32; one specialised copy per element type. */
 static inline __attribute__((always_inline)) void pack_inputs_as(
     const void* q, long ld_q, const void* k, long ld_k, const void* v, long ld_v, const int dt,
     long q_len, long kv_len, long d, long dv, float k_mult, float* qpack, float* kpack,
-    float* vbuf, float* tmp) {
-  pack_q(q, ld_q, q_len, d, dt, tmp, qpack);
-  pack_k(k, ld_k, kv_len, d, dt, k_mult, tmp, kpack);
+    float* vbuf) {
+  pack_q(q, ld_q, q_len, d, dt, qpack);
+  pack_k(k, ld_k, kv_len, d, dt, k_mult, kpack);
   for (long r = 0; r < kv_len; ++r) {
     if (r + PREFETCH_ROWS < kv_len) prefetch_row(v, r + PREFETCH_ROWS, ld_v, dv, dt);
     for (long c = 0; c < dv; c += 16)
@@ -134,16 +171,16 @@ static inline __attribute__((always_inline)) void pack_inputs_as(
 
 static void pack_inputs(const void* q, long ld_q, const void* k, long ld_k, const void* v,
                         long ld_v, int dt, long q_len, long kv_len, long d, long dv,
-                        float k_mult, float* qpack, float* kpack, float* vbuf, float* tmp) {
+                        float k_mult, float* qpack, float* kpack, float* vbuf) {
   if (dt == DT_BF16)
     pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_BF16, q_len, kv_len, d, dv, k_mult, qpack,
-                   kpack, vbuf, tmp);
+                   kpack, vbuf);
   else if (dt == DT_F16)
     pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_F16, q_len, kv_len, d, dv, k_mult, qpack,
-                   kpack, vbuf, tmp);
+                   kpack, vbuf);
   else
     pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_F32, q_len, kv_len, d, dv, k_mult, qpack,
-                   kpack, vbuf, tmp);
+                   kpack, vbuf);
 }
 
 /* s[mr x NR] = q tile . k panel (mr <= MR). */
@@ -258,10 +295,9 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
   float* acc = S + BQ * LDS;
   float* m = acc + BQ * dv;
   float* l = m + BQ;
-  float* tmp = l + BQ;  /* [NR x d] */
   const long off = kv_len - q_len;
   pack_inputs(q, ld_q, k, ld_k, v, ld_v, in_dt, q_len, kv_len, d, dv,
-              scale * 1.4426950408889634f, qpack, kpack, vbuf, tmp);
+              scale * 1.4426950408889634f, qpack, kpack, vbuf);
 
   for (long qs = 0; qs < q_len; qs += BQ) {
     const long qn = q_len - qs < BQ ? q_len - qs : BQ;
@@ -278,6 +314,11 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
         if (end > ks + kn) end = ks + kn;
         tile_keys[i0 / MR] = end > ks ? end - ks : 0;
       }
+      /* A p.v tile may span two q.k tiles (PR does not divide MR): it reads the keys of
+       * the tile holding its last row, and the scores past a row's own tile are zeroed. */
+      long pv_keys[BQ / PR];
+      for (long i0 = 0; i0 < qn; i0 += PR)
+        pv_keys[i0 / PR] = tile_keys[((i0 + PR < qn ? i0 + PR : qn) - 1) / MR];
       for (long p0 = 0; p0 < kn; p0 += NR) {  /* a k panel stays in L1 across the tiles */
         const float* kp = kpack + (ks + p0) * d;
         for (long i0 = 0; i0 < qn; i0 += MR) {
@@ -291,14 +332,13 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
         }
       }
       for (long i = 0; i < qn; ++i) {
-        const long tk = tile_keys[i / MR];
         long vis = causal ? qs + i + off + 1 - ks : kn;
-        if (vis > tk) vis = tk;
+        if (vis > tile_keys[i / MR]) vis = tile_keys[i / MR];
         if (vis < 0) vis = 0;
-        softmax_row(S + i * LDS, vis, tk, m + i, l + i, acc + i * dv, dv);
+        softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, acc + i * dv, dv);
       }
       for (long i0 = 0; i0 < qn; i0 += PR) {
-        const long tk = tile_keys[i0 / MR];
+        const long tk = pv_keys[i0 / PR];
         if (tk == 0) continue;
         const int pr = qn - i0 < PR ? (int)(qn - i0) : PR;
         for (long c0 = 0; c0 < dv; c0 += 64) {
