@@ -5,9 +5,10 @@
  * (request, head) items. A flash-attention loop: query blocks of BQ rows, key blocks of BK
  * keys, register tiles of MR x 32 scores (q.k) and PR x 64 outputs (p.v), an online softmax
  * in the log2 domain (k is pre-scaled by scale * log2(e) while it is packed), and keys past
- * a tile's last visible key are never touched (bottom-right causal mask). q and k are packed
- * per (request, head) into the tile layouts and v copied contiguous: read in place, rows a
- * whole token apart (H * D elements) evict each other from L1 and halve the p.v rate.
+ * a tile's last visible key are never touched (bottom-right causal mask). q is packed into
+ * the tile layout one query block at a time, k into panels and v copied contiguous as the
+ * blocks first see them (read in place, rows a whole token apart, H * D elements, evict each
+ * other from L1 and halve the p.v rate).
  *
  * Layouts (elements, last dim contiguous): q [q_len rows, ld_q], k [kv_len rows, ld_k],
  * v [kv_len rows, ld_v], out [q_len rows, ld_o]; lse [q_len] float32 (natural log; -inf and
@@ -70,11 +71,11 @@ static inline void store16(void* p, long i, __m512 x, int dt) {
 
 static inline long elem_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 
-/* Scratch floats for one (request, head) of these sizes: packed q, packed k, v copy,
- * scores, accumulator, row max and row sum, plus 16 floats to align the packed k. */
+/* Scratch floats for one (request, head) of these sizes: a packed query block, packed k,
+ * v copy, scores, accumulator, row max and row sum, plus 16 floats to align the packed k. */
 long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv) {
-  return round_up(q_len, MR) * d + round_up(kv_len, NR) * d + kv_len * dv +
-         BQ * LDS + BQ * dv + 2 * BQ + 16;
+  (void)q_len;
+  return BQ * d + round_up(kv_len, NR) * d + kv_len * dv + BQ * LDS + BQ * dv + 2 * BQ + 16;
 }
 
 /* A hint to fetch one input row (never faults). */
@@ -287,8 +288,8 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
                          long ld_v, int in_dt, long q_len, long kv_len, long d, long dv,
                          int causal, float scale, void* out, long ld_o, int out_dt, float* lse,
                          float* scratch) {
-  float* qpack = scratch;
-  float* kpack = qpack + round_up(q_len, MR) * d;
+  float* qpack = scratch;  /* the query block's tiles */
+  float* kpack = qpack + BQ * d;
   kpack += (16 - ((unsigned long)kpack / sizeof(float)) % 16) % 16;  /* 64-byte aligned */
   float* vbuf = kpack + round_up(kv_len, NR) * d;
   float* S = vbuf + kv_len * dv;
@@ -296,13 +297,25 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
   float* m = acc + BQ * dv;
   float* l = m + BQ;
   const long off = kv_len - q_len;
-  pack_inputs(q, ld_q, k, ld_k, v, ld_v, in_dt, q_len, kv_len, d, dv,
-              scale * 1.4426950408889634f, qpack, kpack, vbuf);
+  const char* qc = q;
+  const char* kc = k;
+  const char* vc = v;
+  long packed = 0;  /* keys packed so far: whole k panels, or all of them */
 
   for (long qs = 0; qs < q_len; qs += BQ) {
     const long qn = q_len - qs < BQ ? q_len - qs : BQ;
     long kv_end = causal ? qs + qn + off : kv_len;
     if (kv_end > kv_len) kv_end = kv_len;
+    /* Pack as the blocks go: this query block's rows, and the keys it is the first to see
+     * (the scratch holds one packed query block, not all of q: 3 MiB less per 4k tokens). */
+    long need = round_up(kv_end > 0 ? kv_end : 0, NR);
+    if (need > kv_len) need = kv_len;
+    const long fresh = need > packed ? need - packed : 0;
+    pack_inputs(qc + qs * ld_q * elem_size(in_dt), ld_q,
+                kc + packed * ld_k * elem_size(in_dt), ld_k,
+                vc + packed * ld_v * elem_size(in_dt), ld_v, in_dt, qn, fresh, d, dv,
+                scale * 1.4426950408889634f, qpack, kpack + packed * d, vbuf + packed * dv);
+    packed += fresh;
     for (long i = 0; i < qn; ++i) { m[i] = -INFINITY; l[i] = 0.f; }
     memset(acc, 0, sizeof(float) * qn * dv);
     for (long ks = 0; ks < kv_end; ks += BK) {
@@ -324,7 +337,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
         for (long i0 = 0; i0 < qn; i0 += MR) {
           if (p0 >= tile_keys[i0 / MR]) continue;
           const int mr = qn - i0 < MR ? (int)(qn - i0) : MR;
-          const float* qt = qpack + (qs + i0) * d;
+          const float* qt = qpack + i0 * d;
           /* A constant row count lets the compiler keep the whole tile in registers;
            * only a query block's last, partial tile takes the variable-count copy. */
           if (mr == MR) qk_tile(qt, kp, d, MR, S + i0 * LDS + p0);
