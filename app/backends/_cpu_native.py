@@ -5,8 +5,8 @@ AVX-512 and a C compiler), and through the aten CPU flash kernel otherwise. Why 
 our own: aten's kernel needs ``v`` zero-padded from 128 to 192 columns (1/6 of the FLOPs
 wasted), computes whole 512-key blocks on the causal diagonal, and its small per-block BLAS
 calls run well below the machine's matmul rate; it measured ~0.55 of the fp32 matmul rate
-on 1 x 4096 causal on a 2-core AVX-512 machine, this kernel 0.73-0.78
-(``python -m app bench prefill``; docs/benchmarks.md).
+on 1 x 4096 causal on a 2-core AVX-512 machine, this kernel 0.76-0.84
+(``python -m app bench prefill``, against a matmul timed beside each call; docs/benchmarks.md).
 
 The library is compiled once per (source, compiler, flags) into a cache directory
 (``$APP_CACHE_DIR``, else ``$XDG_CACHE_HOME/app``, else ``~/.cache/app``), checked against a

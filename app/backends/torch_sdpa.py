@@ -5,7 +5,7 @@ kernel of :mod:`app.backends._cpu_native` (``_native/mla_prefill_cpu.c``, built 
 ``cpu_native_kernel = False`` or ``APP_CPU_NATIVE_KERNEL=0`` turns it off). No padded ``v``,
 only the causal diagonal's 14 x 32 tiles are masked, bottom-right causal and empty rows
 handled in the kernel; bf16/fp16 are converted while packing (float32 math). Measured on a 2-core
-AVX-512 machine: 0.73-0.78 of the fp32 matmul rate on 1 x 4096 causal (aten's: ~0.55).
+AVX-512 machine: 0.76-0.84 of the fp32 matmul rate on 1 x 4096 causal (aten's: ~0.55).
 
 **CPU otherwise**: the aten CPU flash kernel
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the natural-log

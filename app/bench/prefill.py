@@ -5,23 +5,28 @@ the same run and interleaved with it: two dense float32 baselines per request, v
 backend algorithm exactly (``vllm_algorithm_baseline``: matmul, mask, softmax, matmul, and a
 separate logsumexp; new-token cases only) and a stricter one that computes the LSE once and
 reuses it for the probabilities (``dense_baseline``; heads in groups so a score matrix stays
-<= 256 MiB); and this machine's float32 matmul rate (``torch.mm`` 2048^3: the best of
-measurements at the start, before every case and at the end, since on a shared machine it
-drifts and a low reading would flatter the ratios). Per case: ms per call (best and
-median), GFLOP/s and the ratio to the matmul rate. The baselines always compute the LSE, so
-they are timed once per shape (on the LSE case) and the no-LSE row of that shape is compared
-with them (``baseline_from``).
+<= 256 MiB); and this machine's float32 matmul rate (``torch.mm`` 2048^3), two ways: the
+best of measurements at the start, before every case and at the end (``ratio_to_matmul``:
+best call over best matmul of the run; a low matmul reading would flatter it), and one
+matmul rate measured beside every timed call, round by round (``ratio_to_matmul_paired``: the
+median over rounds of each call's rate over the best of three matmuls right after it, which a
+slow spell of the shared machine hits alike). Per case: ms per call (best and median),
+GFLOP/s and both ratios. The baselines always compute the LSE, so they are timed once per
+shape (on the LSE case) and the no-LSE row of that shape is compared with them
+(``baseline_from``).
 
-FLOPs: ``2 * (P + R + V) * H * sum(q_len * kv_len)``, halved for causal cases. GFLOP/s and the
-targets use the best time of the repeats (the machine may be shared); medians are reported too.
+FLOPs: ``2 * (P + R + V) * H * sum(q_len * kv_len)``, halved for causal cases. GFLOP/s,
+``ratio_to_matmul`` and the 4x512 target use the best time of the repeats (the machine may be
+shared), the paired ratio the median of the rounds; median times are reported too.
 
 Default cases (16 heads, q/k 192 = 128 + 64, v 128, bf16 and fp32): ``4x512`` causal with and
 without LSE, ``1x4096`` causal with and without LSE, ``ctx 4x512+2048`` (each request's 512 new
 tokens over a 2048-token context chunk, non-causal, LSE). ``--quick`` shrinks everything for
 tests. Targets (issue 4, CPU): TORCH_SDPA >= 3x the throughput of vLLM's algorithm on 4x512
 with LSE (the figure against the strict baseline is reported beside it), and >= 0.75 of the
-matmul rate on 1x4096 causal; their pass/fail is in ``targets`` (a missed target does not make
-the command fail; ``ok`` is False only when something errored). On CUDA,
+matmul rate on 1x4096 causal (the paired ratio; the best-over-best one beside it); their
+pass/fail is in ``targets`` (a missed target does not make the command fail; ``ok`` is False
+only when something errored). On CUDA,
 ``wrapper_overhead`` compares each backend's full call with its bare kernel launch (``_launch``
 on pre-allocated buffers) on 1x4096.
 """
@@ -49,6 +54,8 @@ HELP = "MLA prefill backends on ragged batches: ms, GFLOP/s, ratio to the fp32 m
 #: Targets from the issue (CPU): speed-up over the dense baseline, fraction of the matmul rate.
 TARGET_SPEEDUP_4X512 = 3.0
 TARGET_MATMUL_FRACTION_4096 = 0.75
+#: The side of the square float32 matmul that measures this machine's rate.
+MATMUL_N = 2048
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DIMS = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
@@ -106,17 +113,24 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
-                repeat: int = 10) -> float:
-    """Best ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        best = time_calls(lambda: torch.mm(a, b), repeat=repeat, sync=_sync(device))["min_s"]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+def matmul_call(device: torch.device, n: int = 2048) -> Callable[[], object]:
+    """One float32 ``torch.mm`` of ``n x n`` matrices per call (TF32 off on CUDA)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def call() -> object:
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            return torch.mm(a, b)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return call
+
+
+def matmul_rate(device: torch.device, n: int = 2048, repeat: int = 10) -> float:
+    """Best float32 ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
+    best = time_calls(matmul_call(device, n), repeat=repeat, sync=_sync(device))["min_s"]
     return 2.0 * n ** 3 / best / 1e9
 
 
@@ -220,8 +234,8 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
-              device: torch.device, heads: int, repeat: int, baseline: bool, mm: float
-              ) -> dict[str, Any]:
+              device: torch.device, heads: int, repeat: int, baseline: bool, mm: float,
+              matmul_n: int = MATMUL_N) -> dict[str, Any]:
     md, q, k, v = _inputs(case, heads, dtype, device)
     backend = cls(num_heads=heads, scale=1 / math.sqrt(_DIMS.qk_head_dim), kv_lora_rank=512,
                   qk_nope_head_dim=_DIMS.qk_nope_head_dim,
@@ -243,7 +257,15 @@ def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
     def vllm_base() -> object:
         return vllm_algorithm_baseline(q, k, v, cu_q, cu_kv, case.causal, backend.scale)
 
-    fns: dict[str, Callable[[], object]] = {"backend": call}
+    # The matmul rate beside every timed call (best of three back-to-back: the first call
+    # after the backend's finds its matrices evicted): each round's pair shares the slow
+    # spells (minutes long, up to 2x here) that make a best-of-run ratio a lottery.
+    matmul, matmul_s = matmul_call(device, matmul_n), []
+
+    def matmul_beside() -> None:
+        matmul_s.append(time_calls(matmul, repeat=3, warmup=0, sync=_sync(device))["min_s"])
+
+    fns: dict[str, Callable[[], object]] = {"backend": call, "matmul": matmul_beside}
     if baseline:
         fns["baseline"] = base
         if case.causal:  # vLLM's algorithm is only the target's baseline for new tokens
@@ -256,6 +278,9 @@ def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
                            **_stats(timed["backend"])}
     row["gflops"] = round(flops / min(timed["backend"]) / 1e9, 1)
     row["ratio_to_matmul"] = round(row["gflops"] / mm, 3)
+    row["ratio_to_matmul_paired"] = round(statistics.median(
+        (flops / t_backend) / (2.0 * matmul_n ** 3 / t_mm)
+        for t_backend, t_mm in zip(timed["backend"], matmul_s[-repeat:], strict=True)), 3)
     if baseline:
         row["baseline_ms"] = _stats(timed["baseline"])["ms"]
         row["baseline_ms_median"] = _stats(timed["baseline"])["ms_median"]
@@ -310,7 +335,7 @@ def _share_baselines(rows: list[dict[str, Any]]) -> None:
         row["baseline_from"] = source["case"]
 
 
-def _targets(rows: list[dict[str, Any]], mm: float) -> list[dict[str, Any]]:
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     targets = []
     for row in rows:
         if row["backend"] != "TORCH_SDPA":
@@ -323,10 +348,13 @@ def _targets(rows: list[dict[str, Any]], mm: float) -> list[dict[str, Any]]:
                             "target": TARGET_SPEEDUP_4X512, "pass": value >= TARGET_SPEEDUP_4X512,
                             "vs_strict_dense_baseline": row["speedup_vs_baseline"]})
         if row["case"] == "1x4096":
-            targets.append({"name": "TORCH_SDPA 1x4096 causal, fraction of the fp32 matmul rate",
-                            "dtype": row["dtype"], "value": row["ratio_to_matmul"],
+            value = row["ratio_to_matmul_paired"]
+            targets.append({"name": "TORCH_SDPA 1x4096 causal, fraction of the fp32 matmul rate "
+                                    "(median over rounds of backend call / matmul beside it)",
+                            "dtype": row["dtype"], "value": value,
                             "target": TARGET_MATMUL_FRACTION_4096,
-                            "pass": row["ratio_to_matmul"] >= TARGET_MATMUL_FRACTION_4096})
+                            "pass": value >= TARGET_MATMUL_FRACTION_4096,
+                            "best_vs_best_of_run": row["ratio_to_matmul"]})
     return targets
 
 
@@ -360,7 +388,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # The baseline always computes the LSE: time it once per shape (LSE case).
                 try:
                     rows.append(_run_case(cls, case, dtype, device, args.heads, repeat,
-                                          case.lse and not args.no_baseline, mm_runs[0]))
+                                          case.lse and not args.no_baseline, mm_runs[0],
+                                          256 if args.quick else MATMUL_N))
                 except (RuntimeError, ValueError) as exc:
                     errors.append(f"{cls.get_name()} {case.name} {dtype}: {exc}")
             _share_baselines(rows)
@@ -374,7 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mm = max(mm_runs)
     for row in rows:  # ratios against the best matmul rate of the run
         row["ratio_to_matmul"] = round(row["gflops"] / mm, 3)
-    targets = _targets(rows, mm) if device.type == "cpu" else []
+    targets = _targets(rows) if device.type == "cpu" else []
     result: dict[str, Any] = {
         "benchmark": "prefill", "device": str(device), "device_name": _device_name(device),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -415,11 +444,13 @@ def render(result: dict[str, Any]) -> str:
              + (f"; TORCH_SDPA CPU kernel: {result['cpu_kernel']}" if result.get("cpu_kernel")
                 else ""),
              f"{'backend':14s} {'case':16s} {'dtype':9s} {'ms':>9s} {'median':>9s} "
-             f"{'GFLOP/s':>8s} {'x matmul':>8s} {'dense ms':>9s} {'speed-up':>8s} "
+             f"{'GFLOP/s':>8s} {'x matmul':>8s} {'x paired':>8s} {'dense ms':>9s} "
+             f"{'speed-up':>8s} "
              f"{'vllm-alg':>8s}"]
     for r in result["results"]:
         lines.append(f"{r['backend']:14s} {r['case']:16s} {r['dtype']:9s} {r['ms']:9.2f} "
                      f"{r['ms_median']:9.2f} {r['gflops']:8.1f} {r['ratio_to_matmul']:8.3f} "
+                     f"{r['ratio_to_matmul_paired']:8.3f} "
                      f"{r.get('baseline_ms', float('nan')):9.2f} "
                      f"{r.get('speedup_vs_baseline', float('nan')):8.2f} "
                      f"{r.get('speedup_vs_vllm_algorithm', float('nan')):8.2f}")

@@ -25,6 +25,7 @@ def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert row["ms"] > 0 and row["gflops"] > 0 and row["baseline_ms"] > 0
         assert row["ratio_to_matmul"] == pytest.approx(
             row["gflops"] / result["matmul_fp32_gflops"], abs=2e-3)
+        assert row["ratio_to_matmul_paired"] > 0
     assert result["targets"] == []  # the targets are on the full-size cases only
 
 
@@ -50,10 +51,11 @@ def test_flop_count_and_targets() -> None:
              "speedup_vs_baseline": 2.5, "speedup_vs_vllm_algorithm": 3.2,
              "ratio_to_matmul": 0.3},
             {"backend": "TORCH_SDPA", "case": "1x4096", "dtype": "float32",
-             "ratio_to_matmul": 0.6}]
-    targets = prefill._targets(rows, 300.0)
+             "ratio_to_matmul": 0.8, "ratio_to_matmul_paired": 0.6}]
+    targets = prefill._targets(rows)
     assert [t["pass"] for t in targets] == [True, False]
     assert targets[0]["value"] == 3.2 and targets[0]["vs_strict_dense_baseline"] == 2.5
+    assert targets[1]["value"] == 0.6 and targets[1]["best_vs_best_of_run"] == 0.8
 
 
 @pytest.mark.parametrize("causal", [True, False])
