@@ -113,7 +113,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def matmul_call(device: torch.device, n: int = 2048) -> Callable[[], object]:
+def matmul_call(device: torch.device, n: int = MATMUL_N) -> Callable[[], object]:
     """One float32 ``torch.mm`` of ``n x n`` matrices per call (TF32 off on CUDA)."""
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
@@ -128,7 +128,7 @@ def matmul_call(device: torch.device, n: int = 2048) -> Callable[[], object]:
     return call
 
 
-def matmul_rate(device: torch.device, n: int = 2048, repeat: int = 10) -> float:
+def matmul_rate(device: torch.device, n: int = MATMUL_N, repeat: int = 10) -> float:
     """Best float32 ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
     best = time_calls(matmul_call(device, n), repeat=repeat, sync=_sync(device))["min_s"]
     return 2.0 * n ** 3 / best / 1e9
