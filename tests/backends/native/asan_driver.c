@@ -1,0 +1,137 @@
+/* Runs mla_cpu_attend under AddressSanitizer (built by test_cpu_native_asan.py) on shapes
+ * around every tile, block and head-dim edge, with each tensor and the scratch allocated at
+ * exactly the size the kernel is told, and checks the result against a float64 reference.
+ * Prints "<cases> cases, <bad> bad"; exits 1 if any case is off. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void mla_cpu_attend(const void* q, long q_row, long q_head, const void* k, long k_row,
+                    long k_head, const void* v, long v_row, long v_head, int in_dt, long d,
+                    long dv, int causal, float scale, void* out, long o_row, long o_head,
+                    int out_dt, float* lse, long lse_head, const int64_t* q_start,
+                    const int64_t* q_len, const int64_t* kv_start, const int64_t* kv_len,
+                    const int64_t* items, long n_items, float* scratch);
+long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv);
+
+enum { F32 = 0, BF16 = 1 };
+enum { HEADS = 2 };
+
+static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.f - 1.f; }
+
+static float bf16_round(float x) {  /* truncate to bf16: exact in both formats */
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  bits &= 0xFFFF0000u;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+/* n random values (scaled by amp) as `dt` in a fresh buffer of exactly n elements; `ref`
+ * receives the same values as float. */
+static void* random_tensor(long n, float amp, int dt, float* ref) {
+  void* buf = malloc((size_t)n * (dt == F32 ? 4 : 2) + 1);
+  for (long i = 0; i < n; ++i) {
+    ref[i] = bf16_round(uniform() * amp);
+    if (dt == F32) {
+      ((float*)buf)[i] = ref[i];
+    } else {
+      uint32_t bits;
+      memcpy(&bits, &ref[i], sizeof bits);
+      ((uint16_t*)buf)[i] = (uint16_t)(bits >> 16);
+    }
+  }
+  return buf;
+}
+
+static float read_out(const void* out, long i, int dt) {
+  if (dt == F32) return ((const float*)out)[i];
+  uint32_t bits = (uint32_t)((const uint16_t*)out)[i] << 16;
+  float x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+/* Worst error of head h's output and LSE against float64. */
+static double check_head(const float* q, const float* k, const float* v, const void* out,
+                         const float* lse, long ql, long kl, long d, long dv, int causal,
+                         float scale, int out_dt, long h) {
+  double worst = 0.0, *s = malloc(sizeof(double) * (size_t)(kl + 1));
+  for (long i = 0; i < ql; ++i) {
+    long end = causal ? i + kl - ql + 1 : kl;
+    if (end > kl) end = kl;
+    if (end < 0) end = 0;
+    double mx = -INFINITY, sum = 0.0;
+    for (long j = 0; j < end; ++j) {
+      double dot = 0.0;
+      for (long c = 0; c < d; ++c)
+        dot += (double)q[(i * HEADS + h) * d + c] * k[(j * HEADS + h) * d + c];
+      s[j] = dot * scale;
+      if (s[j] > mx) mx = s[j];
+    }
+    for (long j = 0; j < end; ++j) sum += (s[j] = exp(s[j] - mx));
+    for (long c = 0; c < dv; ++c) {
+      double o = 0.0;
+      for (long j = 0; j < end; ++j) o += s[j] * v[(j * HEADS + h) * dv + c];
+      o = end ? o / sum : 0.0;
+      double err = fabs(o - read_out(out, (i * HEADS + h) * dv + c, out_dt));
+      if (!(err <= worst)) worst = err;  /* NaN counts as worst */
+    }
+    double got = lse[h * ql + i];
+    double err = end ? fabs(mx + log(sum) - got) : (isinf(got) && got < 0 ? 0.0 : INFINITY);
+    if (!(err <= worst)) worst = err;
+  }
+  free(s);
+  return worst;
+}
+
+static int run_case(long ql, long kl, long d, long dv, int causal, int in_dt, int out_dt) {
+  float* qf = malloc(sizeof(float) * (size_t)(ql * HEADS * d + 1));
+  float* kf = malloc(sizeof(float) * (size_t)(kl * HEADS * d + 1));
+  float* vf = malloc(sizeof(float) * (size_t)(kl * HEADS * dv + 1));
+  void* q = random_tensor(ql * HEADS * d, 2.f, in_dt, qf);
+  void* k = random_tensor(kl * HEADS * d, 2.f, in_dt, kf);
+  void* v = random_tensor(kl * HEADS * dv, 1.f, in_dt, vf);
+  void* out = malloc((size_t)(ql * HEADS * dv) * (out_dt == F32 ? 4 : 2) + 1);
+  float* lse = malloc(sizeof(float) * (size_t)(HEADS * ql) + 1);
+  float* scratch = malloc(sizeof(float) * (size_t)mla_cpu_scratch_floats(ql, kl, d, dv));
+  int64_t q_start = 0, q_len = ql, kv_start = 0, kv_len = kl, items[2 * HEADS];
+  for (long h = 0; h < HEADS; ++h) items[2 * h] = 0, items[2 * h + 1] = h;
+  const float scale = 1.f / sqrtf((float)d);
+  mla_cpu_attend(q, HEADS * d, d, k, HEADS * d, d, v, HEADS * dv, dv, in_dt, d, dv, causal,
+                 scale, out, HEADS * dv, dv, out_dt, lse, ql, &q_start, &q_len, &kv_start,
+                 &kv_len, items, HEADS, scratch);
+  double worst = 0.0;
+  for (long h = 0; h < HEADS; ++h) {
+    double err = check_head(qf, kf, vf, out, lse, ql, kl, d, dv, causal, scale, out_dt, h);
+    if (!(err <= worst)) worst = err;
+  }
+  const double tol = out_dt == F32 ? 1e-4 : 1e-2;
+  if (!(worst <= tol))
+    printf("off: q %ld kv %ld d %ld dv %ld causal %d in %d out %d: error %g\n", ql, kl, d, dv,
+           causal, in_dt, out_dt, worst);
+  free(qf), free(kf), free(vf), free(q), free(k), free(v), free(out), free(lse), free(scratch);
+  return !(worst <= tol);
+}
+
+int main(void) {
+  const long q_lens[] = {1, 5, 6, 7, 13, 14, 15, 16, 17, 31, 32, 33, 125, 126, 127, 300};
+  const long dims[][2] = {{192, 128}, {33, 64}, {80, 128}, {16, 64}};
+  int cases = 0, bad = 0;
+  srand(7);
+  for (int a = 0; a < (int)(sizeof q_lens / sizeof q_lens[0]); ++a)
+    for (int b = 0; b < 4; ++b)
+      for (int causal = 0; causal < 2; ++causal) {
+        const long ql = q_lens[a];
+        const long kl = a % 3 == 0 ? ql : a % 3 == 1 ? ql + 37 : ql / 2 + 1;
+        const int in_dt = (a + b) % 2 ? BF16 : F32, out_dt = (a + causal) % 2 ? BF16 : F32;
+        bad += run_case(ql, kl, dims[b][0], dims[b][1], causal, in_dt, out_dt);
+        ++cases;
+      }
+  bad += run_case(600, 600, 192, 128, 1, F32, F32);  /* past one 512-key block */
+  ++cases;
+  printf("%d cases, %d bad\n", cases, bad);
+  return bad != 0;
+}
