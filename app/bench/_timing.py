@@ -8,6 +8,17 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _time_one(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
+    """Seconds of one call of ``fn``, ``sync`` run before each clock read if given."""
+    if sync is not None:
+        sync()
+    start = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - start
+
+
 def time_calls(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
                sync: Callable[[], None] | None = None) -> dict[str, float]:
     """Call ``fn`` ``warmup`` times, then time ``repeat`` calls; seconds per call.
@@ -16,15 +27,7 @@ def time_calls(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
     """
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeat):
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        samples.append(time.perf_counter() - start)
+    samples = [_time_one(fn, sync) for _ in range(repeat)]
     return {"median_s": statistics.median(samples), "min_s": min(samples),
             "max_s": max(samples), "repeat": repeat}
 
@@ -51,11 +54,5 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: 
     samples: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(repeat):
         for key, fn in fns.items():
-            if sync is not None:
-                sync()
-            start = time.perf_counter()
-            fn()
-            if sync is not None:
-                sync()
-            samples[key].append(time.perf_counter() - start)
+            samples[key].append(_time_one(fn, sync))
     return samples
