@@ -234,7 +234,7 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
-              device: torch.device, heads: int, repeat: int, baseline: bool, mm: float,
+              device: torch.device, heads: int, repeat: int, baseline: bool,
               matmul_n: int = MATMUL_N) -> dict[str, Any]:
     md, q, k, v = _inputs(case, heads, dtype, device)
     backend = cls(num_heads=heads, scale=1 / math.sqrt(_DIMS.qk_head_dim), kv_lora_rank=512,
@@ -277,7 +277,6 @@ def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
                            "lse": case.lse, "tokens": md.total_q, "gflop": round(flops / 1e9, 3),
                            **_stats(timed["backend"])}
     row["gflops"] = round(flops / min(timed["backend"]) / 1e9, 1)
-    row["ratio_to_matmul"] = round(row["gflops"] / mm, 3)
     row["ratio_to_matmul_paired"] = round(statistics.median(
         (flops / t_backend) / (2.0 * matmul_n ** 3 / t_mm)
         for t_backend, t_mm in zip(timed["backend"], matmul_s[-repeat:], strict=True)), 3)
@@ -388,7 +387,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # The baseline always computes the LSE: time it once per shape (LSE case).
                 try:
                     rows.append(_run_case(cls, case, dtype, device, args.heads, repeat,
-                                          case.lse and not args.no_baseline, mm_runs[0],
+                                          case.lse and not args.no_baseline,
                                           256 if args.quick else MATMUL_N))
                 except (RuntimeError, ValueError) as exc:
                     errors.append(f"{cls.get_name()} {case.name} {dtype}: {exc}")
