@@ -37,10 +37,14 @@ from app.backends._checks import (
 if TYPE_CHECKING:
     from app.config import EngineConfig
 
-__all__ = ["FlashInferBackend", "wrapper_backend_for"]
+__all__ = ["INSTALL_HINT", "FlashInferBackend", "wrapper_backend_for"]
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 _workspaces = DeviceWorkspaces(_WORKSPACE_BYTES, zeroed=False)
+
+
+#: Why FLASHINFER (and TRTLLM_RAGGED, whose kernel is flashinfer's) cannot run without it.
+INSTALL_HINT = "flashinfer-python is not installed (pip install 'app[flashinfer]')"
 
 
 @functools.cache
@@ -91,7 +95,7 @@ class FlashInferBackend(RaggedKernelBackend):
     @classmethod
     def unavailable_reason(cls) -> str:
         """The install hint."""
-        return "flashinfer-python is not installed (pip install 'app[flashinfer]')"
+        return INSTALL_HINT
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None

@@ -24,6 +24,7 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app.backends._checks import DeviceWorkspaces, RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.flashinfer import INSTALL_HINT
 
 __all__ = ["TrtllmRaggedBackend"]
 
@@ -71,7 +72,7 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
     @classmethod
     def unavailable_reason(cls) -> str:
         """The install hint."""
-        return "flashinfer-python is not installed (pip install 'app[flashinfer]')"
+        return INSTALL_HINT
 
     def run_kwargs(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, causal: bool, out: torch.Tensor, lse_nh: torch.Tensor,
