@@ -1,17 +1,22 @@
-"""``python -m app run``: the main job, a chunked MLA prefill over a paged latent cache.
+"""``python -m app run``: the main job, an MLA engine serving requests end to end.
 
 On an embedded default (the small DeepSeek-shaped layer: H=16, L=512, P=128, R=64, V=128;
-32 requests of 256-4096 tokens with shared prefixes; an 8192-token step budget) the engine
-(``app.mla.engine``) runs every request through the backend the container selects, over a
-paged latent cache managed by the ``KVCacheManager``. Each finished request is checked against
-the dense float64 reference of the same layer on its whole sequence. The command prints a
-progress bar on stderr, then a summary; it exits 1 when the error exceeds the dtype's tolerance
-(or blocks leaked), 2 on a usage error.
+32 requests, prompts of 256-4096 tokens with shared prefixes, 32-128 new tokens each; an
+8192-token step budget) the engine (``app.mla.engine``) serves every request: continuous
+batching of chunked prefill (the prefill backend the container selects, non-absorbed form) and
+decode (the selected decode backend, absorbed form) over one paged latent cache managed by the
+``KVCacheManager``, greedy tokens from a tied LM head, optionally speculative
+(``--speculative-tokens``). Each finished request is checked, teacher-forced, against the dense
+float64 reference of its final sequence (``app.mla.checks``: a stated sample of prefill rows,
+every decode row, every generated token). The command prints progress on stderr, then a
+summary; it exits 1 when an error exceeds the dtype's tolerance, a token is not the float64
+argmax beyond a near-tie, or blocks leaked; 2 on a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,15 +29,18 @@ from app import deployment
 from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
-HELP = "run the main job: chunked MLA prefill of many requests, checked against float64"
+HELP = "run the main job: serve many requests (prefill + decode), checked against float64"
 
 #: The embedded default workload.
 DEFAULTS: dict[str, Any] = {
     "num_requests": 32,
     "min_len": 256,
     "max_len": 4096,
+    "min_new_tokens": 32,
+    "max_new_tokens": 128,
     "step_tokens": 8192,
     "seed": 0,
+    "check_prefill_rows": 64,
 }
 
 
@@ -48,8 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shortest request in tokens (default: %(default)s)")
     parser.add_argument("--max-len", type=int, default=DEFAULTS["max_len"],
                         help="longest request in tokens (default: %(default)s)")
+    parser.add_argument("--min-new-tokens", type=int, default=DEFAULTS["min_new_tokens"],
+                        help="fewest tokens a request generates (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"],
+                        help="most tokens a request generates (default: %(default)s)")
     parser.add_argument("--step-tokens", type=int, default=DEFAULTS["step_tokens"],
-                        help="new tokens per step, the chunked-prefill budget "
+                        help="tokens per step (decode first, then chunked prefill) "
+                             "(default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="stacked MLA layers sharing one block table (default: %(default)s)")
+    parser.add_argument("--speculative-tokens", type=int, default=0,
+                        help="n-gram draft tokens verified per decode step (default: "
+                             "%(default)s, plain decoding)")
+    parser.add_argument("--check-prefill-rows", type=int, default=DEFAULTS["check_prefill_rows"],
+                        help="prefill rows per request checked against float64 besides its "
+                             "last 16 (-1: every row; every decode row is always checked) "
                              "(default: %(default)s)")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV-cache blocks in the pool, block 0 reserved "
@@ -67,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-check", action="store_true",
                         help="skip the float64 reference check")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar on stderr")
+                        help="no progress lines on stderr")
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="leave glibc malloc as it is (by default large freed blocks are "
                              "kept for reuse: fewer page faults per step)")
@@ -150,21 +171,107 @@ def _why_not(explanation: Any) -> dict[str, list[str]]:
             for name, verdict in explanation["backends"].items() if name != chosen}
 
 
+def _percentile(values: list[float], pct: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(math.ceil(pct / 100 * len(ordered)) - 1, 0)]
+
+
+def _latency(values: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, Any]:
+    p50, p99 = _percentile(values, 50), _percentile(values, 99)
+    return {"p50": None if p50 is None else round(p50 * scale, digits),
+            "p99": None if p99 is None else round(p99 * scale, digits), "count": len(values)}
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("num_requests", "min_len", "max_len", "step_tokens", "min_new_tokens",
+                 "max_new_tokens", "layers"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.min_len > args.max_len:
+        raise ValueError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
+    if args.min_new_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens ({args.min_new_tokens}) must be <= "
+                         f"--max-new-tokens ({args.max_new_tokens})")
+    if args.speculative_tokens < 0:
+        raise ValueError(f"--speculative-tokens must be >= 0, got {args.speculative_tokens}")
+    if args.check_prefill_rows < -1:
+        raise ValueError(f"--check-prefill-rows must be >= -1, got {args.check_prefill_rows}")
+
+
+def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -> list[Any]:
+    """Step until every request is finished, with progress lines; the outputs."""
+    bar = ProgressBar(total_tokens, "generate", stream=stream, enabled=show)
+    outputs: list[Any] = []
+    emitted = 0
+    stats = engine.stats
+    while engine.has_unfinished():
+        step = engine.step()
+        if not step.num_prefill_tokens and not step.num_decode_tokens \
+                and not engine.num_running:  # pragma: no cover - blocks held elsewhere
+            raise RuntimeError("the engine made no progress with no request running")
+        emitted += sum(len(t) for t in step.new_tokens.values())
+        outputs.extend(step.finished)
+        bar.update(emitted, f"step {step.step}, {engine.num_running} running, prefill "
+                            f"{stats.prefill_tokens_per_second / 1e3:.1f}k tok/s, decode "
+                            f"{stats.decode_tokens_per_second:.0f} tok/s")
+    bar.close()
+    return outputs
+
+
+def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, tolerance: float
+               ) -> dict[str, Any]:
+    from app.mla.checks import TeacherForcedReference, check_generation
+
+    start = time.perf_counter()
+    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
+            "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
+            "token_mismatches")
+    totals = dict.fromkeys(keys, 0)
+    prefill_err = decode_err = prefill_abs = decode_abs = scale = 0.0
+    # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
+    # reuses the keys and values of the common prefix.
+    for out in sorted(outputs, key=lambda o: o.token_ids):
+        result = check_generation(reference, out,
+                                  None if prefill_rows < 0 else prefill_rows, tail_rows=16)
+        for key in keys:
+            totals[key] += getattr(result, key)
+        prefill_err = max(prefill_err, result.prefill_relative_error)
+        decode_err = max(decode_err, result.decode_relative_error)
+        prefill_abs = max(prefill_abs, result.prefill_max_abs_error)
+        decode_abs = max(decode_abs, result.decode_max_abs_error)
+        scale = max(scale, result.ref_max_abs)
+    passed = prefill_err <= tolerance and decode_err <= tolerance \
+        and totals["token_mismatches"] == 0
+    sample = ("every row" if prefill_rows < 0 else
+              f"per request: every decode row, the last 16 prefill rows and at most "
+              f"{prefill_rows} more prefill rows at a stride; every generated token")
+    return {"enabled": True, "reference": "dense float64, teacher-forced on each final "
+            "sequence (prompt + generated)", "sample": sample, **totals,
+            "prefill_max_relative_error": prefill_err, "decode_max_relative_error": decode_err,
+            "prefill_max_abs_error": prefill_abs, "decode_max_abs_error": decode_abs,
+            "ref_max_abs": scale, "max_relative_error": max(prefill_err, decode_err),
+            "tolerance": tolerance, "passed": passed,
+            "reference_tokens_reused": reference.reused_tokens,
+            "reference_tokens_computed": reference.computed_tokens,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
 def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the job; the summary as a dict (``ok`` False when the check fails)."""
     from app.backends.selector import explain_mla_prefill_selection
     from app.containers import create_container
-    from app.mla.engine import MLAPrefillEngine
+    from app.mla.engine import MLAEngine
     from app.mla.process import tune_malloc_for_large_tensors
-    from app.mla.reference import check_against_reference, reference_tolerance
+    from app.mla.reference import reference_tolerance
+    from app.mla.requests import Request
     from app.mla.workload import make_workload
 
     wall_start = time.perf_counter()
     malloc_tuned = False if args.no_malloc_tuning else tune_malloc_for_large_tensors()
-    for name in ("num_requests", "min_len", "max_len", "step_tokens"):
-        _positive(name.replace("_", "-"), getattr(args, name))
-    if args.min_len > args.max_len:
-        raise ValueError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
+    _validate(args)
     if args.deployment is not None:
         container = deployment.load(args.deployment)
         config = build_config(args, container.config())
@@ -172,45 +279,36 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
         config = build_config(args, EngineConfig())
         container = create_container(config)
     explanation = explain_mla_prefill_selection(config, container=container)
-    engine = MLAPrefillEngine(config, container=container, seed=args.seed,
-                              step_tokens=args.step_tokens)
+    engine = MLAEngine(config, container=container, seed=args.seed, num_layers=args.layers,
+                       step_tokens=args.step_tokens,
+                       num_speculative_tokens=args.speculative_tokens)
     workload = make_workload(args.num_requests, args.min_len, args.max_len,
-                             engine.embedding.vocab_size, seed=args.seed)
-    for request in workload:
-        engine.add_request(request.request_id, request.token_ids)
+                             engine.embedding.vocab_size, seed=args.seed,
+                             min_new_tokens=args.min_new_tokens,
+                             max_new_tokens=args.max_new_tokens)
+    for item in workload:
+        engine.add_request(Request(item.request_id, item.token_ids,
+                                   max_new_tokens=item.max_new_tokens))
+    serve_start = time.perf_counter()
+    outputs = _serve(engine, sum(w.max_new_tokens for w in workload), not args.no_progress,
+                     stream)
+    serve_seconds = time.perf_counter() - serve_start
 
     tolerance = reference_tolerance(config.model.dtype)
-    check_seconds = 0.0
-    worst_abs = worst_rel = ref_scale = 0.0
-    rows_checked = 0
-    bar = ProgressBar(len(workload), "prefill", stream=stream, enabled=not args.no_progress)
-    done = 0
-    while engine.has_unfinished():
-        step = engine.step()
-        if not step.scheduled and engine.num_running == 0:  # pragma: no cover - cannot happen
-            raise RuntimeError("the engine made no progress with no request running")
-        for out in step.finished:
-            done += 1
-            if not args.no_check and out.output is not None:
-                t0 = time.perf_counter()
-                result = check_against_reference(engine.weights, engine.embedding,
-                                                  out.request_id, out.token_ids, out.output,
-                                                  out.computed_rows)
-                check_seconds += time.perf_counter() - t0
-                worst_abs = max(worst_abs, result.max_abs_error)
-                worst_rel = max(worst_rel, result.relative_error)
-                ref_scale = max(ref_scale, result.ref_max_abs)
-                rows_checked += result.rows_checked
-            bar.update(done, f"step {step.step}, "
-                             f"{engine.stats.tokens_per_second / 1e3:.1f}k tok/s, "
-                             f"max err {worst_rel:.1e}")
-    bar.close()
-
+    check: dict[str, Any] = {"enabled": False, "passed": None, "seconds": 0.0,
+                             "tolerance": tolerance}
+    if not args.no_check:
+        check = _check_all(engine, outputs, args.check_prefill_rows, tolerance)
     stats = engine.stats
     leaked = engine.initial_free_blocks - engine.kv_manager.num_free_blocks
-    checked = not args.no_check
-    passed = (worst_rel <= tolerance) if checked else None
-    ok = (passed is not False) and leaked == 0
+    ok = check["passed"] is not False and leaked == 0
+    ms = 1e3
+    ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    ttft_steps = [float(o.metrics.ttft_steps) for o in outputs
+                  if o.metrics.ttft_steps is not None]
+    tpot = [o.tpot for o in outputs if o.tpot is not None]
+    tpot_steps = [o.tpot_steps for o in outputs if o.tpot_steps is not None]
+    wall = time.perf_counter() - wall_start
     return {
         "ok": ok,
         "platform": engine.platform.describe(),
@@ -219,29 +317,48 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
                     "requested": explanation["requested"],
                     "priorities": explanation["priorities"],
                     "why_not_others": _why_not(explanation)},
-        "model": engine.layer.describe(),
+        "decode_backend": {"chosen": engine.decode_backend_class.get_name(),
+                           "class": f"{engine.decode_backend_class.__module__}."
+                                    f"{engine.decode_backend_class.__qualname__}"},
+        "model": {**engine.model.layers[0].describe(), "num_layers": args.layers,
+                  "vocab_size": engine.embedding.vocab_size, "lm_head": "tied, greedy"},
         "kv_cache": {"groups": engine.describe_kv_cache_groups(),
                      "pool": engine.pool_usage(), "leaked_blocks": leaked,
                      "context_chunk_tokens": config.attention.context_chunk_tokens},
         "workload": {"num_requests": len(workload), "min_len": args.min_len,
-                     "max_len": args.max_len, "step_tokens": args.step_tokens,
+                     "max_len": args.max_len, "min_new_tokens": args.min_new_tokens,
+                     "max_new_tokens": args.max_new_tokens, "step_tokens": args.step_tokens,
                      "seed": args.seed, "prompt_tokens": stats.prompt_tokens,
                      "shared_prefix_tokens": sum(r.shared_prefix_len for r in workload)},
         "steps": stats.steps,
         "preemptions": stats.preemptions,
-        "prefill_tokens": stats.computed_tokens,
-        "prefill_seconds": round(stats.step_seconds, 3),
-        "prefill_tokens_per_s": round(stats.tokens_per_second, 1),
+        "generated_tokens": stats.emitted_tokens,
+        "prefill_tokens": stats.prefill_tokens,
+        "prefill_seconds": round(stats.prefill_seconds, 3),
+        "prefill_tokens_per_s": round(stats.prefill_tokens_per_second, 1),
+        "decode_tokens": stats.decode_emitted_tokens,
+        "decode_seconds": round(stats.decode_seconds, 3),
+        "decode_tokens_per_s": round(stats.decode_tokens_per_second, 1),
+        "serve_seconds": round(serve_seconds, 3),
+        "ttft_ms": _latency(ttft, ms), "ttft_steps": _latency(ttft_steps),
+        "tpot_ms": _latency(tpot, ms), "tpot_steps": _latency(tpot_steps, digits=3),
         "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 4),
-        "check": {"enabled": checked, "reference": "dense float64, whole sequence",
-                  "rows_checked": rows_checked, "max_abs_error": worst_abs,
-                  "ref_max_abs": ref_scale, "max_relative_error": worst_rel,
-                  "tolerance": tolerance, "passed": passed,
-                  "seconds": round(check_seconds, 3)},
-        "wall_seconds": round(time.perf_counter() - wall_start, 3),
+        "speculative": {"tokens": args.speculative_tokens, "drafts": stats.draft_tokens,
+                        "accepted": stats.accepted_tokens,
+                        "acceptance_rate": round(stats.acceptance_rate, 4)},
+        "check": check,
+        "wall_seconds": round(wall, 3),
+        "check_share_of_wall": round(check["seconds"] / wall, 4) if wall else 0.0,
         "torch_threads": torch.get_num_threads(),
         "malloc_tuned": malloc_tuned,
     }
+
+
+def _fmt_latency(ms: dict[str, Any], steps: dict[str, Any]) -> str:
+    if ms["p50"] is None:
+        return "n/a"
+    return (f"p50 {ms['p50']:.1f} ms / {steps['p50']} steps, p99 {ms['p99']:.1f} ms / "
+            f"{steps['p99']} steps")
 
 
 def render(result: dict[str, Any]) -> str:
@@ -254,39 +371,65 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"platform        {plat['platform']} ({plat['platform_class']}), device capability "
         f"{plat['device_capability']}, fast bf16: {plat['fast_bfloat16']}",
-        f"backend         {backend['chosen']} ({backend['class']})"
+        f"backend         prefill {backend['chosen']} ({backend['class']})"
         + ("" if backend["requested"] is None else f", requested {backend['requested']}"),
     ]
     width = max((len(n) for n in backend["why_not_others"]), default=0) + 2
     for name, reasons in backend["why_not_others"].items():
         lines.append(f"  not {name:<{width}}{'; '.join(reasons)}")
-    lines.append(f"layer           H={model['num_heads']} L={model['kv_lora_rank']} "
-                 f"P={model['qk_nope_head_dim']} R={model['qk_rope_head_dim']} "
-                 f"V={model['v_head_dim']} hidden={model['hidden_size']}, {model['dtype']} "
-                 f"(compute {model['compute_dtype']})")
+    decode = result["decode_backend"]
+    lines.append(f"                decode {decode['chosen']} ({decode['class']})")
+    lines.append(f"model           {model['num_layers']} x MLA H={model['num_heads']} "
+                 f"L={model['kv_lora_rank']} P={model['qk_nope_head_dim']} "
+                 f"R={model['qk_rope_head_dim']} V={model['v_head_dim']} "
+                 f"hidden={model['hidden_size']}, {model['dtype']} (compute "
+                 f"{model['compute_dtype']}), vocab {model['vocab_size']}, tied LM head, greedy")
     for i, group in enumerate(result["kv_cache"]["groups"]):
         lines.append(f"kv group {i}      {group['spec']} -> {group['manager']}, block "
                      f"{group['block_size']} x {group['head_size']} {group['dtype']}, page "
-                     f"{group['page_size_bytes']} B, layers {', '.join(group['layers'])}")
+                     f"{group['page_size_bytes']} B, {len(group['layers'])} layer(s)")
     leaked = result["kv_cache"]["leaked_blocks"]
     lines.append(f"kv pool         {pool['num_blocks']} blocks ({pool['cache_bytes'] / 2**20:.0f}"
-                 f" MiB), peak used {pool['peak_used_blocks']}, cached {pool['cached_blocks']},"
-                 f" free at end {pool['free_blocks']}, leaked {leaked}")
+                 f" MiB), peak used {pool['peak_used_blocks']} ({pool['peak_use']:.1%}), "
+                 f"cached {pool['cached_blocks']}, free at end {pool['free_blocks']}, "
+                 f"leaked {leaked}")
     wl = result["workload"]
+    spec = result["speculative"]
     summary = {
-        "requests": f"{wl['num_requests']} of {wl['min_len']}-{wl['max_len']} tokens "
-                    f"({wl['prompt_tokens']} prompt tokens), step budget {wl['step_tokens']}",
-        "steps": f"{result['steps']} ({result['preemptions']} preemptions)",
-        "prefill": f"{result['prefill_tokens']} tokens computed in {result['prefill_seconds']} s"
-                   f" = {result['prefill_tokens_per_s']:.0f} tokens/s",
+        "requests": f"{wl['num_requests']}, prompts {wl['min_len']}-{wl['max_len']} tokens "
+                    f"({wl['prompt_tokens']} in all), {wl['min_new_tokens']}-"
+                    f"{wl['max_new_tokens']} new tokens each; step budget {wl['step_tokens']}",
+        "steps": f"{result['steps']} ({result['preemptions']} preemptions), "
+                 f"{result['generated_tokens']} tokens generated in "
+                 f"{result['serve_seconds']} s",
+        "prefill": f"{result['prefill_tokens']} tokens in {result['prefill_seconds']} s = "
+                   f"{result['prefill_tokens_per_s']:.0f} tokens/s",
+        "decode": f"{result['decode_tokens']} tokens in {result['decode_seconds']} s = "
+                  f"{result['decode_tokens_per_s']:.0f} tokens/s",
+        "TTFT": _fmt_latency(result["ttft_ms"], result["ttft_steps"]),
+        "TPOT": _fmt_latency(result["tpot_ms"], result["tpot_steps"]),
         "prefix cache": f"hit rate {result['prefix_cache_hit_rate']:.1%} of prompt tokens",
     }
+    if spec["tokens"]:
+        summary["speculative"] = (f"{spec['tokens']} n-gram drafts per step: "
+                                  f"{spec['accepted']}/{spec['drafts']} accepted "
+                                  f"({spec['acceptance_rate']:.1%})")
     if check["enabled"]:
         verdict = "PASS" if check["passed"] else "FAIL"
         summary["max error"] = (
-            f"{check['max_relative_error']:.2e} of the output scale (abs "
-            f"{check['max_abs_error']:.2e}, scale {check['ref_max_abs']:.2f}) vs dense float64, "
-            f"{check['rows_checked']} rows; tolerance {check['tolerance']:.0e}: {verdict}")
+            f"prefill {check['prefill_max_relative_error']:.2e}, decode "
+            f"{check['decode_max_relative_error']:.2e} of the output scale "
+            f"({check['ref_max_abs']:.2f}) vs dense float64; tolerance "
+            f"{check['tolerance']:.0e}: {verdict}")
+        summary["rows checked"] = (
+            f"prefill {check['prefill_rows_checked']} of {check['prefill_rows_computed']}, "
+            f"decode {check['decode_rows_checked']} of {check['decode_rows_computed']} "
+            f"({check['sample']})")
+        summary["tokens"] = (f"{check['tokens_agreeing']} of {check['tokens_checked']} are the "
+                             f"float64 argmax, {check['near_ties']} near-ties (either token "
+                             f"within rounding), {check['token_mismatches']} mismatches")
+        summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
+                                 f"of the wall time)")
     else:
         summary["max error"] = "not checked (--no-check)"
     summary["wall time"] = f"{result['wall_seconds']} s"

@@ -1,29 +1,33 @@
-"""A minimal prefill engine around the MLA executor: how an engine embeds this library.
+"""The generating engine: continuous batching of prefill and decode over one paged latent cache.
 
-``MLAPrefillEngine`` resolves everything it needs through the container **once**, at start-up:
-the platform, the selected prefill backend class (``get_mla_prefill_backend``), and the KV-cache
-bindings (``get_kv_cache_groups`` + ``KVCacheManager`` over one ``MLAAttentionSpec`` layer
-group). After that the hot path holds plain references; nothing is resolved per step or layer.
+``MLAEngine`` is how an engine embeds this library. It resolves everything it needs **once**, at
+start-up: the platform (``container.platform()``), the prefill backend class (the container's
+selection), the decode backend class (the container's ``mla_decode_backend_class``, unless one
+is passed in) and the KV-cache bindings (``get_kv_cache_groups`` + ``KVCacheManager`` over one
+``MLAAttentionSpec`` group of ``num_layers`` layers). Afterwards the hot path holds plain
+references; nothing is resolved per step or per layer.
 
-Each ``step()``:
+Serving::
 
-1. schedules up to ``step_tokens`` new tokens (chunked prefill): running requests first, then
-   waiting ones in arrival order; a new request first looks up the prefix cache
-   (``get_computed_blocks``) and skips the tokens it hits; ``allocate_slots`` gives each
-   scheduled request slots for its tokens, and a request that does not fit keeps waiting (FCFS:
-   later ones do not overtake it). If nothing fits while requests hold blocks, the newest
-   running request is preempted (its blocks freed, recomputed later);
-2. runs the layer over the scheduled tokens (``MLAPrefillExecutor``);
-3. reports the written KV (``cache_blocks``: full blocks become prefix-cache hits for later
-   requests) and frees finished requests.
+    engine = MLAEngine(config, container=container, num_layers=1)
+    engine.add_request(Request("r1", prompt_token_ids, max_new_tokens=64,
+                               stop_token_ids={2}))
+    while engine.has_unfinished():
+        out = engine.step()        # out.new_tokens: {request_id: tokens emitted this step}
+        for done in out.finished:  # RequestOutput: tokens, finish reason, metrics
+            ...
+    engine.abort("r2")             # frees everything a request holds
 
-A request that can never fit (more blocks than the pool has) is refused by ``add_request`` with
-``RequestTooLargeError``.
+Each ``step()``: the ``Scheduler`` (``app.mla.scheduler``) picks the decode batch and the chunked
+prefill batch; the model (``app.mla.model``) runs the prefill batch in the non-absorbed form
+through the prefill backend and the decode batch in the absorbed form through the decode
+backend; the tied LM head picks greedy tokens (drafts are verified, ``app.mla.speculative``);
+progress is reported to the ``KVCacheManager`` (full blocks become prefix-cache hits) and
+finished requests free their blocks.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,32 +37,39 @@ import torch
 
 from app._validation import check_int_at_least
 from app.backends.base import MLAPrefillBackend
+from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.selector import get_mla_prefill_backend
 from app.config import EngineConfig
 from app.containers import get_container, use_container
 from app.kvcache import KVCacheGroupSpec, KVCacheManager, MLAAttentionSpec, get_kv_cache_groups
-from app.kvcache.request import KVCacheRequest
-from app.mla.cache import PagedLatentCache
-from app.mla.executor import MLAPrefillExecutor, PrefillSlice
-from app.mla.layer import MLALayer, MLALayerWeights, TokenEmbedding, default_compute_dtype
+from app.mla.decode import plan_decode_step
+from app.mla.executor import PrefillSlice
+from app.mla.layer import MLALayerWeights, TokenEmbedding, default_compute_dtype
+from app.mla.model import MLAModel, layer_names
 from app.mla.profiling import NULL_TIMER, PhaseTimer
+from app.mla.requests import (
+    FinishReason,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RowKind,
+)
+from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
+from app.mla.speculative import NgramDrafter, accept_greedy
 
 if TYPE_CHECKING:
     from app.containers import Application
     from app.platforms import Platform
 
 __all__ = [
-    "LAYER_NAME",
+    "DEFAULT_VOCAB_SIZE",
     "EngineStats",
-    "MLAPrefillEngine",
-    "RequestOutput",
+    "MLAEngine",
     "RequestTooLargeError",
     "StepOutput",
 ]
 
-#: The name of the engine's single MLA attention layer (its KV-cache group's layer).
-LAYER_NAME = "model.layers.0.self_attn"
-#: Default vocabulary of the seeded token embedding.
+#: Default vocabulary of the seeded token embedding (and tied LM head).
 DEFAULT_VOCAB_SIZE = 4096
 
 
@@ -66,57 +77,40 @@ class RequestTooLargeError(ValueError):
     """A request needs more KV-cache blocks than the whole pool has: it can never run."""
 
 
-@attrs.frozen(eq=False)
-class RequestOutput:
-    """A finished request.
-
-    ``output [num_tokens, hidden]`` (model dtype, on the engine's device) holds the layer output
-    of the rows this request computed (``computed_rows``, a bool mask); the other rows were
-    prefix-cache hits, computed by an earlier request, and are zero here.
-    ``num_cached_tokens`` is the prefix-cache hit when the request was first admitted.
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    num_cached_tokens: int
-    num_preemptions: int
-    output: torch.Tensor | None
-    computed_rows: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt length."""
-        return len(self.token_ids)
-
-
 @attrs.frozen
 class StepOutput:
-    """One step: the requests scheduled (id, context tokens, new tokens) and those finished."""
+    """One step: the tokens each request emitted, the requests that finished, the ids
+    preempted, the prefill / decode query tokens computed and the step's wall seconds."""
 
     step: int
-    scheduled: tuple[tuple[str, int, int], ...]
+    new_tokens: dict[str, tuple[int, ...]]
     finished: tuple[RequestOutput, ...]
-    num_preempted: int
+    preempted: tuple[str, ...]
+    num_prefill_tokens: int
+    num_decode_tokens: int
     seconds: float
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(n for _, _, n in self.scheduled)
 
 
 @attrs.define
 class EngineStats:
-    """Counters since the engine started."""
+    """Counters since the engine started (seconds are wall time inside ``step``)."""
 
     steps: int = 0
-    computed_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_emitted_tokens: int = 0
+    emitted_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finished_requests: int = 0
+    aborted_requests: int = 0
     preemptions: int = 0
     peak_used_blocks: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     step_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -124,274 +118,380 @@ class EngineStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def tokens_per_second(self) -> float:
-        """Computed prefill tokens per second of step time."""
-        return self.computed_tokens / self.step_seconds if self.step_seconds else 0.0
-
-
-@attrs.define(eq=False)
-class _Request:
-    kv: KVCacheRequest
-    token_ids: tuple[int, ...]
-    token_tensor: torch.Tensor
-    num_cached_tokens: int = -1
-    num_preemptions: int = 0
-    block_table: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    computed_rows: torch.Tensor | None = None
+    def prefill_tokens_per_second(self) -> float:
+        """Prefill tokens per second of prefill compute."""
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    def decode_tokens_per_second(self) -> float:
+        """Tokens emitted by decode steps per second of decode compute."""
+        return self.decode_emitted_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0.0 without speculation)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
-class MLAPrefillEngine:
-    """Queue, chunked-prefill scheduler, paged latent cache and one MLA layer.
+def resolve_decode_backend_class(container: Application, config: EngineConfig
+                                 ) -> type[MLADecodeBackend]:
+    """The decode backend class the container selects for ``config``."""
+    provider = getattr(container, "mla_decode_backend_class", None)
+    if provider is not None:
+        selected = provider()
+    else:  # until the container has decode providers (arch branch): the portable backend
+        from app._imports import import_object
 
-    ``config`` defaults to the container's config; ``container`` to the active one. ``weights``
-    default to ``MLALayerWeights.generate(config.model, seed)``; the inputs are rows of a seeded
-    ``TokenEmbedding`` of ``vocab_size`` tokens. ``keep_outputs=False`` drops the outputs
-    (benchmarks). ``timer`` (a ``PhaseTimer``) charges each phase of each step.
+        selected = import_object("app.backends.torch_sdpa_decode.TorchSDPADecodeBackend")
+    if not (isinstance(selected, type) and issubclass(selected, MLADecodeBackend)):
+        raise TypeError(f"the container's decode backend is not an MLADecodeBackend class: "
+                        f"{selected!r}")
+    return selected
+
+
+class MLAEngine:
+    """Queue, scheduler, paged latent cache, ``num_layers`` MLA layers and a tied LM head.
+
+    ``config`` defaults to the container's; ``container`` to the active one. Layer ``l``'s
+    weights are ``MLALayerWeights.generate(config.model, seed + l)``; the embedding (and LM head)
+    is a seeded ``TokenEmbedding`` of ``vocab_size`` tokens. ``step_tokens`` is the token budget
+    per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the n-gram
+    drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops the
+    per-row outputs (benchmarks). ``timer`` charges each phase of each step.
+    ``prefill_backend_class`` / ``decode_backend_class`` replace the container's selection.
     """
 
     def __init__(self, config: EngineConfig | None = None, *,
-                 container: Application | None = None, seed: int = 0,
-                 step_tokens: int = 8192, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                 weights: MLALayerWeights | None = None, keep_outputs: bool = True,
-                 timer: PhaseTimer | None = None) -> None:
+                 container: Application | None = None, seed: int = 0, num_layers: int = 1,
+                 step_tokens: int = 8192, max_num_seqs: int = 256,
+                 num_speculative_tokens: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                 keep_outputs: bool = True, timer: PhaseTimer | None = None,
+                 prefill_backend_class: type[MLAPrefillBackend] | None = None,
+                 decode_backend_class: type[MLADecodeBackend] | None = None) -> None:
+        check_int_at_least("num_layers", num_layers, 1)
         check_int_at_least("step_tokens", step_tokens, 1)
+        check_int_at_least("num_speculative_tokens", num_speculative_tokens, 0)
         container = get_container() if container is None else container
         config = container.config() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        if weights is not None and weights.model != config.model:
-            raise ValueError("weights were generated for another ModelConfig than config.model")
         self.config = config
         self.container = container
-        # -- resolved once: platform, backend class, KV-cache bindings ----------------------
+        # -- resolved once: platform, backend classes, KV-cache bindings -------------------
         self.platform: Platform = container.platform()
-        self.backend_class: type[MLAPrefillBackend] = get_mla_prefill_backend(
-            config, container=container)
+        self.backend_class: type[MLAPrefillBackend] = (
+            prefill_backend_class if prefill_backend_class is not None
+            else get_mla_prefill_backend(config, container=container))
+        self.decode_backend_class: type[MLADecodeBackend] = (
+            decode_backend_class if decode_backend_class is not None
+            else resolve_decode_backend_class(container, config))
+        capability = self.platform.get_device_capability()
+        query_len = 1 + num_speculative_tokens
+        reasons = self.decode_backend_class.validate_configuration(
+            capability, MLADecodeSelectorConfig.from_engine_config(config, query_len))
+        if reasons:
+            raise ValueError(f"decode backend {self.decode_backend_class.get_name()} cannot "
+                             f"run this configuration (query_len {query_len}): "
+                             f"{'; '.join(reasons)}")
         spec = MLAAttentionSpec.from_model_config(config.model,
                                                   block_size=config.cache.block_size)
         with use_container(container):
-            self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups({LAYER_NAME: spec})
+            self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
+                dict.fromkeys(layer_names(num_layers), spec))
             self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache)
-        if len(self.kv_cache_groups) != 1:  # pragma: no cover - one layer, one group
+        if len(self.kv_cache_groups) != 1:  # pragma: no cover - identical layers, one group
             raise ValueError(f"expected one KV-cache group, got {len(self.kv_cache_groups)}")
-        #: Tokens per block of the (single) group's block table.
+        #: Tokens per block of the group's block table.
         self.block_size = self.kv_cache_groups[0].block_size
-        # -- the model side -----------------------------------------------------------------
+        # -- the model --------------------------------------------------------------------
         device = self.platform.device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"platform {self.platform!r} runs on device 'cuda', but torch sees "
                              "no CUDA device here (an emulated platform can select backends, "
                              "not run them)")
-        model = config.model
-        self.weights = weights if weights is not None else MLALayerWeights.generate(model, seed)
-        self.embedding = TokenEmbedding.generate(vocab_size, model.hidden_size, model.dtype, seed)
-        compute = default_compute_dtype(model.dtype, device, self.platform.has_fast_bfloat16())
-        self.layer = MLALayer(self.weights, device, compute_dtype=compute)
-        self._embedding_rows = self.embedding.table.to(device=device, dtype=model.dtype)
-        self.cache = PagedLatentCache(self.kv_manager.block_pool.num_blocks, self.block_size,
-                                      self.layer.latent_dim, model.dtype, device)
-        self.backend = self.backend_class.from_config(config)
+        self.device = device
         self.timer = timer if timer is not None else NULL_TIMER
-        self.executor = MLAPrefillExecutor(self.layer, self.cache, self.backend,
-                                           config.attention.context_chunk_tokens, self.timer)
+        model = config.model
+        weights = [MLALayerWeights.generate(model, seed + i) for i in range(num_layers)]
+        embedding = TokenEmbedding.generate(vocab_size, model.hidden_size, model.dtype, seed)
+        compute = default_compute_dtype(model.dtype, device, self.platform.has_fast_bfloat16())
+        self.model = MLAModel(
+            config, weights, embedding, self.backend_class.from_config(config),
+            self.decode_backend_class.from_config(config, device_capability=capability),
+            num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
+            device=device, compute_dtype=compute, timer=self.timer)
+        self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=step_tokens,
+                                   max_num_seqs=max_num_seqs,
+                                   num_speculative_tokens=num_speculative_tokens)
+        self.drafter = NgramDrafter(num_speculative_tokens) if num_speculative_tokens else None
+        self.num_speculative_tokens = num_speculative_tokens
         self.step_tokens = step_tokens
         self.keep_outputs = keep_outputs
-        self.device = device
         self.stats = EngineStats()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
-        self._ids: set[str] = set()
+        self._states: dict[str, RequestState] = {}
         self.initial_free_blocks = self.kv_manager.num_free_blocks
 
-    # -- requests -----------------------------------------------------------------------------
+    # -- convenience views --------------------------------------------------------------
 
     @property
-    def max_request_tokens(self) -> int:
-        """The longest request the pool can ever hold."""
-        return (self.kv_manager.block_pool.num_blocks - 1) * self.block_size
+    def weights(self) -> list[MLALayerWeights]:
+        """The layers' weights (float64 values exactly representable in the model dtype)."""
+        return self.model.weights
 
-    def add_request(self, request_id: str, token_ids: Iterable[int]) -> None:
-        """Queue a request. ``RequestTooLargeError`` when it can never fit in the pool;
-        ``ValueError`` for an empty request, a token outside the vocabulary or a duplicate id."""
-        tokens = tuple(int(t) for t in token_ids)
-        if not tokens:
-            raise ValueError(f"request {request_id!r} has no tokens")
-        if request_id in self._ids:
-            raise ValueError(f"request id {request_id!r} is already queued or running")
-        vocab = self.embedding.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise ValueError(f"request {request_id!r}: token ids must be in [0, {vocab}), got "
-                             f"[{min(tokens)}, {max(tokens)}]")
-        bs = self.block_size
-        needed = -(-len(tokens) // bs)
-        usable = self.kv_manager.block_pool.num_blocks - 1
-        if needed > usable:
-            raise RequestTooLargeError(
-                f"request {request_id!r} has {len(tokens)} tokens and needs {needed} KV-cache "
-                f"blocks of {bs} tokens, but the pool has only {usable} usable blocks "
-                f"(cache.num_blocks={usable + 1}, block 0 is reserved); it can never run. "
-                f"Raise cache.num_blocks to at least {needed + 1} or shorten the request "
-                f"(at most {self.max_request_tokens} tokens).")
-        kv = self.kv_manager.new_request(request_id, tokens)
-        self._waiting.append(_Request(kv=kv, token_ids=tokens,
-                                      token_tensor=torch.tensor(tokens, dtype=torch.int64)))
-        self._ids.add(request_id)
+    @property
+    def embedding(self) -> TokenEmbedding:
+        """The token embedding (and tied LM head)."""
+        return self.model.embedding
 
     @property
     def num_waiting(self) -> int:
-        """Requests not admitted yet (or preempted)."""
-        return len(self._waiting)
+        """Requests waiting for admission (new or preempted)."""
+        return len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
         """Requests holding KV-cache blocks."""
-        return len(self._running)
+        return len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished()
 
-    # -- scheduling ---------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------
 
-    def _refresh_block_table(self, req: _Request) -> None:
-        ids = self.kv_manager.get_block_ids(req.kv.request_id)[0]
-        req.block_table = torch.tensor(ids, dtype=torch.int64, device=self.device)
+    def blocks_needed(self, request: Request) -> int:
+        """The most blocks ``request`` ever holds: its prompt, every generated token but the
+        last (never computed) and the speculative lookahead."""
+        tokens = len(request.prompt_token_ids) + request.max_new_tokens - 1 \
+            + self.num_speculative_tokens
+        return -(-tokens // self.block_size)
 
-    def _admit(self, req: _Request, num_hit: int) -> None:
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_hit
-        if self.keep_outputs and req.output is None:
-            req.output = torch.zeros(req.num_tokens, self.config.model.hidden_size,
-                                     dtype=self.config.model.dtype, device=self.device)
-        if req.computed_rows is None:
-            req.computed_rows = torch.zeros(req.num_tokens, dtype=torch.bool)
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``. ``RequestTooLargeError`` when it can never fit in the pool;
+        ``ValueError`` for a token outside the vocabulary or a duplicate id; nothing is queued
+        on an error."""
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request expects an app.mla.Request, got "
+                            f"{type(request).__name__}")
+        rid = request.request_id
+        if rid in self._states:
+            raise ValueError(f"request id {rid!r} is already queued or running")
+        tokens = request.prompt_token_ids
+        vocab = self.model.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"request {rid!r}: token ids must be in [0, {vocab}), got "
+                             f"[{min(tokens)}, {max(tokens)}]")
+        needed = self.blocks_needed(request)
+        usable = self.kv_manager.block_pool.num_blocks - 1
+        if needed > usable:
+            raise RequestTooLargeError(
+                f"request {rid!r} ({len(tokens)} prompt tokens + up to "
+                f"{request.max_new_tokens} new) needs {needed} KV-cache blocks of "
+                f"{self.block_size} tokens, but the pool has only {usable} usable blocks "
+                f"(cache.num_blocks={usable + 1}, block 0 is reserved); it can never run. "
+                f"Raise cache.num_blocks to at least {needed + 1}, or shorten the prompt or "
+                f"max_new_tokens.")
+        state = RequestState(
+            request=request, kv=self.kv_manager.new_request(rid, tokens),
+            block_table=torch.zeros(needed, dtype=torch.int32),
+            arrival_time=time.perf_counter(), arrival_step=self.stats.steps,
+            ngram_index=self.drafter.new_index(tokens) if self.drafter else None)
+        if self.keep_outputs:
+            rows = len(tokens) + request.max_new_tokens
+            state.hidden = torch.zeros(rows, self.config.model.hidden_size,
+                                       dtype=self.config.model.dtype, device=self.device)
+            state.row_kinds = torch.zeros(rows, dtype=torch.int8)
+        self._states[rid] = state
+        self.scheduler.add(state)
 
-    def _schedule(self) -> tuple[list[tuple[_Request, int, int]], int]:
-        """``[(request, context tokens, new tokens)]`` for this step, and the preemptions."""
-        manager = self.kv_manager
-        preempted = 0
-        while True:
-            budget = self.step_tokens
-            scheduled: list[tuple[_Request, int, int]] = []
-            for req in self._running:
-                if budget == 0:
-                    break
-                done = req.kv.num_computed_tokens
-                n = min(req.num_tokens - done, budget)
-                new_blocks = manager.allocate_slots(req.kv, n)
-                if new_blocks is None:
-                    continue  # waits for blocks; keeps what it holds
-                if new_blocks.num_blocks:
-                    self._refresh_block_table(req)
-                scheduled.append((req, done, n))
-                budget -= n
-            while self._waiting and budget > 0:
-                req = self._waiting[0]
-                hit = manager.get_computed_blocks(req.kv)
-                n = min(req.num_tokens - hit.num_computed_tokens, budget)
-                if manager.allocate_slots(req.kv, n, hit) is None:
-                    break  # FCFS: it waits, and nobody overtakes it
-                self._waiting.popleft()
-                self._admit(req, hit.num_computed_tokens)
-                self._refresh_block_table(req)
-                self._running.append(req)
-                scheduled.append((req, req.kv.num_computed_tokens, n))
-                budget -= n
-            if scheduled or not self._running:
-                return scheduled, preempted
-            # Every running request is stuck on blocks held by the others: preempt the newest.
-            victim = self._running.pop()
-            manager.free(victim.kv)
-            victim.num_preemptions += 1
-            victim.block_table = None
-            self._waiting.appendleft(victim)
-            preempted += 1
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free every block it holds; its output (finish reason ``abort``),
+        or None when no such request is queued or running."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self.stats.aborted_requests += 1
+        return self._finish(state, FinishReason.ABORT, time.perf_counter())
 
-    # -- stepping -----------------------------------------------------------------------------
+    # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> StepOutput:
         """Schedule, run and account one step (see the module docstring)."""
         start = time.perf_counter()
         timer = self.timer
         with timer.phase("schedule"):
-            scheduled, preempted = self._schedule()
-        finished: list[RequestOutput] = []
-        if scheduled:
-            with timer.phase("metadata"):
-                batch = []
-                for req, done, n in scheduled:
-                    if req.block_table is None:  # pragma: no cover - set on admission
-                        raise RuntimeError(f"request {req.kv.request_id!r} has no block table")
-                    batch.append(PrefillSlice(req.block_table, done, n))
-                ids = torch.cat([req.token_tensor[done:done + n] for req, done, n in scheduled])
-                x = self._embedding_rows.index_select(0, ids.to(self.device))
-            out = self.executor.forward(x, batch)
-            with timer.phase("schedule"):
-                offset = 0
-                for req, done, n in scheduled:
-                    if req.output is not None:
-                        req.output[done:done + n] = out[offset:offset + n]
-                    if req.computed_rows is not None:
-                        req.computed_rows[done:done + n] = True
-                    offset += n
-                    self.kv_manager.cache_blocks(req.kv, done + n)
-                used = self.kv_manager.block_pool.num_used_blocks
-                self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
-                for req, _, _ in scheduled:
-                    if req.kv.num_computed_tokens >= req.num_tokens:
-                        finished.append(self._finish(req))
+            sched = self.scheduler.schedule()
+            if self.drafter is not None:
+                for state in sched.decode:
+                    if state.ngram_index is not None:
+                        state.drafts = self.drafter.propose(state.ngram_index)
+        emitted: dict[str, list[int]] = {}
+        reasons: dict[str, FinishReason] = {}
+        if sched.prefill:
+            t0 = time.perf_counter()
+            self._run_prefill(sched, emitted, reasons)
+            self.stats.prefill_seconds += time.perf_counter() - t0
+        if sched.decode:
+            t0 = time.perf_counter()
+            n = self._run_decode(sched, emitted, reasons)
+            self.stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_emitted_tokens += n
+        with timer.phase("schedule"):
+            now = time.perf_counter()
+            finished = tuple(self._finish(self._states[rid], reason, now)
+                             for rid, reason in reasons.items())
+            used = self.kv_manager.block_pool.num_used_blocks
+            stats = self.stats
+            stats.peak_used_blocks = max(stats.peak_used_blocks, used)
         seconds = time.perf_counter() - start
-        stats = self.stats
         stats.steps += 1
-        stats.preemptions += preempted
-        stats.computed_tokens += sum(n for _, _, n in scheduled)
+        stats.preemptions += len(sched.preempted)
+        stats.prefill_tokens += sched.num_prefill_tokens
+        stats.decode_tokens += sched.num_decode_tokens
         stats.step_seconds += seconds
         return StepOutput(step=stats.steps,
-                          scheduled=tuple((r.kv.request_id, d, n) for r, d, n in scheduled),
-                          finished=tuple(finished), num_preempted=preempted, seconds=seconds)
+                          new_tokens={rid: tuple(t) for rid, t in emitted.items()},
+                          finished=finished, preempted=sched.preempted,
+                          num_prefill_tokens=sched.num_prefill_tokens,
+                          num_decode_tokens=sched.num_decode_tokens, seconds=seconds)
 
-    def _finish(self, req: _Request) -> RequestOutput:
-        self.kv_manager.free(req.kv)
-        self._running.remove(req)
-        self._ids.discard(req.kv.request_id)
+    def _run_prefill(self, sched: SchedulerOutput, emitted: dict[str, list[int]],
+                     reasons: dict[str, FinishReason]) -> None:
+        with self.timer.phase("metadata"):
+            batch = [PrefillSlice(st.block_table[:st.num_blocks].to(device=self.device,
+                                                                     dtype=torch.int64),
+                                  done, n) for st, done, n in sched.prefill]
+            ids = torch.cat([torch.frombuffer(st.kv.token_ids, dtype=torch.int64)[done:done + n]
+                             for st, done, n in sched.prefill])
+        hidden = self.model.prefill(ids, batch)
+        last_rows: list[int] = []
+        completing: list[RequestState] = []
+        with self.timer.phase("schedule"):
+            offset = 0
+            for st, done, n in sched.prefill:
+                self._keep_rows(st, done, hidden[offset:offset + n], RowKind.PREFILL)
+                self.kv_manager.cache_blocks(st.kv, done + n)
+                offset += n
+                if done + n == st.num_tokens:
+                    last_rows.append(offset - 1)
+                    completing.append(st)
+        if completing:
+            rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
+            tokens, margins = self.model.greedy(hidden.index_select(0, rows))
+            with self.timer.phase("schedule"):
+                for st, token, margin in zip(completing, tokens, margins, strict=True):
+                    self._emit(st, [token], [margin], emitted, reasons)
+
+    def _run_decode(self, sched: SchedulerOutput, emitted: dict[str, list[int]],
+                    reasons: dict[str, FinishReason]) -> int:
+        states, q = sched.decode, sched.query_len
+        k = q - 1
+        with self.timer.phase("decode_metadata"):
+            plan = plan_decode_step([st.block_table for st in states],
+                                    [st.num_computed_tokens for st in states], q,
+                                    self.block_size, self.device)
+            ids: list[int] = []
+            for st in states:
+                ids.append(st.kv.token_ids[-1])
+                ids.extend(st.drafts if k else ())
+            token_ids = torch.tensor(ids, dtype=torch.int64)
+        hidden = self.model.decode(token_ids, plan)
+        greedy, margins = self.model.greedy(hidden)
+        count = 0
+        with self.timer.phase("schedule"):
+            for b, st in enumerate(states):
+                rows = slice(b * q, (b + 1) * q)
+                accepted, tokens = accept_greedy(st.drafts if k else [], greedy[rows])
+                done = st.num_computed_tokens
+                out = self._emit(st, tokens, margins[rows], emitted, reasons)
+                computed = 1 + min(accepted, len(out) - 1)   # the last emitted is not computed
+                self._keep_rows(st, done, hidden[b * q:b * q + computed], RowKind.DECODE)
+                self.kv_manager.cache_blocks(st.kv, done + computed)
+                if k:
+                    st.num_draft_tokens += k
+                    st.num_accepted_tokens += accepted
+                    self.stats.draft_tokens += k
+                    self.stats.accepted_tokens += accepted
+                st.drafts = []
+                count += len(out)
+        return count
+
+    def _keep_rows(self, st: RequestState, start: int, rows: torch.Tensor, kind: RowKind
+                   ) -> None:
+        if st.hidden is not None and st.row_kinds is not None:
+            st.hidden[start:start + rows.shape[0]] = rows
+            st.row_kinds[start:start + rows.shape[0]] = int(kind)
+
+    def _emit(self, st: RequestState, tokens: Sequence[int], margins: Sequence[float],
+              emitted: dict[str, list[int]], reasons: dict[str, FinishReason]) -> list[int]:
+        """Append ``tokens`` to the request up to its length limit or first stop token."""
+        request = st.request
+        out: list[int] = []
+        for token, margin in zip(tokens, margins, strict=False):
+            out.append(token)
+            st.logit_margins.append(margin)
+            if token in request.stop_token_ids:
+                reasons[st.request_id] = FinishReason.STOP
+                break
+            if len(st.output_token_ids) + len(out) >= request.max_new_tokens:
+                reasons[st.request_id] = FinishReason.LENGTH
+                break
+        if st.first_token_time is None and out:
+            st.first_token_time = time.perf_counter()
+            st.first_token_step = self.stats.steps + 1
+        st.output_token_ids.extend(out)
+        st.kv.append_token_ids(out)
+        if st.ngram_index is not None:
+            st.ngram_index.extend(out)
+        emitted.setdefault(st.request_id, []).extend(out)
+        self.stats.emitted_tokens += len(out)
+        return out
+
+    def _finish(self, st: RequestState, reason: FinishReason, now: float) -> RequestOutput:
+        self.scheduler.finish(st)
+        del self._states[st.request_id]
         stats = self.stats
-        stats.finished_requests += 1
-        stats.prompt_tokens += req.num_tokens
-        stats.cached_tokens += max(req.num_cached_tokens, 0)
-        rows = req.computed_rows if req.computed_rows is not None else torch.zeros(
-            req.num_tokens, dtype=torch.bool)
-        result = RequestOutput(request_id=req.kv.request_id, token_ids=req.token_ids,
-                               num_cached_tokens=max(req.num_cached_tokens, 0),
-                               num_preemptions=req.num_preemptions, output=req.output,
-                               computed_rows=rows)
-        req.output = None
-        return result
+        if reason is not FinishReason.ABORT:
+            stats.finished_requests += 1
+            stats.prompt_tokens += len(st.request.prompt_token_ids)
+            stats.cached_tokens += max(st.num_cached_tokens, 0)
+        total = st.num_tokens
+        hidden = None if st.hidden is None else st.hidden[:total]
+        kinds = None if st.row_kinds is None else st.row_kinds[:total]
+        st.hidden = st.row_kinds = None
+        metrics = RequestMetrics(
+            arrival_time=st.arrival_time, arrival_step=st.arrival_step,
+            first_token_time=st.first_token_time, first_token_step=st.first_token_step,
+            finish_time=now, finish_step=self.stats.steps + (reason is not FinishReason.ABORT),
+            num_draft_tokens=st.num_draft_tokens, num_accepted_tokens=st.num_accepted_tokens)
+        return RequestOutput(
+            request_id=st.request_id, prompt_token_ids=st.request.prompt_token_ids,
+            output_token_ids=tuple(st.output_token_ids), finish_reason=reason,
+            num_cached_tokens=max(st.num_cached_tokens, 0),
+            num_preemptions=st.num_preemptions, logit_margins=tuple(st.logit_margins),
+            metrics=metrics, hidden=hidden, row_kinds=kinds)
 
-    def run(self, requests: Sequence[tuple[str, Sequence[int]]] = ()) -> list[RequestOutput]:
-        """Add ``requests`` and step until every request is finished; the outputs, in finishing
-        order."""
-        for request_id, tokens in requests:
-            self.add_request(request_id, tokens)
+    def run(self, requests: Iterable[Request] = ()) -> list[RequestOutput]:
+        """Add ``requests`` and step until every request is finished; the outputs, in
+        finishing order."""
+        for request in requests:
+            self.add_request(request)
         outputs: list[RequestOutput] = []
         while self.has_unfinished():
             step = self.step()
-            if not step.scheduled and not self._running:
+            if not step.num_prefill_tokens and not step.num_decode_tokens \
+                    and not self.num_running:
                 # Nothing runs and the head of the queue does not fit in a pool nobody in this
                 # engine holds: the blocks are held elsewhere, and waiting would never end.
+                head = self.scheduler.waiting[0].request_id
                 raise RuntimeError(
-                    f"no progress: request {self._waiting[0].kv.request_id!r} does not fit "
-                    f"although no request of this engine holds blocks "
-                    f"({self.kv_manager.num_free_blocks} free of "
+                    f"no progress: request {head!r} does not fit although no request of this "
+                    f"engine holds blocks ({self.kv_manager.num_free_blocks} free of "
                     f"{self.kv_manager.block_pool.num_blocks - 1})")
             outputs.extend(step.finished)
         return outputs
 
-    # -- introspection ------------------------------------------------------------------------
+    # -- introspection ------------------------------------------------------------------
 
     def pool_usage(self) -> dict[str, Any]:
         """Blocks of the pool: total, free now, used now, peak used, cached (prefix cache)."""
@@ -399,8 +499,9 @@ class MLAPrefillEngine:
         return {"num_blocks": pool.num_blocks, "block_size": self.block_size,
                 "free_blocks": pool.num_free_blocks, "used_blocks": pool.num_used_blocks,
                 "peak_used_blocks": self.stats.peak_used_blocks,
+                "peak_use": round(self.stats.peak_used_blocks / max(pool.num_blocks - 1, 1), 4),
                 "cached_blocks": pool.num_cached_blocks,
-                "cache_bytes": self.cache.nbytes}
+                "cache_bytes": self.model.cache_bytes}
 
     def describe_kv_cache_groups(self) -> list[dict[str, Any]]:
         """The KV-cache groups: layers, spec, manager class, page size."""

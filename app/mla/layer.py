@@ -202,8 +202,10 @@ def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
 class MLALayer:
     """The engine-side layer: projections, latent norm, RoPE, up-projection, output projection.
 
-    Attention itself is not here: ``app.mla.executor`` runs it through a prefill backend over
-    the paged latent cache. All methods take and return tensors on ``device``.
+    Attention itself is not here: ``app.mla.executor`` runs prefill through a prefill backend
+    over the paged latent cache, ``app.mla.decode`` runs decode in the absorbed form
+    (``absorb_query``, a decode backend, ``unabsorb_output``). All methods take and return
+    tensors on ``device``.
     """
 
     def __init__(self, weights: MLALayerWeights, device: torch.device | str = "cpu",
@@ -229,6 +231,13 @@ class MLALayer:
         self._kv_a_norm = weights.kv_a_norm.to(device=dev, dtype=cd)
         self._w_kv_b_t = weights.w_kv_b.t().contiguous().to(device=dev, dtype=cd)
         self._w_o_t = weights.w_o.t().contiguous().to(device=dev, dtype=cd)
+        # The absorbed (decode) form splits W_kv_b [H*(P+V), L] per head into W_UK [H, P, L]
+        # (folded into the query) and W_UV^T [H, L, V] (applied after latent attention).
+        w_kv_b = weights.w_kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
+                                     self.kv_lora_rank)
+        self._w_uk = w_kv_b[:, :self.qk_nope_head_dim].contiguous().to(device=dev, dtype=cd)
+        self._w_uv_t = w_kv_b[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous().to(
+            device=dev, dtype=cd)
         self.rope = RotaryEmbedding(self.qk_rope_head_dim, cd, dev)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, max_position: int
@@ -272,6 +281,24 @@ class MLALayer:
         if r:
             k[..., p:] = latent[:, None, lr:]
         return k, kv[..., p:]
+
+    def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """The absorbed decode query: ``q [T, H, P+R]`` (model dtype) -> ``[T, H, L+R]`` in the
+        model dtype: ``q_nope @ W_UK`` per head (into the latent space), then ``q_pe``."""
+        t = q.shape[0]
+        p, lr = self.qk_nope_head_dim, self.kv_lora_rank
+        q_latent = torch.bmm(q[..., :p].transpose(0, 1).to(self.compute_dtype), self._w_uk)
+        out = torch.empty(t, self.num_heads, lr + self.qk_rope_head_dim, dtype=self.dtype,
+                          device=self.device)
+        out[..., :lr] = q_latent.transpose(0, 1)
+        out[..., lr:] = q[..., p:]
+        return out
+
+    def unabsorb_output(self, latent_out: torch.Tensor) -> torch.Tensor:
+        """``W_UV`` per head over the latent attention output ``[T, H, L]``: ``[T, H, V]`` (the
+        attention output ``output`` takes), in the model dtype."""
+        v = torch.bmm(latent_out.transpose(0, 1).to(self.compute_dtype), self._w_uv_t)
+        return v.transpose(0, 1).to(self.dtype)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """``W_o`` over the attention output ``[T, H, V]``: ``[T, hidden]`` in the model dtype."""

@@ -1,4 +1,4 @@
-"""Per-phase wall-clock accounting of prefill steps (off unless asked for).
+"""Per-phase wall-clock accounting of engine steps (off unless asked for).
 
 ``PhaseTimer`` adds the time spent in each named phase of a step (``gather``, ``up_projection``,
 ``attention_new``, ...). On an asynchronous device it synchronises around every phase, which
@@ -13,9 +13,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 __all__ = ["NULL_TIMER", "PHASES", "PhaseTimer"]
 
-#: The phases of a prefill step, in the order they run.
+#: The phases of a step, in the order they run (prefill, then decode, then the LM head).
 PHASES: tuple[str, ...] = (
-    "schedule",          # engine: queue, allocate_slots, prefix-cache lookups, frees
+    "schedule",          # engine: queue, allocate_slots, prefix-cache lookups, drafting,
+                         # token bookkeeping, cache_blocks, frees
     "metadata",          # slot indices, positions, MLAPrefillMetadata.build + prepare_metadata
     "projection",        # W_q, W_kv_a, RMSNorm, RoPE (new tokens) and W_o
     "cache_write",       # latent of the new tokens into their slots
@@ -24,6 +25,11 @@ PHASES: tuple[str, ...] = (
     "attention_new",     # backend: causal attention of the new tokens
     "attention_context",  # backend: one call per context chunk
     "merge",             # LSE merges
+    "decode_metadata",   # decode: block tables, slots, positions, prepare_metadata, inputs
+    "absorption",        # decode: q_nope x W_UK, and W_UV over the latent output
+    "attention_decode",  # decode backend: forward_decode over the latent cache
+    "lm_head",           # tied LM head (hidden x E^T)
+    "sample",            # greedy argmax and top-2 margins
 )
 
 _NULL = nullcontext()

@@ -1,5 +1,6 @@
-"""The engine: chunked prefill under a token budget, prefix sharing, waiting, rejection,
-preemption, no leaks, and resolution through the container once at start-up."""
+"""The generating engine: scheduling (decode first, chunked prefill in the budget), prefix reuse
+of prompt and generated tokens, preemption and recompute, abort, refusal, speculative decoding,
+no leaks, outputs against float64, and resolution through the container once at start-up."""
 
 from __future__ import annotations
 
@@ -7,140 +8,214 @@ import pytest
 import torch
 from dependency_injector import providers
 
-from app.mla.engine import MLAPrefillEngine, RequestOutput, RequestTooLargeError
-from app.mla.reference import check_against_reference
+from app.mla.checks import TeacherForcedReference, check_generation
+from app.mla.engine import MLAEngine, RequestTooLargeError
+from app.mla.requests import FinishReason, Request, RequestOutput, RowKind
 from tests.mla.conftest import TOL, VOCAB, tiny_config, tiny_container
 
 
-def _engine(step_tokens: int = 64, **config: object) -> MLAPrefillEngine:
+def _engine(step_tokens: int = 64, layers: int = 1, spec: int = 0,
+            **config: object) -> MLAEngine:
     cfg = tiny_config(**config)  # type: ignore[arg-type]
-    return MLAPrefillEngine(cfg, container=tiny_container(cfg), step_tokens=step_tokens,
-                            vocab_size=VOCAB, seed=0)
+    return MLAEngine(cfg, container=tiny_container(cfg), step_tokens=step_tokens,
+                     vocab_size=VOCAB, seed=0, num_layers=layers, num_speculative_tokens=spec)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _check(engine: MLAPrefillEngine, out: RequestOutput) -> float:
-    assert out.output is not None
-    result = check_against_reference(engine.weights, engine.embedding, out.request_id,
-                                     out.token_ids, out.output, out.computed_rows)
-    assert result.rows_checked == int(out.computed_rows.sum())
-    return result.relative_error
+def _requests(lengths: tuple[int, ...], new: int = 12, seed: int = 0) -> list[Request]:
+    return [Request(f"r{i}", _tokens(n, seed + i), max_new_tokens=new)
+            for i, n in enumerate(lengths)]
 
 
-def _no_leak(engine: MLAPrefillEngine) -> None:
+def _check(engine: MLAEngine, outputs: list[RequestOutput], dtype: torch.dtype = torch.float32
+           ) -> None:
+    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    for out in sorted(outputs, key=lambda o: o.token_ids):
+        result = check_generation(reference, out, max_prefill_rows=None)
+        assert result.prefill_rows_checked == result.prefill_rows_computed
+        assert result.decode_rows_checked == result.decode_rows_computed
+        assert result.prefill_relative_error < TOL[dtype]
+        assert result.decode_relative_error < TOL[dtype]
+        assert result.token_mismatches == 0
+
+
+def _no_leak(engine: MLAEngine) -> None:
     assert not engine.has_unfinished()
     assert engine.kv_manager.num_free_blocks == engine.initial_free_blocks
     assert engine.kv_manager.block_pool.num_used_blocks == 0
     engine.kv_manager.block_pool.check_consistency()
 
 
-def test_chunked_prefill_respects_the_budget_and_matches_the_reference() -> None:
-    engine = _engine(step_tokens=16)
-    for i, n in enumerate((37, 1, 20, 5)):
-        engine.add_request(f"r{i}", _tokens(n, i))
-    outputs: list[RequestOutput] = []
-    while engine.has_unfinished():
-        step = engine.step()
-        assert 0 < step.num_new_tokens <= 16
-        outputs.extend(step.finished)
+def _tokens_by_id(outputs: list[RequestOutput]) -> dict[str, tuple[int, ...]]:
+    return {o.request_id: o.output_token_ids for o in outputs}
+
+
+def test_generation_matches_the_float64_reference_on_prefill_and_decode_rows() -> None:
+    engine = _engine(step_tokens=16, layers=2)
+    outputs = engine.run(_requests((37, 1, 20, 5), new=9))
     assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2", "r3"]
     for out in outputs:
-        assert bool(out.computed_rows.all())
-        assert _check(engine, out) < TOL[torch.float32]
-    assert engine.stats.steps >= 4 and engine.stats.computed_tokens == 63
+        assert len(out.output_token_ids) == 9 and out.finish_reason is FinishReason.LENGTH
+        assert out.row_kinds is not None
+        kinds = out.row_kinds.tolist()
+        # every row but the last generated token's was computed; decode rows after the prompt
+        assert all(k != RowKind.NOT_COMPUTED for k in kinds[:-1]) and kinds[-1] == 0
+        assert kinds[len(out.prompt_token_ids):-1] == [RowKind.DECODE] * 8
+        assert out.metrics.ttft_steps is not None and out.metrics.ttft_steps >= 1
+    _check(engine, outputs)
+    # (a chunked prompt whose last chunk is one token finishes through the decode path)
+    assert engine.stats.emitted_tokens == 36 and engine.stats.decode_emitted_tokens >= 32
     _no_leak(engine)
 
 
-def test_prefix_cache_hit_skips_recomputation() -> None:
-    engine = _engine(step_tokens=64)
-    prefix = _tokens(24, 1)
-    first = engine.run([("a", prefix + _tokens(7, 2))])[0]
+def test_decode_comes_first_and_chunked_prefill_fills_the_budget() -> None:
+    engine = _engine(step_tokens=16)
+    for req in _requests((5, 6, 7), new=30):
+        engine.add_request(req)
+    engine.step()                                   # 18 prompt tokens > 16: r2 is chunked
+    engine.step()
+    engine.add_request(Request("long", _tokens(40, 9), max_new_tokens=2))
+    step = engine.step()                            # 3 decodes first, then 13 prefill tokens
+    assert step.num_decode_tokens == 3 and step.num_prefill_tokens == 13
+    assert set(step.new_tokens) == {"r0", "r1", "r2"}
+    engine.run()
+    _no_leak(engine)
+
+
+def test_stop_tokens_end_a_request() -> None:
+    engine = _engine()
+    plain = engine.run([Request("a", _tokens(10, 3), max_new_tokens=8)])[0]
+    stop = plain.output_token_ids[3]
+    first = plain.output_token_ids.index(stop)
+    out = engine.run([Request("b", _tokens(10, 3), max_new_tokens=8,
+                              stop_token_ids={stop})])[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.output_token_ids == plain.output_token_ids[:first + 1]
+    _no_leak(engine)
+
+
+def test_prefix_cache_hits_generated_tokens() -> None:
+    engine = _engine()
+    prompt = _tokens(10, 4)
+    first = engine.run([Request("a", prompt, max_new_tokens=20)])[0]
     assert first.num_cached_tokens == 0
-    second, third = engine.run([("b", prefix + _tokens(10, 3)), ("c", prefix[:13])])
-    assert second.num_cached_tokens == 24      # 6 full blocks of a's prefix
-    assert not bool(second.computed_rows[:24].any()) and bool(second.computed_rows[24:].all())
-    assert third.num_cached_tokens == 12       # at most len - 1, whole blocks
-    assert engine.stats.computed_tokens == 31 + 10 + 1
-    for out in (first, second, third):
-        assert _check(engine, out) < TOL[torch.float32]
-    assert engine.stats.prefix_cache_hit_rate == pytest.approx(36 / (31 + 34 + 13))
+    # a follow-up turn: the first request's prompt and answer, then a new token
+    follow = Request("b", (*first.token_ids[:27], 5), max_new_tokens=4)
+    second = engine.run([follow])[0]
+    # 7 full blocks of 4: 10 prompt tokens and 18 generated ones came from the prefix cache
+    assert second.num_cached_tokens == 28 - 4 == 24 > len(prompt)
+    assert second.row_kinds is not None
+    assert not bool(second.row_kinds[:24].any())
+    _check(engine, [first, second])
     _no_leak(engine)
 
 
-def test_a_request_that_does_not_fit_waits() -> None:
-    # 10 usable blocks of 4 tokens; each request needs 6 blocks: one at a time.
-    engine = _engine(step_tokens=64, num_blocks=11, prefix_caching=False)
-    for i in range(3):
-        engine.add_request(f"r{i}", _tokens(24, 10 + i))
-    first = engine.step()
-    assert [s[0] for s in first.scheduled] == ["r0"]
-    assert engine.num_waiting == 2
-    outputs = list(first.finished)
-    while engine.has_unfinished():
+def test_preemption_and_recompute_give_the_tokens_of_an_unpreempted_run() -> None:
+    requests = _requests((20, 22, 18), new=24, seed=30)
+    roomy = _engine(num_blocks=256, prefix_caching=False)
+    expected = _tokens_by_id(roomy.run(requests))
+    assert roomy.stats.preemptions == 0
+    # 25 usable blocks of 4 tokens: three prompts fit (16 blocks), their answers do not.
+    tight = _engine(num_blocks=26, prefix_caching=False)
+    outputs = tight.run(requests)
+    assert tight.stats.preemptions >= 1
+    assert any(o.num_preemptions for o in outputs)
+    assert _tokens_by_id(outputs) == expected
+    _check(tight, outputs)
+    _no_leak(tight)
+
+
+def test_preempted_requests_recompute_through_the_prefix_cache() -> None:
+    requests = _requests((20, 22, 18), new=24, seed=30)
+    expected = _tokens_by_id(_engine(num_blocks=256).run(requests))
+    tight = _engine(num_blocks=26)
+    outputs = tight.run(requests)
+    assert tight.stats.preemptions >= 1 and _tokens_by_id(outputs) == expected
+    _no_leak(tight)
+
+
+def test_abort_mid_decode_frees_everything() -> None:
+    engine = _engine()
+    for req in _requests((13, 9), new=50):
+        engine.add_request(req)
+    engine.add_request(Request("queued", _tokens(7, 8), max_new_tokens=3))
+    while True:
         step = engine.step()
-        assert len(step.scheduled) == 1
-        outputs.extend(step.finished)
-    assert [o.request_id for o in outputs] == ["r0", "r1", "r2"]
-    for out in outputs:
-        assert _check(engine, out) < TOL[torch.float32]
+        if len(step.new_tokens.get("r0", ())) and step.num_decode_tokens:
+            break
+    assert engine.kv_manager.holds("r0")
+    aborted = engine.abort("r0")
+    assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
+    assert len(aborted.output_token_ids) >= 2
+    assert not engine.kv_manager.holds("r0")
+    assert engine.abort("r0") is None and engine.abort("never-added") is None
+    engine.abort("r1")
+    engine.abort("queued")
+    assert engine.stats.aborted_requests == 3
+    _no_leak(engine)
+    # the engine still serves after aborts
+    assert engine.run(_requests((6,), new=3))[0].finish_reason is FinishReason.LENGTH
     _no_leak(engine)
 
 
-def test_a_request_that_can_never_fit_is_refused_clearly() -> None:
-    engine = _engine(num_blocks=11)           # 10 usable blocks of 4 tokens = 40 tokens
-    engine.add_request("ok", _tokens(40, 0))
+def test_a_request_that_can_never_fit_is_refused_at_add_request() -> None:
+    engine = _engine(num_blocks=11)           # 10 usable blocks of 4 tokens
+    engine.add_request(Request("ok", _tokens(30, 0), max_new_tokens=11))   # 40 slots
     with pytest.raises(RequestTooLargeError, match=r"needs 11 KV-cache blocks.*only 10 usable"
                                                     r".*can never run") as info:
-        engine.add_request("big", _tokens(41, 1))
+        engine.add_request(Request("big", _tokens(30, 1), max_new_tokens=12))
     assert isinstance(info.value, ValueError)
     assert "cache.num_blocks to at least 12" in str(info.value)
     assert engine.num_waiting == 1            # the refused request left nothing behind
+    spec = _engine(num_blocks=11, spec=2)     # the draft lookahead needs room too
+    with pytest.raises(RequestTooLargeError):
+        spec.add_request(Request("ok", _tokens(30, 0), max_new_tokens=11))
     engine.run()
     _no_leak(engine)
 
 
 def test_bad_requests_are_refused() -> None:
     engine = _engine()
-    with pytest.raises(ValueError, match="no tokens"):
-        engine.add_request("empty", [])
+    with pytest.raises(ValueError, match="no prompt tokens"):
+        Request("empty", [])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Request("zero", [1], max_new_tokens=0)
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        Request("str", [1, "2"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\)"):
-        engine.add_request("oov", [1, 97])
-    engine.add_request("dup", [1, 2])
+        engine.add_request(Request("oov", [1, 97]))
+    with pytest.raises(TypeError, match=r"expects an app\.mla\.Request"):
+        engine.add_request(("r", [1]))  # type: ignore[arg-type]
+    engine.add_request(Request("dup", [1, 2]))
     with pytest.raises(ValueError, match="already queued"):
-        engine.add_request("dup", [3])
+        engine.add_request(Request("dup", [3]))
     with pytest.raises(ValueError, match="step_tokens"):
-        MLAPrefillEngine(tiny_config(), step_tokens=0)
+        MLAEngine(tiny_config(), step_tokens=0)
 
 
-def test_a_stuck_request_is_preempted_and_recomputed() -> None:
-    """A running request that cannot grow while nothing else can run is preempted (its blocks
-    freed); it is recomputed later, with a correct output."""
-    engine = _engine(step_tokens=12, num_blocks=13, prefix_caching=False)  # 12 usable blocks
-    engine.add_request("a", _tokens(20, 20))
-    engine.add_request("b", _tokens(20, 21))
-    engine.step()                               # a: 12 tokens (3 blocks)
-    step = engine.step()                        # a: 8 more -> done; b: 4 tokens (1 block)
-    assert [s[0] for s in step.scheduled] == ["a", "b"]
-    outputs = list(step.finished)
-    pool = engine.kv_manager.block_pool
-    held = pool.get_new_blocks(pool.num_free_blocks)   # someone else holds every free block
-    engine.add_request("c", _tokens(20, 22))
-    step = engine.step()
-    assert step.scheduled == () and step.num_preempted == 1
-    assert engine.num_running == 0 and engine.num_waiting == 2   # b is back in the queue
-    pool.free_blocks(held)
-    while engine.has_unfinished():
-        outputs.extend(engine.step().finished)
-    by_id = {o.request_id: o for o in outputs}
-    assert sorted(by_id) == ["a", "b", "c"] and by_id["b"].num_preemptions == 1
-    for out in outputs:
-        assert bool(out.computed_rows.all())
-        assert _check(engine, out) < TOL[torch.float32]
-    assert engine.stats.preemptions == 1
-    _no_leak(engine)
+def _repetitive(n: int, seed: int) -> list[int]:
+    motif = _tokens(7, seed)
+    return (motif * (n // 7 + 1))[:n]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_decoding_gives_the_tokens_of_plain_decoding(k: int) -> None:
+    requests = [Request(f"s{i}", _repetitive(n, i) + _tokens(3, 50 + i), max_new_tokens=24)
+                for i, n in enumerate((30, 17, 44))] + _requests((12,), new=24, seed=60)
+    plain = _engine()
+    expected = _tokens_by_id(plain.run(requests))
+    spec = _engine(spec=k)
+    outputs = spec.run(requests)
+    assert _tokens_by_id(outputs) == expected          # float32: exactly
+    stats = spec.stats
+    assert stats.draft_tokens > 0 and 0.0 < stats.acceptance_rate <= 1.0
+    assert stats.steps < plain.stats.steps             # accepted drafts save steps
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) == stats.accepted_tokens
+    _check(spec, outputs)
+    _no_leak(spec)
 
 
 def test_run_stops_when_blocks_held_elsewhere_never_come_back() -> None:
@@ -148,7 +223,7 @@ def test_run_stops_when_blocks_held_elsewhere_never_come_back() -> None:
     pool = engine.kv_manager.block_pool
     held = pool.get_new_blocks(pool.num_free_blocks)
     with pytest.raises(RuntimeError, match="no progress"):
-        engine.run([("r", _tokens(8, 0))])
+        engine.run([Request("r", _tokens(8, 0), max_new_tokens=2)])
     pool.free_blocks(held)
     assert len(engine.run()) == 1
     _no_leak(engine)
@@ -157,7 +232,7 @@ def test_run_stops_when_blocks_held_elsewhere_never_come_back() -> None:
 def test_the_engine_resolves_through_the_container_only_at_start_up() -> None:
     cfg = tiny_config()
     container = tiny_container(cfg)
-    engine = MLAPrefillEngine(cfg, container=container, vocab_size=VOCAB)
+    engine = MLAEngine(cfg, container=container, vocab_size=VOCAB, num_layers=2)
 
     def boom() -> None:
         raise AssertionError("resolved through the container after start-up")
@@ -166,8 +241,11 @@ def test_the_engine_resolves_through_the_container_only_at_start_up() -> None:
             container.mla_prefill_backends.TORCH_SDPA.override(providers.Callable(boom)), \
             container.kv_cache_spec_bindings.override(providers.Callable(boom)), \
             container.config.override(providers.Callable(boom)):
-        outputs = engine.run([("r", _tokens(30, 5)), ("s", _tokens(3, 6))])
+        outputs = engine.run(_requests((30, 3), new=4))
     assert len(outputs) == 2
     assert engine.backend_class.get_name() == "TORCH_SDPA"
-    assert [g["spec"] for g in engine.describe_kv_cache_groups()] == ["MLAAttentionSpec"]
-    assert engine.describe_kv_cache_groups()[0]["manager"] == "FullAttentionManager"
+    assert engine.decode_backend_class.get_name() == "TORCH_SDPA"
+    groups = engine.describe_kv_cache_groups()
+    assert [g["spec"] for g in groups] == ["MLAAttentionSpec"]       # 2 layers, one group
+    assert groups[0]["layers"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert groups[0]["manager"] == "FullAttentionManager"

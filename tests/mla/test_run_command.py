@@ -17,7 +17,8 @@ from app.commands.run import ProgressBar
 from tests.mla.conftest import TINY
 
 SMALL = ["--num-requests", "4", "--min-len", "8", "--max-len", "72", "--step-tokens", "48",
-         "--num-blocks", "64", "--no-progress", "--no-malloc-tuning"]
+         "--min-new-tokens", "2", "--max-new-tokens", "6", "--num-blocks", "64",
+         "--no-progress", "--no-malloc-tuning"]
 EXAMPLE = Path(__file__).parents[2] / "examples" / "deployment.toml"
 
 
@@ -41,13 +42,41 @@ def test_run_small_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["backend"]["chosen"] == "TORCH_SDPA"
     why_not = result["backend"]["why_not_others"]
     assert why_not.get("FLASHINFER")
+    assert result["decode_backend"]["chosen"] == "TORCH_SDPA"
     check = result["check"]
-    assert check["passed"] is True and check["rows_checked"] == result["prefill_tokens"]
-    assert check["max_relative_error"] < 1e-4
+    assert check["passed"] is True
+    # at most 64 + 16 prefill rows per request are sampled: with prompts <= 72, all of them
+    assert check["prefill_rows_checked"] == check["prefill_rows_computed"] > 0
+    assert check["decode_rows_checked"] == check["decode_rows_computed"] > 0
+    assert check["prefill_rows_computed"] + check["decode_rows_computed"] == \
+        result["prefill_tokens"] + result["decode_tokens"]
+    assert check["tokens_checked"] == result["generated_tokens"]
+    assert check["token_mismatches"] == 0
+    assert check["prefill_max_relative_error"] < 1e-4
+    assert check["decode_max_relative_error"] < 1e-4
     kv = result["kv_cache"]
     assert kv["leaked_blocks"] == 0
     assert kv["groups"][0]["spec"] == "MLAAttentionSpec"
     assert result["steps"] >= 2 and 0.0 <= result["prefix_cache_hit_rate"] < 1.0
+    assert 8 <= result["generated_tokens"] <= 24
+    for key in ("ttft_ms", "ttft_steps", "tpot_ms", "tpot_steps"):
+        assert result[key]["p50"] is not None and result[key]["p99"] >= result[key]["p50"]
+    assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+
+
+def test_run_speculative_layers_and_check_sample(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--json", *SMALL, "--dtype", "float32", "--speculative-tokens", "3",
+                 "--layers", "2", "--check-prefill-rows", "4"]) == 0
+    result = _json(capsys)
+    assert result["model"]["num_layers"] == 2
+    assert len(result["kv_cache"]["groups"]) == 1
+    assert len(result["kv_cache"]["groups"][0]["layers"]) == 2
+    spec = result["speculative"]
+    assert spec["tokens"] == 3 and spec["drafts"] > 0
+    check = result["check"]
+    assert check["passed"] is True
+    assert check["prefill_rows_checked"] < check["prefill_rows_computed"]
+    assert check["decode_rows_checked"] == check["decode_rows_computed"]
 
 
 def test_run_text_summary_and_progress(capsys: pytest.CaptureFixture[str],
@@ -56,11 +85,12 @@ def test_run_text_summary_and_progress(capsys: pytest.CaptureFixture[str],
     assert main(["run", *args, "--chunk-tokens", "16", "--block-size", "8", "--deployment",
                  str(tiny_deployment)]) == 0
     captured = capsys.readouterr()
-    for label in ("platform", "backend", "not FLASHINFER", "kv group 0", "kv pool", "steps",
-                  "prefill", "prefix cache", "max error"):
+    for label in ("platform", "backend", "not FLASHINFER", "decode TORCH_SDPA", "kv group 0",
+                  "kv pool", "steps", "prefill", "decode", "TTFT", "TPOT", "prefix cache",
+                  "max error", "rows checked", "tokens", "check time"):
         assert label in captured.out
     assert "PASS" in captured.out
-    assert "prefill [" in captured.err and "4/4" in captured.err
+    assert "generate [" in captured.err and "decode" in captured.err
 
 
 def test_run_fails_when_the_error_exceeds_the_tolerance(
@@ -85,6 +115,9 @@ def test_run_refuses_a_request_that_can_never_fit(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(("extra", "message"), [
     (["--min-len", "100", "--max-len", "10"], "--min-len"),
     (["--num-requests", "0"], "--num-requests"),
+    (["--min-new-tokens", "9", "--max-new-tokens", "3"], "--min-new-tokens"),
+    (["--speculative-tokens", "-1"], "--speculative-tokens"),
+    (["--layers", "0"], "--layers"),
     (["--backend", "NOPE"], "Unknown MLA prefill backend"),
     (["--backend", "FLASHINFER"], "not valid for this configuration"),
     (["--deployment", "/nonexistent/deploy.toml"], "deploy.toml"),
@@ -142,14 +175,22 @@ def test_malloc_tuning_in_a_fresh_process() -> None:
 
 
 def test_bench_run_small(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["bench", "--json", "run", "--context-len", "64", "--new-tokens", "32",
-                 "--requests-per-step", "2", "--steps", "1", "--dtype", "float32",
-                 "--chunk-tokens", "48", "--no-malloc-tuning"])
+    code = main(["bench", "--json", "run", "--decode-requests", "4", "--min-context", "40",
+                 "--max-context", "90", "--documents", "2", "--decode-steps", "2",
+                 "--context-len", "64", "--new-tokens", "32", "--requests-per-step", "2",
+                 "--steps", "1", "--dtype", "float32", "--chunk-tokens", "48",
+                 "--no-malloc-tuning"])
     result = _json(capsys)
     assert code == (0 if result["ok"] else 1)
-    assert result["workload"]["context_len"] == 64
-    assert set(result["targets"]) == {"attention_kernels_share_of_step",
-                                      "merge_and_bookkeeping_share_of_step"}
-    phases = result["phase_seconds_per_step"]
+    decode, prefill = result["mixes"]
+    assert decode["mix"] == "decode-heavy" and decode["workload"]["running_requests"] == 4
+    assert 40 <= decode["workload"]["mean_context"] <= 92
+    assert decode["phase_seconds_per_step"]["attention_decode"] > 0
+    assert decode["decode_tokens_per_s"] > 0 and decode["steps_per_s"] > 0
+    assert set(decode["targets"]) == {"scheduler_and_kv_bookkeeping_share_of_step"}
+    assert prefill["workload"]["context_len"] == 64
+    assert set(prefill["targets"]) == {"attention_kernels_share_of_step",
+                                       "merge_and_bookkeeping_share_of_step"}
+    phases = prefill["phase_seconds_per_step"]
     assert phases["attention_context"] > 0 and phases["gather"] > 0
-    assert result["prefill_tokens_per_s"] > 0
+    assert prefill["prefill_tokens_per_s"] > 0

@@ -1,0 +1,231 @@
+"""Teacher-forced checks of generated requests against a dense float64 reference.
+
+A finished request's final sequence (prompt + generated tokens) is run through the float64
+layer stack (the non-absorbed form of ``app.mla.reference``: keys and values up-projected, a
+causal softmax, no cache, no chunks, no backend) and compared, row by row, with the outputs the
+engine produced: prefill rows (the prefill backend) and decode rows (the absorbed decode
+backend) are reported separately. The LM head then checks the tokens: each generated token must
+be the float64 argmax of the row that chose it, unless the two candidates' float64 logits are
+within the engine's own logit error of each other (a *near-tie*: rounding may pick either).
+
+Rows checked (``sample_rows``): every decode row, the last ``tail_rows`` prefill rows, and
+prefill rows at a stride that keeps at most ``max_prefill_rows`` of them (``None``: every
+row). Keys and values are needed for every token, so ``TeacherForcedReference`` reuses them
+along the longest common prefix with the sequence it checked before: check requests sorted by
+their tokens and a shared prompt prefix is computed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from app.mla.layer import MLALayerWeights, TokenEmbedding, apply_rope, rms_norm, rope_inv_freq
+from app.mla.requests import RequestOutput, RowKind
+
+__all__ = ["GenerationCheck", "TeacherForcedReference", "check_generation", "sample_rows"]
+
+#: Query rows per block of the blocked causal softmax.
+_ROW_BLOCK = 128
+
+
+def sample_rows(row_kinds: torch.Tensor, max_prefill_rows: int | None = 64,
+                tail_rows: int = 16) -> torch.Tensor:
+    """The rows to check (sorted int64): every ``DECODE`` row, the last ``tail_rows``
+    ``PREFILL`` rows and at most ``max_prefill_rows`` more prefill rows at a stride (all of them
+    when ``max_prefill_rows`` is None)."""
+    kinds = row_kinds.to("cpu")
+    decode = (kinds == int(RowKind.DECODE)).nonzero().flatten()
+    prefill = (kinds == int(RowKind.PREFILL)).nonzero().flatten()
+    if max_prefill_rows is not None and prefill.numel() > max_prefill_rows + tail_rows:
+        body = prefill[:-tail_rows] if tail_rows else prefill
+        stride = -(-body.numel() // max(max_prefill_rows, 1))
+        keep = body[::stride][:max_prefill_rows] if max_prefill_rows else body[:0]
+        tail = prefill[-tail_rows:] if tail_rows else prefill[:0]
+        prefill = torch.cat([keep, tail])
+    rows: torch.Tensor = torch.unique(torch.cat([prefill, decode]))
+    return rows
+
+
+class _Layer64:
+    """One layer's weights in float64 and its key/value/query maths."""
+
+    def __init__(self, weights: MLALayerWeights) -> None:
+        m = weights.model
+        self.w = weights
+        self.h, self.p, self.r, self.lr, self.v = (m.num_heads, m.qk_nope_head_dim,
+                                                   m.qk_rope_head_dim, m.kv_lora_rank,
+                                                   m.v_head_dim)
+        self.scale = m.scale
+        self.inv_freq = rope_inv_freq(self.r) if self.r else torch.zeros(0, dtype=torch.float64)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.to(torch.float64), self.inv_freq)
+        return freqs.cos(), freqs.sin()
+
+    def keys_values(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [n, hidden]`` at positions ``start..`` -> ``k [H, n, P+R]``, ``v [H, n, V]``."""
+        n = x.shape[0]
+        c = x @ self.w.w_kv_a.t()
+        kv = (rms_norm(c[:, :self.lr], self.w.kv_a_norm) @ self.w.w_kv_b.t()).view(
+            n, self.h, self.p + self.v)
+        k = torch.empty(n, self.h, self.p + self.r, dtype=torch.float64)
+        k[..., :self.p] = kv[..., :self.p]
+        if self.r:
+            cos, sin = self._cos_sin(torch.arange(start, start + n))
+            k[..., self.p:] = apply_rope(c[:, self.lr:], cos, sin)[:, None, :]
+        return k.transpose(0, 1).contiguous(), kv[..., self.p:].transpose(0, 1).contiguous()
+
+    def attend(self, x_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Outputs ``[n, hidden]`` of the query rows ``rows`` (sorted positions; inputs
+        ``x_rows [n, hidden]``) over keys ``k``/``v`` of every earlier position."""
+        n = x_rows.shape[0]
+        q = (x_rows @ self.w.w_q.t()).view(n, self.h, self.p + self.r)
+        if self.r:
+            cos, sin = self._cos_sin(rows)
+            q[..., self.p:] = apply_rope(q[..., self.p:], cos, sin)
+        q_h = (q.transpose(0, 1) * self.scale).contiguous()
+        out = torch.empty(self.h, n, self.v, dtype=torch.float64)
+        for b0 in range(0, n, _ROW_BLOCK):
+            pos = rows[b0:b0 + _ROW_BLOCK]
+            end = int(pos[-1]) + 1
+            scores = torch.bmm(q_h[:, b0:b0 + _ROW_BLOCK], k[:, :end].transpose(1, 2))
+            hidden = torch.arange(end).view(1, -1) > pos.view(-1, 1)
+            scores.masked_fill_(hidden, float("-inf"))
+            torch.bmm(torch.softmax(scores, dim=-1), v[:, :end], out=out[:, b0:b0 + _ROW_BLOCK])
+        return out.transpose(0, 1).reshape(n, self.h * self.v) @ self.w.w_o.t()
+
+
+class TeacherForcedReference:
+    """The float64 stack (``h_{l+1} = layer_l(h_l)``, ``h_0`` the embedding) of one engine's
+    weights. ``outputs(tokens, rows)`` gives the last layer's output at ``rows``; the keys,
+    values and hidden states of the previous sequence are reused along the common prefix."""
+
+    def __init__(self, weights: Sequence[MLALayerWeights], embedding: TokenEmbedding) -> None:
+        if not weights:
+            raise ValueError("TeacherForcedReference needs at least one layer")
+        self.layers = [_Layer64(w) for w in weights]
+        self.embedding = embedding
+        self._tokens: tuple[int, ...] = ()
+        # Per layer: keys, values of every position of the previous sequence, and for all but
+        # the last layer its output (the next layer's input) at every position.
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hidden: list[torch.Tensor] = []
+        self.reused_tokens = 0
+        self.computed_tokens = 0
+
+    def outputs(self, token_ids: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
+        """float64 ``[len(rows), hidden]``: the last layer's output at ``rows`` (sorted)."""
+        tokens = tuple(token_ids)
+        common = 0
+        if self._kv:
+            limit = min(len(self._tokens), len(tokens))
+            while common < limit and self._tokens[common] == tokens[common]:
+                common += 1
+        n = len(tokens)
+        x = self.embedding.lookup(torch.tensor(tokens[common:], dtype=torch.int64))
+        kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hiddens: list[torch.Tensor] = []
+        result = x
+        for i, layer in enumerate(self.layers):
+            k_new, v_new = layer.keys_values(x, common)
+            k_old, v_old = self._kv[i] if common else (k_new[:, :0], v_new[:, :0])
+            k = torch.cat([k_old[:, :common], k_new], dim=1)
+            v = torch.cat([v_old[:, :common], v_new], dim=1)
+            kvs.append((k, v))
+            if i + 1 < len(self.layers):
+                x = layer.attend(x, torch.arange(common, n), k, v)
+                prev = self._hidden[i][:common] if common else x[:0]
+                hiddens.append(torch.cat([prev, x]))
+            else:
+                inputs = hiddens[-1] if hiddens else self.embedding.lookup(
+                    torch.tensor(tokens, dtype=torch.int64))
+                result = layer.attend(inputs.index_select(0, rows), rows, k, v)
+        self._tokens, self._kv, self._hidden = tokens, kvs, hiddens
+        self.reused_tokens += common
+        self.computed_tokens += n - common
+        return result
+
+
+@attrs.frozen
+class GenerationCheck:
+    """One request against the float64 reference: rows checked / computed per path, the
+    largest absolute error per path, the reference's scale, and the token verdicts."""
+
+    request_id: str
+    prefill_rows_checked: int
+    prefill_rows_computed: int
+    decode_rows_checked: int
+    decode_rows_computed: int
+    prefill_max_abs_error: float
+    decode_max_abs_error: float
+    ref_max_abs: float
+    tokens_checked: int
+    tokens_agreeing: int
+    near_ties: int
+    token_mismatches: int
+
+    @property
+    def prefill_relative_error(self) -> float:
+        """Prefill rows' largest error over the reference's largest value."""
+        return self.prefill_max_abs_error / self.ref_max_abs if self.ref_max_abs else 0.0
+
+    @property
+    def decode_relative_error(self) -> float:
+        """Decode rows' largest error over the reference's largest value."""
+        return self.decode_max_abs_error / self.ref_max_abs if self.ref_max_abs else 0.0
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if not got.numel():
+        return 0.0
+    diff = (got - want).abs()
+    # A NaN or inf anywhere is an infinite error (a NaN would compare as "within tolerance").
+    return float(diff.max()) if bool(torch.isfinite(diff).all()) else float("inf")
+
+
+def check_generation(reference: TeacherForcedReference, output: RequestOutput,
+                     max_prefill_rows: int | None = 64, tail_rows: int = 16) -> GenerationCheck:
+    """Check ``output`` (kept ``hidden`` and ``row_kinds`` required) on ``sample_rows``."""
+    if output.hidden is None or output.row_kinds is None:
+        raise ValueError(f"request {output.request_id!r} kept no outputs (keep_outputs=False)")
+    kinds = output.row_kinds.to("cpu")
+    rows = sample_rows(kinds, max_prefill_rows, tail_rows)
+    tokens = output.token_ids
+    if not rows.numel():
+        return GenerationCheck(output.request_id, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+    want = reference.outputs(tokens, rows)
+    got = output.hidden.index_select(0, rows.to(output.hidden.device)).to(
+        device="cpu", dtype=torch.float64)
+    is_decode = kinds.index_select(0, rows) == int(RowKind.DECODE)
+    # Tokens: row p chose token p + 1 when p + 1 is a generated position.
+    prompt_len = len(output.prompt_token_ids)
+    chooser = (rows >= prompt_len - 1) & (rows < len(tokens) - 1)
+    agree = ties = mismatches = 0
+    if bool(chooser.any()):
+        table = reference.embedding.table
+        ref_logits = want[chooser] @ table.t()
+        eng_logits = got[chooser] @ table.t()
+        chosen = torch.tensor(tokens, dtype=torch.int64)[rows[chooser] + 1]
+        best = ref_logits.argmax(dim=1)
+        err = (eng_logits - ref_logits).abs().amax(dim=1)
+        gap = ref_logits.gather(1, best[:, None])[:, 0] - ref_logits.gather(1, chosen[:, None])[
+            :, 0]
+        same = best == chosen
+        tie = ~same & (gap <= 2 * err)
+        agree, ties = int(same.sum()), int(tie.sum())
+        mismatches = int((~same & ~tie).sum())
+    return GenerationCheck(
+        request_id=output.request_id,
+        prefill_rows_checked=int((~is_decode).sum()),
+        prefill_rows_computed=int((kinds == int(RowKind.PREFILL)).sum()),
+        decode_rows_checked=int(is_decode.sum()),
+        decode_rows_computed=int((kinds == int(RowKind.DECODE)).sum()),
+        prefill_max_abs_error=_max_error(got[~is_decode], want[~is_decode]),
+        decode_max_abs_error=_max_error(got[is_decode], want[is_decode]),
+        ref_max_abs=float(want.abs().max()),
+        tokens_checked=agree + ties + mismatches, tokens_agreeing=agree, near_ties=ties,
+        token_mismatches=mismatches)

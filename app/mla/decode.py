@@ -1,0 +1,131 @@
+"""The decode step of MLA layers in the absorbed form, over the paged latent cache.
+
+For a batch of ``B`` requests, each with ``num_computed`` tokens in the cache and the same
+``query_len`` new tokens (1, or 1 + k speculative drafts):
+
+1. ``plan_decode_step`` (host work, once per step): positions, the new tokens' cache slots, the
+   int32 block table ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` (counting the new tokens) the
+   decode backend's ``prepare_metadata`` takes; the caller hands them to the backend once;
+2. per layer (``MLADecodeExecutor.run_planned``): project the new tokens (``q``, latent), write
+   their latent into their slots, fold ``W_UK`` into the query's nope part
+   (``MLALayer.absorb_query``: ``[T, H, kv_lora_rank + rope]``), attend over the latent cache
+   through the decode backend (``[B, query_len, H, kv_lora_rank]``), apply ``W_UV``
+   (``unabsorb_output``) and ``W_o``.
+
+No key or value is ever up-projected: that is why engines decode in this form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from app.backends.decode_base import MLADecodeBackend
+from app.mla.cache import PagedLatentCache
+from app.mla.layer import MLALayer
+from app.mla.profiling import NULL_TIMER, PhaseTimer
+
+__all__ = ["DecodePlan", "MLADecodeExecutor", "plan_decode_step"]
+
+
+@attrs.frozen(eq=False)
+class DecodePlan:
+    """A decode step's layout, shared by every layer.
+
+    ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` (what the decode
+    backend's ``prepare_metadata`` takes), ``positions`` and ``slots`` int64 ``[B * query_len]``
+    (request-major), ``max_position`` their host-side maximum.
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    max_position: int
+    query_len: int
+
+    @property
+    def batch(self) -> int:
+        """Requests in the step."""
+        return int(self.block_table.shape[0])
+
+
+def plan_decode_step(block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
+                     query_len: int, block_size: int, device: torch.device) -> DecodePlan:
+    """The plan of one decode step.
+
+    ``block_tables[b]`` is request ``b``'s int32 block ids (at least enough for
+    ``num_computed[b] + query_len`` tokens; extra entries are ignored), ``num_computed[b]`` its
+    cached tokens. ``ValueError`` when a table is too short or the lengths disagree.
+    """
+    if len(block_tables) != len(num_computed):
+        raise ValueError(f"plan_decode_step: {len(block_tables)} block tables for "
+                         f"{len(num_computed)} requests")
+    if query_len < 1:
+        raise ValueError(f"plan_decode_step: query_len must be >= 1, got {query_len}")
+    ends = [n + query_len for n in num_computed]
+    widths = [-(-e // block_size) for e in ends]
+    for b, (table, width) in enumerate(zip(block_tables, widths, strict=True)):
+        if table.numel() < width:
+            raise ValueError(f"plan_decode_step: request {b} needs {width} blocks for "
+                             f"{ends[b]} tokens, its table has {table.numel()}")
+    max_blocks = max(widths, default=1)
+    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+    for b, (t, width) in enumerate(zip(block_tables, widths, strict=True)):
+        table[b, :width] = t[:width]
+    start = torch.tensor(num_computed, dtype=torch.int64)
+    positions = (start[:, None] + torch.arange(query_len, dtype=torch.int64)).reshape(-1)
+    rows = torch.arange(len(block_tables), dtype=torch.int64).repeat_interleave(query_len)
+    slots = table[rows, positions // block_size].to(torch.int64) * block_size \
+        + positions % block_size
+    return DecodePlan(block_table=table.to(device), seq_lens=torch.tensor(
+        ends, dtype=torch.int32).to(device), positions=positions.to(device),
+        slots=slots.to(device), max_position=max(ends, default=1) - 1, query_len=query_len)
+
+
+class MLADecodeExecutor:
+    """Runs decode steps of one layer in the absorbed form: the layer, its cache, the decode
+    backend (shared by every layer; the caller runs ``prepare_metadata`` once per step)."""
+
+    def __init__(self, layer: MLALayer, cache: PagedLatentCache, backend: MLADecodeBackend,
+                 timer: PhaseTimer | None = None) -> None:
+        if cache.latent_dim != layer.latent_dim or cache.dtype != layer.dtype \
+                or cache.device != layer.device:
+            raise ValueError(f"cache ({cache.latent_dim}, {cache.dtype}, {cache.device}) and "
+                             f"layer ({layer.latent_dim}, {layer.dtype}, {layer.device}) must "
+                             "agree on latent dim, dtype and device")
+        if backend.num_heads != layer.num_heads or backend.kv_lora_rank != layer.kv_lora_rank \
+                or backend.qk_rope_head_dim != layer.qk_rope_head_dim:
+            raise ValueError(f"decode backend {backend!r} does not match the layer's heads / "
+                             f"latent dims ({layer.num_heads}, {layer.kv_lora_rank}, "
+                             f"{layer.qk_rope_head_dim})")
+        self.layer = layer
+        self.cache = cache
+        self.backend = backend
+        self.timer = timer if timer is not None else NULL_TIMER
+
+    def run_planned(self, x: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        """One layer of a planned step: ``x [B * query_len, hidden]`` (request-major) ->
+        the layer output ``[B * query_len, hidden]`` in the model dtype."""
+        timer, layer = self.timer, self.layer
+        if x.dim() != 2 or x.shape[0] != plan.slots.shape[0]:
+            raise ValueError(f"x must be [{plan.slots.shape[0]}, hidden], got {list(x.shape)}")
+        with timer.phase("projection"):
+            q, latent = layer.project(x, plan.positions, plan.max_position)
+        with timer.phase("cache_write"):
+            self.cache.write(plan.slots, latent)
+        with timer.phase("absorption"):
+            q_abs = layer.absorb_query(q)
+        b, n = plan.batch, plan.query_len
+        with timer.phase("attention_decode"):
+            out = self.backend.forward_decode(
+                q_abs.view(b, n, layer.num_heads, layer.latent_dim), self.cache.data)
+        if not isinstance(out, torch.Tensor):  # pragma: no cover - no LSE was asked for
+            raise TypeError(f"{type(self.backend).__name__}.forward_decode returned a tuple "
+                            "although return_lse=False")
+        with timer.phase("absorption"):
+            attn = layer.unabsorb_output(out.view(b * n, layer.num_heads, layer.kv_lora_rank))
+        with timer.phase("projection"):
+            return layer.output(attn)

@@ -1,0 +1,138 @@
+"""What an engine is asked for (``Request``) and what it hands back (``RequestOutput``)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+from app._validation import check_int_at_least, is_int
+
+__all__ = ["FinishReason", "Request", "RequestMetrics", "RequestOutput", "RowKind"]
+
+
+def _token_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"token ids must be an iterable of ints, got {type(value).__name__}")
+    tokens = tuple(value)
+    for t in tokens:
+        if not is_int(t):
+            raise TypeError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
+    return tokens
+
+
+def _token_set(value: Iterable[int] | None) -> frozenset[int]:
+    return frozenset(_token_tuple(() if value is None else value))
+
+
+def _request_id(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"Request.request_id must be a non-empty str, got {value!r}")
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    check_int_at_least(f"Request.{attribute.name}", value, 1)
+
+
+@attrs.frozen
+class Request:
+    """A generation request: ``prompt_token_ids`` (non-empty), at most ``max_new_tokens``
+    generated tokens, and ``stop_token_ids`` (generation ends after emitting one of them)."""
+
+    request_id: str = attrs.field(validator=_request_id)
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_token_tuple)
+    max_new_tokens: int = attrs.field(default=16, validator=_positive)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_token_set)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has no prompt tokens")
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended: ``max_new_tokens`` reached, a stop token emitted, or aborted."""
+
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+class RowKind(enum.IntEnum):
+    """How a row (token position) of a request's output was computed, if at all."""
+
+    NOT_COMPUTED = 0   # a prefix-cache hit (computed by another request), or never computed
+    PREFILL = 1        # the non-absorbed prefill path
+    DECODE = 2         # the absorbed decode path (plain or speculative verification)
+
+
+@attrs.frozen
+class RequestMetrics:
+    """Timestamps (``time.perf_counter`` seconds) and engine steps of a request's life, and its
+    speculative-decoding counts (drafts proposed / accepted)."""
+
+    arrival_time: float
+    arrival_step: int
+    first_token_time: float | None
+    first_token_step: int | None
+    finish_time: float
+    finish_step: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else \
+            self.first_token_time - self.arrival_time
+
+    @property
+    def ttft_steps(self) -> int | None:
+        """Steps from arrival to the first generated token (1: in the first step it ran)."""
+        return None if self.first_token_step is None else \
+            self.first_token_step - self.arrival_step
+
+
+@attrs.frozen(eq=False)
+class RequestOutput:
+    """A finished (or aborted) request.
+
+    ``output_token_ids`` are the generated tokens; ``logit_margins[i]`` the top-1 minus top-2
+    logit of the row that chose token ``i`` (a near-tie when within rounding). When the engine
+    keeps outputs, ``hidden [S, hidden]`` (model dtype; ``S = len(prompt) + len(outputs)``)
+    holds the last layer's output of every row the request computed and ``row_kinds [S]``
+    (int8, ``RowKind``) says how; rows it did not compute are zero.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    num_preemptions: int
+    logit_margins: tuple[float, ...]
+    metrics: RequestMetrics
+    hidden: torch.Tensor | None = None
+    row_kinds: torch.Tensor | None = None
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The final sequence: prompt then generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (None with fewer than two)."""
+        m = self.metrics
+        if m.first_token_time is None or len(self.output_token_ids) < 2:
+            return None
+        return (m.finish_time - m.first_token_time) / (len(self.output_token_ids) - 1)
+
+    @property
+    def tpot_steps(self) -> float | None:
+        """Steps per output token after the first (below 1 when speculation accepts drafts)."""
+        m = self.metrics
+        if m.first_token_step is None or len(self.output_token_ids) < 2:
+            return None
+        return (m.finish_step - m.first_token_step) / (len(self.output_token_ids) - 1)

@@ -1,0 +1,281 @@
+"""Continuous batching in the style of vLLM v1: decode first, then chunked prefill, one budget.
+
+A request's progress is one number, ``num_computed_tokens`` (tokens whose KV is in the cache),
+against its tokens so far (prompt, then generated). A running request with exactly one token
+left to compute (its last sampled token) *decodes*; one with more is a *partial prefill*.
+Each ``schedule()``:
+
+1. gives every running decoding request its decode tokens, in admission order, while the token
+   budget (``max_num_batched_tokens``) lasts: its last token plus ``num_speculative_tokens``
+   drafts (a uniform ``query_len = 1 + k``); slots come from ``allocate_slots`` with the drafts
+   as lookahead. When the pool cannot fit one, the *newest* running request is preempted (its
+   blocks freed, back to the front of the queue, recomputed later from its prompt and the
+   tokens it generated, through the prefix cache) until it fits, or it is the one preempted;
+2. fills the rest of the budget with chunked prefill: partial prefills first, then waiting
+   requests in arrival order (FCFS: one that does not fit stops admission). A new request first
+   looks up the prefix cache (``get_computed_blocks``) and skips the tokens it hits;
+3. if nothing could be scheduled while requests hold blocks, preempts the newest one and
+   tries again (blocks freed elsewhere never deadlock the engine).
+
+The engine runs the step and reports progress (``KVCacheManager.cache_blocks``: full blocks,
+generated tokens included, become prefix-cache hits). Rejected drafts are rolled back by not
+counting them: their slots lie past ``num_computed_tokens`` and are overwritten by the next
+step. ``finish`` and ``abort`` free a request's blocks. Not thread-safe: one engine thread
+drives it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from app._validation import check_int_at_least
+from app.kvcache import KVCacheBlocks, KVCacheManager, KVCacheRequest
+from app.mla.requests import Request
+from app.mla.speculative import NgramIndex
+
+__all__ = ["RequestState", "RequestStatus", "Scheduler", "SchedulerOutput"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting (new or preempted), running (holds blocks), finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class RequestState:
+    """The engine's state of one request.
+
+    ``kv`` holds the token ids (prompt, then generated) and ``num_computed_tokens``;
+    ``block_table`` int32 ``[capacity]`` the block ids of the KV-cache group (the first
+    ``num_blocks`` valid); ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
+    """
+
+    request: Request
+    kv: KVCacheRequest
+    block_table: torch.Tensor
+    arrival_time: float
+    arrival_step: int
+    status: RequestStatus = RequestStatus.WAITING
+    num_blocks: int = 0
+    output_token_ids: list[int] = attrs.field(factory=list)
+    logit_margins: list[float] = attrs.field(factory=list)
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    first_token_step: int | None = None
+    ngram_index: NgramIndex | None = None
+    drafts: list[int] = attrs.field(factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    hidden: torch.Tensor | None = None
+    row_kinds: torch.Tensor | None = None
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.kv.num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the cache."""
+        return self.kv.num_computed_tokens
+
+    def append_blocks(self, block_ids: list[int]) -> None:
+        """Record blocks just allocated (appended to the block table)."""
+        n = len(block_ids)
+        if n:
+            self.block_table[self.num_blocks:self.num_blocks + n] = torch.tensor(
+                block_ids, dtype=torch.int32)
+            self.num_blocks += n
+
+
+@attrs.frozen(eq=False)
+class SchedulerOutput:
+    """One step's work: ``decode`` requests (each computes ``query_len`` tokens: its last token
+    and its drafts), ``prefill`` as ``(request, context tokens, new tokens)``, and the ids of
+    the requests preempted while scheduling."""
+
+    decode: tuple[RequestState, ...]
+    query_len: int
+    prefill: tuple[tuple[RequestState, int, int], ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Query tokens of the decode batch (drafts included)."""
+        return len(self.decode) * self.query_len
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """New tokens of the prefill batch."""
+        return sum(n for _, _, n in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing was scheduled."""
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """Queue, running set, token budget and preemption over a ``KVCacheManager``."""
+
+    def __init__(self, kv_manager: KVCacheManager, *, max_num_batched_tokens: int,
+                 max_num_seqs: int, num_speculative_tokens: int = 0) -> None:
+        check_int_at_least("Scheduler: max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int_at_least("Scheduler: max_num_seqs", max_num_seqs, 1)
+        check_int_at_least("Scheduler: num_speculative_tokens", num_speculative_tokens, 0)
+        if max_num_batched_tokens < 1 + num_speculative_tokens:
+            raise ValueError(f"Scheduler: max_num_batched_tokens ({max_num_batched_tokens}) "
+                             f"must fit one decode step of 1 + {num_speculative_tokens} tokens")
+        self.kv_manager = kv_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.num_speculative_tokens = num_speculative_tokens
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.running: list[RequestState] = []
+        self.num_preemptions = 0
+
+    def __iter__(self) -> Iterator[RequestState]:
+        yield from self.running
+        yield from self.waiting
+
+    def add(self, state: RequestState) -> None:
+        """Queue a new request (at the back)."""
+        state.status = RequestStatus.WAITING
+        self.waiting.append(state)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    # -- leaving -------------------------------------------------------------------------
+
+    def finish(self, state: RequestState) -> None:
+        """Take a request out (finished or aborted) and free every block it holds."""
+        if state.status is RequestStatus.RUNNING:
+            self.running.remove(state)
+        elif state.status is RequestStatus.WAITING:
+            self.waiting.remove(state)
+        self.kv_manager.free(state.kv)
+        state.num_blocks = 0
+        state.status = RequestStatus.FINISHED
+
+    def _preempt(self, victim: RequestState) -> None:
+        self.running.remove(victim)
+        self.kv_manager.free(victim.kv)
+        victim.num_blocks = 0
+        victim.num_preemptions += 1
+        victim.drafts = []
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    def _allocate(self, state: RequestState, num_new: int, lookahead: int = 0) -> bool:
+        blocks = self.kv_manager.allocate_slots(state.kv, num_new,
+                                                num_lookahead_tokens=lookahead)
+        if blocks is None:
+            return False
+        self._record(state, blocks)
+        return True
+
+    @staticmethod
+    def _record(state: RequestState, blocks: KVCacheBlocks) -> None:
+        if blocks.num_blocks:
+            state.append_blocks([b.block_id for b in blocks.blocks[0]])
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's work (see the module docstring)."""
+        preempted: list[str] = []
+        while True:
+            out = self._schedule_once(preempted)
+            if not out.is_empty or not self.running:
+                return out
+            # Everything running is stuck on blocks the pool cannot give: free the newest.
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
+    def _schedule_once(self, preempted: list[str]) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        query_len = 1 + self.num_speculative_tokens
+        scheduled: set[int] = set()
+        decode: list[RequestState] = []
+        # 1. decode tokens of every running request that has only its last token to compute.
+        i = 0
+        while i < len(self.running):
+            state = self.running[i]
+            if state.num_tokens - state.num_computed_tokens != 1:
+                i += 1
+                continue
+            if budget < query_len:
+                break
+            while not self._allocate(state, 1, self.num_speculative_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is state:
+                    break
+            if state.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: it was the newest, nobody after it runs
+            decode.append(state)
+            scheduled.add(id(state))
+            budget -= query_len
+            i += 1
+        prefill: list[tuple[RequestState, int, int]] = []
+        # 2a. partial prefills (running, more than one token to compute).
+        for state in list(self.running):
+            if budget == 0:
+                break
+            if id(state) in scheduled or state.status is not RequestStatus.RUNNING:
+                continue
+            done = state.num_computed_tokens
+            if state.num_tokens - done <= 1:
+                continue  # a decoding request that did not fit the budget
+            n = min(state.num_tokens - done, budget)
+            while not self._allocate(state, n):
+                victims = [r for r in self.running
+                           if id(r) not in scheduled and r is not state]
+                if not victims:
+                    break
+                self._preempt(victims[-1])
+                preempted.append(victims[-1].request_id)
+            else:
+                prefill.append((state, done, n))
+                scheduled.add(id(state))
+                budget -= n
+        # 2b. waiting requests, first come first served.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            state = self.waiting[0]
+            hit = self.kv_manager.get_computed_blocks(state.kv)
+            n = min(state.num_tokens - hit.num_computed_tokens, budget)
+            blocks = self.kv_manager.allocate_slots(state.kv, n, hit)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            if hit.num_computed_tokens:
+                state.append_blocks(hit.get_block_ids()[0])
+            self._record(state, blocks)
+            if state.num_cached_tokens < 0:
+                state.num_cached_tokens = hit.num_computed_tokens
+            state.status = RequestStatus.RUNNING
+            self.running.append(state)
+            prefill.append((state, state.num_computed_tokens, n))
+            scheduled.add(id(state))
+            budget -= n
+        return SchedulerOutput(decode=tuple(decode), query_len=query_len,
+                               prefill=tuple(prefill), preempted=tuple(preempted))
