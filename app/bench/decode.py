@@ -22,8 +22,8 @@ read. CPU_MLA's per-thread scratch is reported beside it (kept between calls).
 Targets (issue 14, CPU): CPU_MLA >= 0.7 of the roofline on ``16x8k`` and ``64x4k``, and >= 5x
 TORCH_SDPA on every case; pass/fail in ``targets`` (a missed target does not fail the
 command; ``ok`` is False only when something errored). ``--quick`` shrinks everything for
-tests (and reports no targets). The 1-minute load average before and after is reported: on a busy machine the
-figures are noisy.
+tests (and reports no targets). The 1-minute load average before and after is reported: on
+a busy machine the figures are noisy.
 """
 
 from __future__ import annotations
@@ -219,12 +219,12 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | No
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return None
-    before = _status_kib("VmRSS")
+    rss = _status_kib("VmRSS")
     fn()
     peak = _status_kib("VmHWM")
-    if before is None or peak is None:
+    if rss is None or peak is None:
         return None
-    return max(0, peak - before) * 1024
+    return max(0, peak - rss) * 1024
 
 
 def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
