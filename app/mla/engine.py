@@ -133,16 +133,28 @@ class EngineStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
-def resolve_decode_backend_class(container: Application, config: EngineConfig
-                                 ) -> type[MLADecodeBackend]:
-    """The decode backend class the container selects for ``config``."""
+#: Until the container provides decode selection (``mla_decode_backend_class``, the ``arch``
+#: branch), the decode backends tried in order: the first valid one is used.
+_INTERIM_DECODE_BACKENDS = (
+    "app.backends.cpu_mla_decode.CpuMLADecodeBackend",
+    "app.backends.torch_sdpa_decode.TorchSDPADecodeBackend",
+)
+
+
+def resolve_decode_backend_class(container: Application, config: EngineConfig,
+                                 query_len: int = 1) -> type[MLADecodeBackend]:
+    """The decode backend class the container selects for ``config`` (and ``query_len``)."""
     provider = getattr(container, "mla_decode_backend_class", None)
     if provider is not None:
         selected = provider()
-    else:  # until the container has decode providers (arch branch): the portable backend
+    else:
         from app._imports import import_object
 
-        selected = import_object("app.backends.torch_sdpa_decode.TorchSDPADecodeBackend")
+        capability = container.platform().get_device_capability()
+        selector = MLADecodeSelectorConfig.from_engine_config(config, query_len)
+        candidates = [import_object(path) for path in _INTERIM_DECODE_BACKENDS]
+        selected = next((c for c in candidates
+                         if not c.validate_configuration(capability, selector)), candidates[-1])
     if not (isinstance(selected, type) and issubclass(selected, MLADecodeBackend)):
         raise TypeError(f"the container's decode backend is not an MLADecodeBackend class: "
                         f"{selected!r}")
@@ -184,7 +196,7 @@ class MLAEngine:
             else get_mla_prefill_backend(config, container=container))
         self.decode_backend_class: type[MLADecodeBackend] = (
             decode_backend_class if decode_backend_class is not None
-            else resolve_decode_backend_class(container, config))
+            else resolve_decode_backend_class(container, config, 1 + num_speculative_tokens))
         capability = self.platform.get_device_capability()
         query_len = 1 + num_speculative_tokens
         reasons = self.decode_backend_class.validate_configuration(
