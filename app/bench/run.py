@@ -241,6 +241,8 @@ def run_prefill_mix(args: argparse.Namespace, timer: PhaseTimer) -> dict[str, An
     mb = phases.get("merge", 0.0) + sum(phases.get(p, 0.0) for p in _PREFILL_BOOKKEEPING) \
         + other
     attention_share, mb_share = _share(attention, seconds), _share(mb, seconds)
+    path = seconds - phases.get("projection", 0.0) - phases.get("lm_head", 0.0) \
+        - phases.get("sample", 0.0)
     steps = args.steps
     return {
         "mix": "prefill-heavy",
@@ -260,6 +262,11 @@ def run_prefill_mix(args: argparse.Namespace, timer: PhaseTimer) -> dict[str, An
                           "up_projection": _share(phases.get("up_projection", 0.0), seconds),
                           "merge_and_bookkeeping": mb_share,
                           "dense_projections": _share(phases.get("projection", 0.0), seconds)},
+        # The step without the dense projections (which any layer has, whatever the attention).
+        "share_of_attention_path": {
+            "attention_kernels": _share(attention, path),
+            "outside_attention_kernels": _share(path - attention, path),
+            "merge_and_bookkeeping": _share(mb, path)},
         "targets": {
             "attention_kernels_share_of_step": {
                 "target": f">= {TARGET_ATTENTION_SHARE}", "measured": attention_share,

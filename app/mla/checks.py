@@ -5,8 +5,9 @@ layer stack (the non-absorbed form of ``app.mla.reference``: keys and values up-
 causal softmax, no cache, no chunks, no backend) and compared, row by row, with the outputs the
 engine produced: prefill rows (the prefill backend) and decode rows (the absorbed decode
 backend) are reported separately. The LM head then checks the tokens: each generated token must
-be the float64 argmax of the row that chose it, unless the two candidates' float64 logits are
-within the engine's own logit error of each other (a *near-tie*: rounding may pick either).
+be the float64 argmax of the row that chose it, unless the float64 gap between the two
+candidates is within what the engine's own row error moves them (a *near-tie*: rounding may
+pick either); a flip beyond that means a token came from the wrong row or a wrong logit.
 
 Rows checked (``sample_rows``): every decode row, the last ``tail_rows`` prefill rows, and
 prefill rows at a stride that keeps at most ``max_prefill_rows`` of them (``None``: every
@@ -109,6 +110,8 @@ class TeacherForcedReference:
             raise ValueError("TeacherForcedReference needs at least one layer")
         self.layers = [_Layer64(w) for w in weights]
         self.embedding = embedding
+        #: The tied LM head in float32 ``[hidden, vocab]`` (finds the argmax of a row).
+        self.lm_head_f32 = embedding.table.t().float().contiguous()
         self._tokens: tuple[int, ...] = ()
         # Per layer: keys, values of every position of the previous sequence, and for all but
         # the last layer its output (the next layer's input) at every position.
@@ -207,15 +210,18 @@ def check_generation(reference: TeacherForcedReference, output: RequestOutput,
     agree = ties = mismatches = 0
     if bool(chooser.any()):
         table = reference.embedding.table
-        ref_logits = want[chooser] @ table.t()
-        eng_logits = got[chooser] @ table.t()
+        want_rows, got_rows = want[chooser], got[chooser]
+        # The float64 argmax over the vocabulary (found in float32, then the two candidates'
+        # logits recomputed in float64).
+        best = (want_rows.float() @ reference.lm_head_f32).argmax(dim=1)
         chosen = torch.tensor(tokens, dtype=torch.int64)[rows[chooser] + 1]
-        best = ref_logits.argmax(dim=1)
-        err = (eng_logits - ref_logits).abs().amax(dim=1)
-        gap = ref_logits.gather(1, best[:, None])[:, 0] - ref_logits.gather(1, chosen[:, None])[
-            :, 0]
+        ref_best = (want_rows * table[best]).sum(dim=1)
+        ref_chosen = (want_rows * table[chosen]).sum(dim=1)
+        # How far the engine's own rows move those two logits: a flip within that is rounding.
+        err = ((got_rows - want_rows) * table[best]).sum(dim=1).abs() \
+            + ((got_rows - want_rows) * table[chosen]).sum(dim=1).abs()
         same = best == chosen
-        tie = ~same & (gap <= 2 * err)
+        tie = ~same & (ref_best - ref_chosen <= err + 1e-9 * ref_best.abs())
         agree, ties = int(same.sum()), int(tie.sum())
         mismatches = int((~same & ~tie).sum())
     return GenerationCheck(

@@ -1,0 +1,57 @@
+"""The teacher-forced float64 check catches wrong rows and wrong tokens, samples as stated and
+reuses the reference's keys along a common prefix."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from app.mla.checks import TeacherForcedReference, check_generation, sample_rows
+from app.mla.engine import MLAEngine
+from app.mla.requests import Request, RequestOutput, RowKind
+from tests.mla.conftest import VOCAB, tiny_config, tiny_container
+
+
+def _run() -> tuple[MLAEngine, list[RequestOutput]]:
+    cfg = tiny_config()
+    engine = MLAEngine(cfg, container=tiny_container(cfg), step_tokens=32, vocab_size=VOCAB)
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    outputs = engine.run([Request("a", prompt, max_new_tokens=8),
+                          Request("b", [*prompt[:24], 1, 2, 3], max_new_tokens=8)])
+    return engine, sorted(outputs, key=lambda o: o.request_id)
+
+
+def test_sample_rows_keeps_decode_rows_and_the_prefill_tail() -> None:
+    kinds = torch.tensor([0] * 8 + [1] * 100 + [2] * 10 + [0], dtype=torch.int8)
+    rows = sample_rows(kinds, max_prefill_rows=10, tail_rows=4).tolist()
+    assert rows == sorted(rows)
+    assert set(range(108, 118)) <= set(rows)             # every decode row
+    assert set(range(104, 108)) <= set(rows)             # the last 4 prefill rows
+    assert len([r for r in rows if r < 108]) == 14 and min(rows) == 8
+    assert sample_rows(kinds, None).tolist() == list(range(8, 118))
+
+
+def test_the_check_catches_a_wrong_row_and_a_wrong_token() -> None:
+    engine, (a, b) = _run()
+    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    good = check_generation(reference, a)
+    assert good.decode_relative_error < 1e-5 and good.token_mismatches == 0
+    assert good.tokens_checked == 8 and good.decode_rows_checked == 7
+    assert good.prefill_rows_checked == 40                # 40 <= 64 + 16: all of them
+    # a decode row off by a little more than float32 rounding
+    assert a.hidden is not None and a.row_kinds is not None
+    hidden = a.hidden.clone()
+    hidden[42] += 1e-3
+    bad_row = check_generation(reference, attrs.evolve(a, hidden=hidden))
+    assert bad_row.decode_relative_error > 1e-4 and bad_row.prefill_relative_error < 1e-5
+    # the least likely token instead of the greedy one
+    row = a.hidden[44].double() @ engine.embedding.table.t()
+    tokens = list(a.output_token_ids)
+    tokens[5] = int(row.argmin())
+    wrong = check_generation(reference, attrs.evolve(a, output_token_ids=tuple(tokens)))
+    assert wrong.token_mismatches == 1
+    # b shares 24 prompt tokens with a: the reference reuses their keys
+    reused = reference.reused_tokens
+    check_generation(reference, b)
+    assert reference.reused_tokens - reused == 24
+    assert int((b.row_kinds == int(RowKind.NOT_COMPUTED)).sum()) >= 16   # b's prefix hit
