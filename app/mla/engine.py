@@ -1,11 +1,12 @@
 """The generating engine: continuous batching of prefill and decode over one paged latent cache.
 
 ``MLAEngine`` is how an engine embeds this library. It resolves everything it needs **once**, at
-start-up: the platform (``container.platform()``), the prefill backend class (the container's
-selection), the decode backend class (the container's ``mla_decode_backend_class``, unless one
-is passed in) and the KV-cache bindings (``get_kv_cache_groups`` + ``KVCacheManager`` over one
-``MLAAttentionSpec`` group of ``num_layers`` layers). Afterwards the hot path holds plain
-references; nothing is resolved per step or per layer.
+start-up: the platform (``container.platform()``), the prefill and decode backend classes (the
+container's selection; decode for the step's query length ``1 + num_speculative_tokens``, and
+checked against the cache block size), the kernel workspaces and the KV-cache spec bindings
+(``get_kv_cache_groups`` + ``KVCacheManager`` over one ``MLAAttentionSpec`` group of
+``num_layers`` layers). Afterwards the hot path holds plain references; nothing is resolved per
+step or per layer.
 
 Serving::
 
@@ -38,9 +39,13 @@ import torch
 from app._validation import check_int_at_least
 from app.backends.base import MLAPrefillBackend
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.backends.selector import get_mla_prefill_backend
+from app.backends.selector import (
+    check_decode_block_size,
+    get_mla_decode_backend,
+    get_mla_prefill_backend,
+)
 from app.config import EngineConfig
-from app.containers import get_container, use_container
+from app.containers import get_container
 from app.kvcache import KVCacheGroupSpec, KVCacheManager, MLAAttentionSpec, get_kv_cache_groups
 from app.mla.decode import plan_decode_step
 from app.mla.executor import PrefillSlice
@@ -133,34 +138,6 @@ class EngineStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
-#: Until the container provides decode selection (``mla_decode_backend_class``, the ``arch``
-#: branch), the decode backends tried in order: the first valid one is used.
-_INTERIM_DECODE_BACKENDS = (
-    "app.backends.cpu_mla_decode.CpuMLADecodeBackend",
-    "app.backends.torch_sdpa_decode.TorchSDPADecodeBackend",
-)
-
-
-def resolve_decode_backend_class(container: Application, config: EngineConfig,
-                                 query_len: int = 1) -> type[MLADecodeBackend]:
-    """The decode backend class the container selects for ``config`` (and ``query_len``)."""
-    provider = getattr(container, "mla_decode_backend_class", None)
-    if provider is not None:
-        selected = provider()
-    else:
-        from app._imports import import_object
-
-        capability = container.platform().get_device_capability()
-        selector = MLADecodeSelectorConfig.from_engine_config(config, query_len)
-        candidates = [import_object(path) for path in _INTERIM_DECODE_BACKENDS]
-        selected = next((c for c in candidates
-                         if not c.validate_configuration(capability, selector)), candidates[-1])
-    if not (isinstance(selected, type) and issubclass(selected, MLADecodeBackend)):
-        raise TypeError(f"the container's decode backend is not an MLADecodeBackend class: "
-                        f"{selected!r}")
-    return selected
-
-
 class MLAEngine:
     """Queue, scheduler, paged latent cache, ``num_layers`` MLA layers and a tied LM head.
 
@@ -194,11 +171,12 @@ class MLAEngine:
         self.backend_class: type[MLAPrefillBackend] = (
             prefill_backend_class if prefill_backend_class is not None
             else get_mla_prefill_backend(config, container=container))
+        query_len = 1 + num_speculative_tokens
         self.decode_backend_class: type[MLADecodeBackend] = (
             decode_backend_class if decode_backend_class is not None
-            else resolve_decode_backend_class(container, config, 1 + num_speculative_tokens))
+            else get_mla_decode_backend(config, query_len=query_len, container=container))
         capability = self.platform.get_device_capability()
-        query_len = 1 + num_speculative_tokens
+        check_decode_block_size(self.decode_backend_class, config.cache.block_size)
         reasons = self.decode_backend_class.validate_configuration(
             capability, MLADecodeSelectorConfig.from_engine_config(config, query_len))
         if reasons:
@@ -207,10 +185,10 @@ class MLAEngine:
                              f"{'; '.join(reasons)}")
         spec = MLAAttentionSpec.from_model_config(config.model,
                                                   block_size=config.cache.block_size)
-        with use_container(container):
-            self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
-                dict.fromkeys(layer_names(num_layers), spec))
-            self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache)
+        bindings = container.kv_cache_spec_bindings()
+        self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
+            dict.fromkeys(layer_names(num_layers), spec), bindings)
+        self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache, bindings=bindings)
         if len(self.kv_cache_groups) != 1:  # pragma: no cover - identical layers, one group
             raise ValueError(f"expected one KV-cache group, got {len(self.kv_cache_groups)}")
         #: Tokens per block of the group's block table.
@@ -228,7 +206,9 @@ class MLAEngine:
         embedding = TokenEmbedding.generate(vocab_size, model.hidden_size, model.dtype, seed)
         compute = default_compute_dtype(model.dtype, device, self.platform.has_fast_bfloat16())
         self.model = MLAModel(
-            config, weights, embedding, self.backend_class.from_config(config),
+            config, weights, embedding,
+            self.backend_class.from_config(config, device_capability=capability,
+                                           workspaces=container.kernel_workspaces()),
             self.decode_backend_class.from_config(config, device_capability=capability),
             num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
             device=device, compute_dtype=compute, timer=self.timer)
