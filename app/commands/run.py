@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload, the engine sizes, the backend and dtype, a deployment file."""
     parser.add_argument("--backend", default=None,
                         help="MLA prefill backend name, or 'auto' (default: the config's)")
+    parser.add_argument("--decode-backend", default=None,
+                        help="MLA decode backend name, or 'auto' (default: the config's)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
                         help="model dtype (default: the config's, bfloat16)")
     parser.add_argument("--num-requests", type=int, default=DEFAULTS["num_requests"],
@@ -154,6 +156,8 @@ def build_config(args: argparse.Namespace, base: EngineConfig) -> EngineConfig:
         model = attrs.evolve(model, dtype=args.dtype)
     if args.backend is not None:
         attention = attrs.evolve(attention, mla_prefill_backend=args.backend)
+    if args.decode_backend is not None:
+        attention = attrs.evolve(attention, mla_decode_backend=args.decode_backend)
     if args.chunk_tokens is not None:
         attention = attrs.evolve(attention, context_chunk_tokens=args.chunk_tokens)
     if args.num_blocks is not None:
@@ -261,7 +265,10 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, tolerance: fl
 
 def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the job; the summary as a dict (``ok`` False when the check fails)."""
-    from app.backends.selector import explain_mla_prefill_selection
+    from app.backends.selector import (
+        explain_mla_decode_selection,
+        explain_mla_prefill_selection,
+    )
     from app.containers import create_container
     from app.mla.engine import MLAEngine
     from app.mla.process import tune_malloc_for_large_tensors
@@ -279,6 +286,8 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
         config = build_config(args, EngineConfig())
         container = create_container(config)
     explanation = explain_mla_prefill_selection(config, container=container)
+    decode_explanation = explain_mla_decode_selection(
+        config, query_len=1 + args.speculative_tokens, container=container)
     engine = MLAEngine(config, container=container, seed=args.seed, num_layers=args.layers,
                        step_tokens=args.step_tokens,
                        num_speculative_tokens=args.speculative_tokens)
@@ -319,7 +328,11 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
                     "why_not_others": _why_not(explanation)},
         "decode_backend": {"chosen": engine.decode_backend_class.get_name(),
                            "class": f"{engine.decode_backend_class.__module__}."
-                                    f"{engine.decode_backend_class.__qualname__}"},
+                                    f"{engine.decode_backend_class.__qualname__}",
+                           "requested": decode_explanation["requested"],
+                           "query_len": 1 + args.speculative_tokens,
+                           "priorities": decode_explanation["priorities"],
+                           "why_not_others": _why_not(decode_explanation)},
         "model": {**engine.model.layers[0].describe(), "num_layers": args.layers,
                   "vocab_size": engine.embedding.vocab_size, "lm_head": "tied, greedy"},
         "kv_cache": {"groups": engine.describe_kv_cache_groups(),
@@ -378,7 +391,12 @@ def render(result: dict[str, Any]) -> str:
     for name, reasons in backend["why_not_others"].items():
         lines.append(f"  not {name:<{width}}{'; '.join(reasons)}")
     decode = result["decode_backend"]
-    lines.append(f"                decode {decode['chosen']} ({decode['class']})")
+    lines.append(f"                decode {decode['chosen']} ({decode['class']}), query_len "
+                 f"{decode['query_len']}"
+                 + ("" if decode["requested"] is None else f", requested {decode['requested']}"))
+    width = max((len(n) for n in decode["why_not_others"]), default=0) + 2
+    for name, reasons in decode["why_not_others"].items():
+        lines.append(f"  not {name:<{width}}{'; '.join(reasons)}")
     lines.append(f"model           {model['num_layers']} x MLA H={model['num_heads']} "
                  f"L={model['kv_lora_rank']} P={model['qk_nope_head_dim']} "
                  f"R={model['qk_rope_head_dim']} V={model['v_head_dim']} "

@@ -42,7 +42,10 @@ def test_run_small_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["backend"]["chosen"] == "TORCH_SDPA"
     why_not = result["backend"]["why_not_others"]
     assert why_not.get("FLASHINFER")
-    assert result["decode_backend"]["chosen"] == "TORCH_SDPA"
+    decode = result["decode_backend"]
+    assert decode["chosen"] in ("CPU_MLA", "TORCH_SDPA") and decode["query_len"] == 1
+    assert decode["why_not_others"].get("FLASHINFER_MLA") or "FLASHINFER_MLA" not in \
+        decode["priorities"]
     check = result["check"]
     assert check["passed"] is True
     # at most 64 + 16 prefill rows per request are sampled: with prompts <= 72, all of them
@@ -66,8 +69,12 @@ def test_run_small_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_run_speculative_layers_and_check_sample(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--json", *SMALL, "--dtype", "float32", "--speculative-tokens", "3",
-                 "--layers", "2", "--check-prefill-rows", "4"]) == 0
+                 "--layers", "2", "--check-prefill-rows", "4", "--decode-backend",
+                 "TORCH_SDPA"]) == 0
     result = _json(capsys)
+    assert result["decode_backend"]["chosen"] == "TORCH_SDPA"
+    assert result["decode_backend"]["requested"] == "TORCH_SDPA"
+    assert result["decode_backend"]["query_len"] == 4
     assert result["model"]["num_layers"] == 2
     assert len(result["kv_cache"]["groups"]) == 1
     assert len(result["kv_cache"]["groups"][0]["layers"]) == 2
@@ -118,6 +125,7 @@ def test_run_refuses_a_request_that_can_never_fit(capsys: pytest.CaptureFixture[
     (["--min-new-tokens", "9", "--max-new-tokens", "3"], "--min-new-tokens"),
     (["--speculative-tokens", "-1"], "--speculative-tokens"),
     (["--layers", "0"], "--layers"),
+    (["--decode-backend", "NOPE"], "NOPE"),
     (["--backend", "NOPE"], "Unknown MLA prefill backend"),
     (["--backend", "FLASHINFER"], "not valid for this configuration"),
     (["--deployment", "/nonexistent/deploy.toml"], "deploy.toml"),
