@@ -290,6 +290,15 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return targets
 
 
+def _bf16_dot() -> bool | None:
+    """Whether CPU_MLA runs bf16 on the CPU's bf16 dot products here (None: not x86)."""
+    try:
+        from app.backends.cpu_mla_decode import has_bf16_dot
+    except ImportError:  # pragma: no cover - the module is part of the package
+        return None
+    return has_bf16_dot()
+
+
 def _cpu() -> dict[str, Any]:
     model, flags = _pyplatform.processor() or _pyplatform.machine(), []
     with contextlib.suppress(OSError):
@@ -359,7 +368,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
-        "results": rows, "skipped_backends": skipped, "targets": targets,
+        "cpu_mla_bf16_dot": _bf16_dot(), "results": rows, "skipped_backends": skipped,
+        "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
         "errors": errors, "ok": not errors, "elapsed_s": round(time.perf_counter() - started, 1)}
 
