@@ -113,41 +113,67 @@ class TeacherForcedReference:
         #: The tied LM head in float32 ``[hidden, vocab]`` (finds the argmax of a row).
         self.lm_head_f32 = embedding.table.t().float().contiguous()
         self._tokens: tuple[int, ...] = ()
-        # Per layer: keys, values of every position of the previous sequence, and for all but
-        # the last layer its output (the next layer's input) at every position.
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per layer, grown on demand and rewritten in place past the common prefix: keys
+        # ``[H, capacity, P+R]``, values ``[H, capacity, V]`` of every position of the previous
+        # sequence, and (all but the last layer) the layer's output ``[capacity, hidden]``.
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
         self._hidden: list[torch.Tensor] = []
         self.reused_tokens = 0
         self.computed_tokens = 0
+
+    @staticmethod
+    def _fit(buffer: torch.Tensor | None, dim: int, n: int, keep: int,
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """``buffer`` with room for ``n`` positions along ``dim`` (its first ``keep`` kept)."""
+        if buffer is not None and buffer.shape[dim] >= n:
+            return buffer
+        size = list(shape)
+        size[dim] = max(n, 2 * (0 if buffer is None else buffer.shape[dim]))
+        grown = torch.empty(size, dtype=torch.float64)
+        if buffer is not None and keep:
+            grown.narrow(dim, 0, keep).copy_(buffer.narrow(dim, 0, keep))
+        return grown
 
     def outputs(self, token_ids: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
         """float64 ``[len(rows), hidden]``: the last layer's output at ``rows`` (sorted)."""
         tokens = tuple(token_ids)
         common = 0
-        if self._kv:
+        if self._keys:
             limit = min(len(self._tokens), len(tokens))
             while common < limit and self._tokens[common] == tokens[common]:
                 common += 1
         n = len(tokens)
         x = self.embedding.lookup(torch.tensor(tokens[common:], dtype=torch.int64))
-        kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hiddens: list[torch.Tensor] = []
         result = x
+        first = not self._keys
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.keys_values(x, common)
-            k_old, v_old = self._kv[i] if common else (k_new[:, :0], v_new[:, :0])
-            k = torch.cat([k_old[:, :common], k_new], dim=1)
-            v = torch.cat([v_old[:, :common], v_new], dim=1)
-            kvs.append((k, v))
+            old_k = None if first else self._keys[i]
+            old_v = None if first else self._values[i]
+            k = self._fit(old_k, 1, n, common, (layer.h, n, layer.p + layer.r))
+            v = self._fit(old_v, 1, n, common, (layer.h, n, layer.v))
+            k[:, common:n] = k_new
+            v[:, common:n] = v_new
+            if first:
+                self._keys.append(k)
+                self._values.append(v)
+            else:
+                self._keys[i], self._values[i] = k, v
             if i + 1 < len(self.layers):
                 x = layer.attend(x, torch.arange(common, n), k, v)
-                prev = self._hidden[i][:common] if common else x[:0]
-                hiddens.append(torch.cat([prev, x]))
+                old_h = None if first else self._hidden[i]
+                h = self._fit(old_h, 0, n, common, (n, x.shape[1]))
+                h[common:n] = x
+                if first:
+                    self._hidden.append(h)
+                else:
+                    self._hidden[i] = h
             else:
-                inputs = hiddens[-1] if hiddens else self.embedding.lookup(
+                inputs = self._hidden[-1][:n] if self._hidden else self.embedding.lookup(
                     torch.tensor(tokens, dtype=torch.int64))
                 result = layer.attend(inputs.index_select(0, rows), rows, k, v)
-        self._tokens, self._kv, self._hidden = tokens, kvs, hiddens
+        self._tokens = tokens
         self.reused_tokens += common
         self.computed_tokens += n - common
         return result
