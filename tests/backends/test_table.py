@@ -67,7 +67,7 @@ print("ok")
 '''
 
 
-def _add_line(table: str, name: str, constant: str, line: str) -> str:
+def _add_line(table: str, constant: str, line: str) -> str:
     start = table.index(f"{constant} = BackendTable(")
     end = table.index("])", start)
     return table[:end] + line + table[end:]
@@ -79,10 +79,11 @@ def test_one_module_and_one_table_line_add_a_backend(tmp_path: Path) -> None:
     (copy / "backends" / "fake_backend.py").write_text(FAKE_MODULE)
     table_path = copy / "backends" / "table.py"
     table = table_path.read_text()
-    table = _add_line(table, "FAKE_PREFILL", "PREFILL_BACKENDS",
-                      '    BackendEntry("FAKE_PREFILL", "app.backends.fake_backend.FakePrefill"),\n')
-    table = _add_line(table, "FAKE_DECODE", "DECODE_BACKENDS",
-                      '    BackendEntry("FAKE_DECODE", "app.backends.fake_backend.FakeDecode"),\n')
+    module = "app.backends.fake_backend"
+    table = _add_line(table, "PREFILL_BACKENDS",
+                      f'    BackendEntry("FAKE_PREFILL", "{module}.FakePrefill"),\n')
+    table = _add_line(table, "DECODE_BACKENDS",
+                      f'    BackendEntry("FAKE_DECODE", "{module}.FakeDecode"),\n')
     table_path.write_text(table)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CHECK)], cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path), "APP_PLUGINS": "",
