@@ -44,9 +44,17 @@ from app.backends._native_pool import run_shares
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SWITCH_ENV", "SPEC", "MlaPrefillArgs", "NativeKernelStatus",
-           "NativeMLAPrefillKernel", "NativePlan", "enabled_by_environment",
-           "load_native_kernel", "native_kernel_status"]
+__all__ = [
+    "SPEC",
+    "SWITCH_ENV",
+    "MlaPrefillArgs",
+    "NativeKernelStatus",
+    "NativeMLAPrefillKernel",
+    "NativePlan",
+    "enabled_by_environment",
+    "load_native_kernel",
+    "native_kernel_status",
+]
 
 #: The on/off switch of the native kernel (default on): ``0`` (or false/off/no) keeps
 #: TORCH_SDPA on the aten CPU kernel, ``1`` (or true/on/yes) allows the native one.
