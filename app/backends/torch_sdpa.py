@@ -212,14 +212,13 @@ class TorchSDPABackend(RaggedKernelBackend):
         def unit_last(x: torch.Tensor) -> torch.Tensor:
             return x if x.stride(-1) == 1 else x.contiguous()
 
-        key = (id(layout), "native-plan")  # one plan per step, shared by every layer
-        plan = self._device_cache.get(key)
-        if not isinstance(plan, NativePlan):
-            plan = kernel.plan(layout.q_starts, layout.q_lens, layout.kv_starts,
+        def make_plan() -> NativePlan:  # one plan per step, shared by every layer
+            return kernel.plan(layout.q_starts, layout.q_lens, layout.kv_starts,
                                layout.kv_lens, total_q=layout.total_q,
                                total_kv=layout.total_kv, num_heads=self.num_heads,
                                head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim)
-            self._device_cache[key] = plan
+
+        plan = self._step_cache.get(layout, "native-plan", make_plan)
         kernel.run(plan, unit_last(q), unit_last(k), unit_last(v), causal, self.scale, result,
                    lse)
 
