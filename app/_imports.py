@@ -10,7 +10,9 @@ def import_object(path: str) -> Any:
     """Import ``"pkg.mod.Name"`` (or ``"pkg.mod:Name"``) and return the object.
 
     Raises ``TypeError`` when ``path`` is not a string, ``ValueError`` when it is not a dotted
-    path, and ``ImportError`` when the module or the attribute does not exist.
+    path, and ``ImportError`` when the module or the attribute does not exist, or when importing
+    the module fails in any other way (it raises, or has a syntax error): the error names the
+    path and what the module raised, on one line.
     """
     if not isinstance(path, str):
         raise TypeError(f"expected a dotted path string, got {path!r} ({type(path).__name__})")
@@ -24,12 +26,21 @@ def import_object(path: str) -> Any:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImportError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed: still "does not import"
+        raise ImportError(f"importing module {module_name!r} for {path!r} raised "
+                          f"{_one_line(exc)}") from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
             raise ImportError(f"module {module_name!r} has no attribute {attr_path!r}") from exc
     return obj
+
+
+def _one_line(exc: BaseException) -> str:
+    """``"Type: message"`` on one line (a SyntaxError's message names its file and line)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def object_path(obj: Any) -> str:
