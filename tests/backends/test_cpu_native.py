@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from app.backends import _cpu_native as native
+from app.backends import _native_loader as loader
 from app.backends.base import MLAPrefillMetadata
 from app.backends.torch_sdpa import TorchSDPABackend
 from app.testing import reference_attention
@@ -39,7 +40,7 @@ def kernel() -> native.NativeMLAPrefillKernel:
 def test_available_wherever_nothing_rules_it_out() -> None:
     """On an x86-64 AVX-512 machine with a compiler, a failed build is a bug, not a skip."""
     status = native.native_kernel_status()
-    if native._static_reasons():
+    if native._requirements() or loader.find_compiler() is None:
         assert not status.available and status.reasons
     else:
         assert status.available, status.reasons
@@ -151,32 +152,32 @@ def test_bad_inputs_raise_before_the_kernel_runs() -> None:
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch, fresh_load: None
                                        ) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
     assert native.load_native_kernel() is None
     status = native.native_kernel_status()
     assert not status.available
-    assert f"turned off by {native.DISABLE_ENV}=0" in status.reasons
+    assert f"turned off by {native.SWITCH_ENV}=0" in status.reasons
 
 
 @pytest.mark.parametrize("value", ["off", "False", " no "])
 def test_other_spellings_of_off(monkeypatch: pytest.MonkeyPatch, fresh_load: None, value: str
                                 ) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, value)
+    monkeypatch.setenv(native.SWITCH_ENV, value)
     assert native.load_native_kernel() is None
 
 
 def test_an_unrecognised_setting_raises_and_is_not_cached(
         monkeypatch: pytest.MonkeyPatch, fresh_load: None) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, "maybe")
+    monkeypatch.setenv(native.SWITCH_ENV, "maybe")
     with pytest.raises(ValueError, match="expected one of 1/true/on/yes or 0/false/off/no"):
         native.load_native_kernel()
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
     assert native.load_native_kernel() is None  # read again, not a cached failure
 
 
 def test_a_failing_compiler_is_a_reason_not_an_error(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_load: None) -> None:
-    if native._static_reasons():
+    if native._requirements() or loader.find_compiler() is None:
         pytest.skip("the kernel cannot build on this machine anyway")
     monkeypatch.setenv("APP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1 for --version and the build alike
@@ -187,7 +188,7 @@ def test_a_failing_compiler_is_a_reason_not_an_error(
 
 def test_built_once_into_the_cache_then_reused(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path, fresh_load: None) -> None:
-    if native._static_reasons():
+    if native._requirements() or loader.find_compiler() is None:
         pytest.skip("the kernel cannot build on this machine")
     monkeypatch.setenv("APP_CACHE_DIR", str(tmp_path))
     first = native.load_native_kernel()
