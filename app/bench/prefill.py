@@ -47,6 +47,7 @@ import torch
 from app._types import MLADimensions
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.bench._timing import time_calls, time_interleaved
+from app.commands._args import bench_device, int_in, positive_int
 
 HELP = "MLA prefill backends on ragged batches: ms, GFLOP/s, ratio to the fp32 matmul rate"
 
@@ -95,14 +96,16 @@ def default_cases(quick: bool) -> list[Case]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quick``, ``--device``, ``--dtypes``, ``--backends``, ``--repeat``, ``--heads``."""
     parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--device", default=None, type=bench_device,
+                        help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
     parser.add_argument("--backends", default="valid",
                         help="comma list of any registered backend names (built-in, "
                              "plugin), or 'valid' (every backend valid here)")
-    parser.add_argument("--repeat", type=int, default=None,
+    parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed calls per case (default 5, 2 with --quick)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    parser.add_argument("--heads", type=int_in(1, 1024), default=16,
+                        help="attention heads (default 16)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the dense matmul-softmax-matmul baseline")
 
@@ -381,6 +384,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result."""
     started = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {args.device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
     dtypes = []
     for name in str(args.dtypes).split(","):
         if name.strip() not in _DTYPES:
