@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from app._imports import object_path
-from app.backends._providers import class_path, provider_of, resolve_class
+from app.backends._providers import REGISTRATION_LOCK, class_path, provider_of, resolve_class
 from app.backends.kinds import BackendKind
 
 if TYPE_CHECKING:
@@ -83,9 +83,11 @@ class SelectionCache:
 
 def _provider_state(backends: Any) -> tuple[Any, ...]:
     """Every backend provider with the override that is in effect (part of the cache key):
-    the last overriding provider wins, so it alone decides what a provider gives."""
-    return tuple((provider, provider.last_overriding)
-                 for provider in backends.providers.values())
+    the last overriding provider wins, so it alone decides what a provider gives. Read under
+    the registration lock: a registration by a new name adds a provider meanwhile."""
+    with REGISTRATION_LOCK:
+        return tuple((provider, provider.last_overriding)
+                     for provider in backends.providers.values())
 
 
 def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, backends: Any,

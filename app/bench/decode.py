@@ -47,6 +47,7 @@ import torch
 from app._imports import import_object
 from app._types import DeviceCapability
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 
@@ -57,13 +58,8 @@ TARGET_ROOFLINE_CASES = ("16x8k", "64x4k")
 TARGET_SPEEDUP = 5.0
 BASELINE = "TORCH_SDPA"
 RANK, ROPE = 512, 64
-#: Decode backends the benchmark knows (imported lazily; a missing package skips it).
-DECODE_BACKENDS: dict[str, str] = {
-    "CPU_MLA": "app.backends.cpu_mla_decode.CpuMLADecodeBackend",
-    "TORCH_SDPA": "app.backends.torch_sdpa_decode.TorchSDPADecodeBackend",
-    "FLASHINFER_MLA": "app.backends.flashinfer_mla_decode.FlashInferMLADecodeBackend",
-    "TOKENSPEED_MLA": "app.backends.tokenspeed_mla_decode.TokenSpeedMLADecodeBackend",
-}
+#: The built-in decode backends (imported lazily; a missing package skips one).
+DECODE_BACKENDS: dict[str, str] = DECODE_BACKEND_TABLE.as_dict()
 
 
 @attrs.frozen

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from app.commands._args import int_in, positive_int
 from app.config import DTYPE_ALIASES, EngineConfig
 
 if TYPE_CHECKING:
@@ -52,34 +53,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Which mixes, their sizes, dtype, backend, block size, seed."""
     parser.add_argument("--mix", choices=("both", "decode", "prefill"), default="both",
                         help="which mix to run (default: %(default)s)")
-    parser.add_argument("--decode-requests", type=int, default=64,
+    parser.add_argument("--decode-requests", type=positive_int, default=64,
                         help="requests decoding at once (default: %(default)s)")
-    parser.add_argument("--min-context", type=int, default=2048,
+    parser.add_argument("--min-context", type=positive_int, default=2048,
                         help="shortest decode context, tokens (default: %(default)s)")
-    parser.add_argument("--max-context", type=int, default=8192,
+    parser.add_argument("--max-context", type=positive_int, default=8192,
                         help="longest decode context, tokens (default: %(default)s)")
-    parser.add_argument("--documents", type=int, default=8,
+    parser.add_argument("--documents", type=positive_int, default=8,
                         help="shared documents the decode contexts are prefixes of "
                              "(default: %(default)s)")
-    parser.add_argument("--decode-steps", type=int, default=8,
+    parser.add_argument("--decode-steps", type=positive_int, default=8,
                         help="timed decode steps (default: %(default)s)")
-    parser.add_argument("--speculative-tokens", type=int, default=0,
+    parser.add_argument("--speculative-tokens", type=int_in(0, 15), default=0,
                         help="n-gram drafts per decode step (default: %(default)s)")
-    parser.add_argument("--context-len", type=int, default=4096,
+    parser.add_argument("--context-len", type=positive_int, default=4096,
                         help="prefill mix: cached context per request (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=2048,
+    parser.add_argument("--new-tokens", type=positive_int, default=2048,
                         help="prefill mix: new tokens per request (default: %(default)s)")
-    parser.add_argument("--requests-per-step", type=int, default=4,
+    parser.add_argument("--requests-per-step", type=positive_int, default=4,
                         help="prefill mix: requests per step (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=3,
+    parser.add_argument("--steps", type=positive_int, default=3,
                         help="prefill mix: timed steps after one warm-up step "
                              "(default: %(default)s)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
                         help="model dtype (default: the config's, bfloat16)")
     parser.add_argument("--backend", default=None, help="MLA prefill backend (default: auto)")
-    parser.add_argument("--chunk-tokens", type=int, default=None,
+    parser.add_argument("--chunk-tokens", type=positive_int, default=None,
                         help="context chunk bound (default: the config's, 65536)")
-    parser.add_argument("--block-size", type=int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV-cache block size (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
     parser.add_argument("--no-malloc-tuning", action="store_true",
