@@ -7,8 +7,9 @@ batching of chunked prefill (the prefill backend the container selects, non-abso
 decode (the selected decode backend, absorbed form) over one paged latent cache managed by the
 ``KVCacheManager``, greedy tokens from a tied LM head, optionally speculative
 (``--speculative-tokens``). Each finished request is checked, teacher-forced, against the dense
-float64 reference of its final sequence (``app.mla.checks``: a stated sample of prefill rows,
-every decode row, every generated token). The command prints progress on stderr, then a
+float64 reference of its final sequence (``app.mla.checks``: a stated sample of prefill rows
+and of decode rows, always the last prompt rows, the first decode rows and the last rows, and
+the tokens those rows chose). The command prints progress on stderr, then a
 summary; it exits 1 when an error exceeds the dtype's tolerance, a token is not the float64
 argmax beyond a near-tie, or blocks leaked; 2 on a usage error.
 """
@@ -42,7 +43,8 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "step_tokens": 8192,
     "seed": 0,
-    "check_prefill_rows": 64,
+    "check_prefill_rows": 48,
+    "check_decode_rows": 32,
 }
 
 
@@ -74,9 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "%(default)s, plain decoding)")
     parser.add_argument("--check-prefill-rows", type=int_in(-1),
                         default=DEFAULTS["check_prefill_rows"],
-                        help="prefill rows per request checked against float64 besides its "
-                             "last 16 (-1: every row; every decode row is always checked) "
+                        help="most prefill rows per request checked against float64, its "
+                             "last 16 always, the others at a stride (-1: every row) "
                              "(default: %(default)s)")
+    parser.add_argument("--check-decode-rows", type=int_in(-1),
+                        default=DEFAULTS["check_decode_rows"],
+                        help="most decode rows per request checked against float64, its "
+                             "first 8 and last 8 always, the others at a stride (-1: every "
+                             "row) (default: %(default)s)")
     parser.add_argument("--num-blocks", type=int_in(2), default=None,
                         help="KV-cache blocks in the pool, block 0 reserved "
                              "(default: the config's)")
@@ -242,8 +249,10 @@ def _validate(args: argparse.Namespace) -> None:
                          f"--max-new-tokens ({args.max_new_tokens})")
     if args.speculative_tokens < 0:
         raise ValueError(f"--speculative-tokens must be >= 0, got {args.speculative_tokens}")
-    if args.check_prefill_rows < -1:
-        raise ValueError(f"--check-prefill-rows must be >= -1, got {args.check_prefill_rows}")
+    for name in ("check_prefill_rows", "check_decode_rows"):
+        if getattr(args, name) < -1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= -1, got "
+                             f"{getattr(args, name)}")
 
 
 def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -> list[Any]:
@@ -266,8 +275,8 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
     return outputs
 
 
-def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, tolerance: float
-               ) -> dict[str, Any]:
+def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
+               tolerance: float) -> dict[str, Any]:
     from app.mla.checks import TeacherForcedReference, check_generation
 
     start = time.perf_counter()
@@ -280,8 +289,8 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, tolerance: fl
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
     # reuses the keys and values of the common prefix.
     for out in sorted(outputs, key=lambda o: o.token_ids):
-        result = check_generation(reference, out,
-                                  None if prefill_rows < 0 else prefill_rows, tail_rows=16)
+        result = check_generation(reference, out, None if prefill_rows < 0 else prefill_rows,
+                                  None if decode_rows < 0 else decode_rows)
         for key in keys:
             totals[key] += getattr(result, key)
         prefill_err = max(prefill_err, result.prefill_relative_error)
@@ -291,9 +300,12 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, tolerance: fl
         scale = max(scale, result.ref_max_abs)
     passed = prefill_err <= tolerance and decode_err <= tolerance \
         and totals["token_mismatches"] == 0
-    sample = ("every row" if prefill_rows < 0 else
-              f"per request: every decode row, the last 16 prefill rows and at most "
-              f"{prefill_rows} more prefill rows at a stride; every generated token")
+    prefill_text = "every prefill row" if prefill_rows < 0 else (
+        f"at most {prefill_rows} prefill rows (the last 16, the others at a stride)")
+    decode_text = "every decode row" if decode_rows < 0 else (
+        f"at most {decode_rows} decode rows (the first 8 and the last 8, the others at a "
+        f"stride)")
+    sample = (f"per request: {prefill_text}, {decode_text}; the tokens those rows chose")
     return {"enabled": True, "reference": "dense float64, teacher-forced on each final "
             "sequence (prompt + generated)", "sample": sample, **totals,
             "prefill_max_relative_error": prefill_err, "decode_max_relative_error": decode_err,
@@ -350,7 +362,8 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     check: dict[str, Any] = {"enabled": False, "passed": None, "seconds": 0.0,
                              "tolerance": tolerance}
     if not args.no_check:
-        check = _check_all(engine, outputs, args.check_prefill_rows, tolerance)
+        check = _check_all(engine, outputs, args.check_prefill_rows, args.check_decode_rows,
+                           tolerance)
     stats = engine.stats
     leaked = engine.initial_free_blocks - engine.kv_manager.num_free_blocks
     ok = check["passed"] is not False and leaked == 0

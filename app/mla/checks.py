@@ -9,10 +9,11 @@ be the float64 argmax of the row that chose it, unless the float64 gap between t
 candidates is within what the engine's own row error moves them (a *near-tie*: rounding may
 pick either); a flip beyond that means a token came from the wrong row or a wrong logit.
 
-Rows checked (``sample_rows``): every decode row, the last ``tail_rows`` prefill rows, and
-prefill rows at a stride that keeps at most ``max_prefill_rows`` of them (``None``: every
-row). Keys and values are needed for every token, so ``TeacherForcedReference`` reuses them
-along the longest common prefix with the sequence it checked before: check requests sorted by
+Rows checked (``sample_rows``), per request: at most ``max_prefill_rows`` prefill rows (the
+last ``tail_rows`` always) and at most ``max_decode_rows`` decode rows (the first and the last
+``edge_rows`` always), the others at a stride; ``None`` checks every row of that kind. Keys
+and values are needed for every token, so ``TeacherForcedReference`` reuses them along the
+longest common prefix with the sequence it checked before: check requests sorted by
 their tokens and a shared prompt prefix is computed once.
 """
 
@@ -32,21 +33,33 @@ __all__ = ["GenerationCheck", "TeacherForcedReference", "check_generation", "sam
 _ROW_BLOCK = 128
 
 
-def sample_rows(row_kinds: torch.Tensor, max_prefill_rows: int | None = 64,
-                tail_rows: int = 16) -> torch.Tensor:
-    """The rows to check (sorted int64): every ``DECODE`` row, the last ``tail_rows``
-    ``PREFILL`` rows and at most ``max_prefill_rows`` more prefill rows at a stride (all of them
-    when ``max_prefill_rows`` is None)."""
+def _strided(rows: torch.Tensor, head: int, tail: int, most: int | None) -> torch.Tensor:
+    """``rows`` (sorted), or when more than ``most``: the first ``head``, the last ``tail`` and
+    the rest filled at a stride."""
+    n = rows.numel()
+    if most is None or n <= most:
+        return rows
+    head, tail = min(head, most), min(tail, max(most - head, 0))
+    body = rows[head:n - tail]
+    room = most - head - tail
+    stride = -(-body.numel() // room) if room > 0 else body.numel() + 1
+    middle = body[::stride][:room] if room > 0 else body[:0]
+    return torch.cat([rows[:head], middle, rows[n - tail:] if tail else rows[:0]])
+
+
+def sample_rows(row_kinds: torch.Tensor, max_prefill_rows: int | None = 48,
+                tail_rows: int = 16, max_decode_rows: int | None = 32,
+                edge_rows: int = 8) -> torch.Tensor:
+    """The rows to check (sorted int64): at most ``max_prefill_rows`` ``PREFILL`` rows (the last
+    ``tail_rows`` of them always, the others at a stride) and at most ``max_decode_rows``
+    ``DECODE`` rows (the first and the last ``edge_rows`` always: the first decode rows and the
+    request's last rows, the others at a stride). ``None`` keeps every row of that kind."""
     kinds = row_kinds.to("cpu")
     decode = (kinds == int(RowKind.DECODE)).nonzero().flatten()
     prefill = (kinds == int(RowKind.PREFILL)).nonzero().flatten()
-    if max_prefill_rows is not None and prefill.numel() > max_prefill_rows + tail_rows:
-        body = prefill[:-tail_rows] if tail_rows else prefill
-        stride = -(-body.numel() // max(max_prefill_rows, 1))
-        keep = body[::stride][:max_prefill_rows] if max_prefill_rows else body[:0]
-        tail = prefill[-tail_rows:] if tail_rows else prefill[:0]
-        prefill = torch.cat([keep, tail])
-    rows: torch.Tensor = torch.unique(torch.cat([prefill, decode]))
+    rows: torch.Tensor = torch.unique(torch.cat([
+        _strided(prefill, 0, tail_rows, max_prefill_rows),
+        _strided(decode, edge_rows, edge_rows, max_decode_rows)]))
     return rows
 
 
@@ -217,12 +230,14 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_generation(reference: TeacherForcedReference, output: RequestOutput,
-                     max_prefill_rows: int | None = 64, tail_rows: int = 16) -> GenerationCheck:
-    """Check ``output`` (kept ``hidden`` and ``row_kinds`` required) on ``sample_rows``."""
+                     max_prefill_rows: int | None = 48, max_decode_rows: int | None = 32
+                     ) -> GenerationCheck:
+    """Check ``output`` (kept ``hidden`` and ``row_kinds`` required) on ``sample_rows`` (the
+    tokens chosen by the decode rows and the last prefill row checked)."""
     if output.hidden is None or output.row_kinds is None:
         raise ValueError(f"request {output.request_id!r} kept no outputs (keep_outputs=False)")
     kinds = output.row_kinds.to("cpu")
-    rows = sample_rows(kinds, max_prefill_rows, tail_rows)
+    rows = sample_rows(kinds, max_prefill_rows, max_decode_rows=max_decode_rows)
     tokens = output.token_ids
     if not rows.numel():
         return GenerationCheck(output.request_id, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)

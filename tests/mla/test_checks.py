@@ -21,34 +21,39 @@ def _run() -> tuple[MLAEngine, list[RequestOutput]]:
     return engine, sorted(outputs, key=lambda o: o.request_id)
 
 
-def test_sample_rows_keeps_decode_rows_and_the_prefill_tail() -> None:
-    kinds = torch.tensor([0] * 8 + [1] * 100 + [2] * 10 + [0], dtype=torch.int8)
-    rows = sample_rows(kinds, max_prefill_rows=10, tail_rows=4).tolist()
+def test_sample_rows_keeps_the_edges_and_strides_the_rest() -> None:
+    kinds = torch.tensor([0] * 8 + [1] * 100 + [2] * 60 + [0], dtype=torch.int8)
+    rows = sample_rows(kinds, max_prefill_rows=14, tail_rows=4, max_decode_rows=20,
+                       edge_rows=5).tolist()
     assert rows == sorted(rows)
-    assert set(range(108, 118)) <= set(rows)             # every decode row
-    assert set(range(104, 108)) <= set(rows)             # the last 4 prefill rows
-    assert len([r for r in rows if r < 108]) == 14 and min(rows) == 8
-    assert sample_rows(kinds, None).tolist() == list(range(8, 118))
+    prefill = [r for r in rows if r < 108]
+    decode = [r for r in rows if r >= 108]
+    assert len(prefill) == 14 and set(range(104, 108)) <= set(prefill) and min(rows) == 8
+    assert len(decode) == 20
+    assert set(range(108, 113)) <= set(decode)          # the first decode rows
+    assert set(range(163, 168)) <= set(decode)          # the request's last rows
+    assert sample_rows(kinds, None, max_decode_rows=None).tolist() == list(range(8, 168))
+    assert sample_rows(kinds, 200, max_decode_rows=100).tolist() == list(range(8, 168))
 
 
 def test_the_check_catches_a_wrong_row_and_a_wrong_token() -> None:
     engine, (a, b) = _run()
     reference = TeacherForcedReference(engine.weights, engine.embedding)
-    good = check_generation(reference, a)
+    good = check_generation(reference, a, max_prefill_rows=None)
     assert good.decode_relative_error < 1e-5 and good.token_mismatches == 0
     assert good.tokens_checked == 8 and good.decode_rows_checked == 7
-    assert good.prefill_rows_checked == 40                # 40 <= 64 + 16: all of them
+    assert good.prefill_rows_checked == 40
     # a decode row off by a little more than float32 rounding
     assert a.hidden is not None and a.row_kinds is not None
     hidden = a.hidden.clone()
     hidden[42] += 1e-3
-    bad_row = check_generation(reference, attrs.evolve(a, hidden=hidden))
+    bad_row = check_generation(reference, attrs.evolve(a, hidden=hidden), None)
     assert bad_row.decode_relative_error > 1e-4 and bad_row.prefill_relative_error < 1e-5
     # the least likely token instead of the greedy one
     row = a.hidden[44].double() @ engine.embedding.table.t()
     tokens = list(a.output_token_ids)
     tokens[5] = int(row.argmin())
-    wrong = check_generation(reference, attrs.evolve(a, output_token_ids=tuple(tokens)))
+    wrong = check_generation(reference, attrs.evolve(a, output_token_ids=tuple(tokens)), None)
     assert wrong.token_mismatches == 1
     # b shares 24 prompt tokens with a: the reference reuses their keys
     reused = reference.reused_tokens

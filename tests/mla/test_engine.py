@@ -34,7 +34,8 @@ def _check(engine: MLAEngine, outputs: list[RequestOutput], dtype: torch.dtype =
            ) -> None:
     reference = TeacherForcedReference(engine.weights, engine.embedding)
     for out in sorted(outputs, key=lambda o: o.token_ids):
-        result = check_generation(reference, out, max_prefill_rows=None)
+        result = check_generation(reference, out, max_prefill_rows=None,
+                                  max_decode_rows=None)
         assert result.prefill_rows_checked == result.prefill_rows_computed
         assert result.decode_rows_checked == result.decode_rows_computed
         assert result.prefill_relative_error < TOL[dtype]
