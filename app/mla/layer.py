@@ -199,17 +199,6 @@ def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
     return dtype if fast else torch.float32
 
 
-def _per_head_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [H, T, K] @ b [H, K, N]`` -> ``[H, T, N]`` (contiguous inputs), one GEMM per head:
-    on CPU torch's batched ``bmm`` runs these shapes ~3x slower than plain ``mm``."""
-    if a.device.type != "cpu":
-        return torch.bmm(a, b)
-    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    for h in range(a.shape[0]):
-        torch.mm(a[h], b[h], out=out[h])
-    return out
-
-
 class MLALayer:
     """The engine-side layer: projections, latent norm, RoPE, up-projection, output projection.
 
@@ -298,8 +287,7 @@ class MLALayer:
         model dtype: ``q_nope @ W_UK`` per head (into the latent space), then ``q_pe``."""
         t = q.shape[0]
         p, lr = self.qk_nope_head_dim, self.kv_lora_rank
-        q_nope = q[..., :p].transpose(0, 1).to(self.compute_dtype).contiguous()   # [H, T, P]
-        q_latent = _per_head_mm(q_nope, self._w_uk)                                  # [H, T, L]
+        q_latent = torch.bmm(q[..., :p].transpose(0, 1).to(self.compute_dtype), self._w_uk)
         out = torch.empty(t, self.num_heads, lr + self.qk_rope_head_dim, dtype=self.dtype,
                           device=self.device)
         out[..., :lr] = q_latent.transpose(0, 1)
@@ -309,8 +297,7 @@ class MLALayer:
     def unabsorb_output(self, latent_out: torch.Tensor) -> torch.Tensor:
         """``W_UV`` per head over the latent attention output ``[T, H, L]``: ``[T, H, V]`` (the
         attention output ``output`` takes), in the model dtype."""
-        per_head = latent_out.transpose(0, 1).to(self.compute_dtype).contiguous()  # [H, T, L]
-        v = _per_head_mm(per_head, self._w_uv_t)                                   # [H, T, V]
+        v = torch.bmm(latent_out.transpose(0, 1).to(self.compute_dtype), self._w_uv_t)
         return v.transpose(0, 1).to(self.dtype)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
