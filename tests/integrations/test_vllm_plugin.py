@@ -45,18 +45,6 @@ from app.integrations.vllm import AppCPUMLAPrefillBackend  # noqa: E402
 
 
 @pytest.fixture
-def fresh_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """vLLM as a new process sees it: plugins not loaded, CPU not overridden, no cached pick."""
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    MLAPrefillBackendEnum.CPU.clear_override()
-    _auto_select_mla_prefill_backend.cache_clear()
-    yield
-    MLAPrefillBackendEnum.CPU.clear_override()
-    _auto_select_mla_prefill_backend.cache_clear()
-
-
-@pytest.fixture
 def plugin_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """The plugin's records (its logger is under vLLM's, which does not propagate to root)."""
     logger = logging.getLogger("vllm.plugins.app")
