@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ def _inputs(tokens: int, heads: int, dtype: torch.dtype, seed: int
     q = torch.randn(tokens, heads, _NOPE + _ROPE, generator=gen).to(dtype)
     kv_nope = torch.randn(tokens, heads, _NOPE + _V, generator=gen).to(dtype)
     k_pe = torch.randn(tokens, 1, _ROPE, generator=gen).to(dtype)
-    k_nope, v = kv_nope.split([_NOPE, _V], dim=-1)
+    k_nope, v = kv_nope[..., :_NOPE], kv_nope[..., _NOPE:]   # vLLM's split: views
     k = torch.empty(tokens, heads, _NOPE + _ROPE, dtype=dtype)
     k[..., :_NOPE] = k_nope
     k[..., _NOPE:] = k_pe
@@ -108,9 +109,12 @@ def _worker_case(case: dict[str, Any], dtype: torch.dtype, heads: int, repeat: i
     for backend in backends.values():
         backend.prepare_metadata(metadata)
     results = {name: b.run_prefill_new_tokens(q, k, v, True) for name, b in backends.items()}
-    samples = time_interleaved(
-        {name: (lambda b=b: b.run_prefill_new_tokens(q, k, v, lse))
-         for name, b in backends.items()}, repeat=repeat, warmup=1)
+
+    def call(backend: Any) -> Callable[[], object]:
+        return lambda: backend.run_prefill_new_tokens(q, k, v, lse)
+
+    samples = time_interleaved({name: call(b) for name, b in backends.items()}, repeat=repeat,
+                               warmup=1)
     row: dict[str, Any] = {"case": case["name"], "dtype": str(dtype).removeprefix("torch."),
                            "query_lens": lens, "lse": lse, "repeat": repeat,
                            "max_abs_diff_out": _max_diff(results["ours"][0],
