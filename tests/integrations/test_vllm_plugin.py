@@ -159,3 +159,20 @@ def test_validate_configuration_says_why_not_on_a_gpu() -> None:
                                                          mla_dimensions=dims)) == [
         "compute capability 9.0 not supported"]
     assert AppCPUMLAPrefillBackend.is_available()
+
+
+def test_metadata_fields_read_from_source_are_the_dataclasses_fields() -> None:
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
+
+    source = Path(vllm.__file__).parent.joinpath(*_vllm_plugin.METADATA_SOURCE)
+    tree = ast.parse(source.read_text())
+    for qualname in _vllm_plugin.METADATA_FIELDS:
+        cls = MLACommonPrefillMetadata
+        for part in qualname[1:]:
+            cls = getattr(cls, part)
+        assert _vllm_plugin._class_fields(tree, qualname) == {
+            f.name for f in dataclasses.fields(cls)}, qualname
