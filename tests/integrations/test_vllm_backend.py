@@ -3,7 +3,9 @@
 Same inputs, same ``MLACommonPrefillMetadata`` (context chunks planned by vLLM's own
 ``build_mla_chunked_context_metadata``), both driven exactly as vLLM's ``MLAAttention`` drives a
 prefill backend: outputs and LSE agree within the dtype's tolerance, on ragged batches and on
-every context chunk, in bf16 and fp32; ``clone()`` and ``out=`` behave as vLLM expects.
+every context chunk, in bf16 and fp32; vLLM's whole chunked-prefill flow (its partial folding
+and merge) gives the same result with either, and matches a float64 reference; ``clone()`` and
+``out=`` behave as vLLM expects.
 """
 
 from __future__ import annotations
@@ -17,15 +19,23 @@ from tests.integrations._require import require_vllm
 
 require_vllm()
 
+from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
+    accumulate_mla_context_chunk,
+    init_mla_context_partial,
+)
 from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (  # noqa: E402
     CPUSDPAMLAPrefillBackend,
 )
+from vllm.v1.attention.ops.merge_attn_states import merge_attn_states  # noqa: E402
 
 from app.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
 from app.containers import create_container  # noqa: E402
 from app.integrations.vllm import AppCPUMLAPrefillBackend  # noqa: E402
+from app.testing import reference_attention  # noqa: E402
 from tests.integrations._vllm_inputs import (  # noqa: E402
     HEADS,
+    NOPE,
+    SCALE,
     TOLERANCE,
     V,
     backend_kwargs,
@@ -197,3 +207,66 @@ def test_runs_the_torch_sdpa_class_our_container_provides() -> None:
         backend.prepare_metadata(prefill_metadata([16]))
         backend.run_prefill_new_tokens(q, k, v, False)
     assert CountingSDPA.calls == 2
+
+
+def _vllm_chunked_prefill(backend: Any, md: Any, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, ctx_k: list[torch.Tensor],
+                          ctx_kv_nope: list[torch.Tensor]) -> torch.Tensor:
+    """vLLM 0.33's own chunked prefill around a backend: ``forward_mha`` (new tokens with LSE,
+    then the merge) and ``_compute_prefill_context`` (each chunk's cached tokens gathered from
+    ``chunk.starts``/``chunk.seq_lens``, the partials folded by vLLM's helpers)."""
+    backend.prepare_metadata(md)
+    suffix_out, suffix_lse = backend.run_prefill_new_tokens(q=q, k=k, v=v,
+                                                            return_softmax_lse=True)
+    chunked = md.chunked_context
+    output = output_lse = None
+    for chunk in chunked.chunks:
+        rows = zip(range(chunk.request_slice.start, chunk.request_slice.stop),
+                   chunk.starts.tolist(), chunk.seq_lens.tolist(), strict=True)
+        picked = [(ctx_k[r][s:s + n], ctx_kv_nope[r][s:s + n]) for r, s, n in rows]
+        kc = torch.cat([p[0] for p in picked])
+        vc = torch.cat([p[1] for p in picked])[..., NOPE:]   # a split view, as vLLM's
+        attn_out, attn_lse = backend.run_prefill_context_chunk(chunk=chunk,
+                                                               q=q[chunk.token_slice], k=kc, v=vc)
+        if output is None:
+            if len(chunked.chunks) == 1 and not chunked.empty_token_slices:
+                output, output_lse = attn_out, attn_lse
+                break
+            output, output_lse = init_mla_context_partial(chunked, attn_out, attn_lse,
+                                                          num_tokens=q.shape[0])
+        accumulate_mla_context_chunk(chunk, attn_out, attn_lse, output, output_lse)
+    final = torch.empty(q.shape[0], HEADS, V, dtype=q.dtype)
+    merge_attn_states(output=final, prefix_output=output, prefix_lse=output_lse,
+                      suffix_output=suffix_out, suffix_lse=suffix_lse)
+    return final
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vllms_chunked_prefill_flow_matches_vllm_and_a_float64_reference(dtype: torch.dtype
+                                                                         ) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = mla_qkv(sum(RAGGED), dtype, gen)
+    assert q is not None
+    ctx = [mla_qkv(n, dtype, gen, with_q=False) for n in CONTEXTS]
+    ctx_k = [c[1] for c in ctx]
+    ctx_kv_nope = [torch.cat([c[1][..., :NOPE], c[2]], dim=-1) for c in ctx]
+    md = prefill_metadata(RAGGED, CONTEXTS)
+    ours = _vllm_chunked_prefill(AppCPUMLAPrefillBackend(**backend_kwargs()), md, q, k, v,
+                                 ctx_k, ctx_kv_nope)
+    theirs = _vllm_chunked_prefill(CPUSDPAMLAPrefillBackend(**backend_kwargs()), md, q, k, v,
+                                   ctx_k, ctx_kv_nope)
+    atol, rtol, _ = TOLERANCE[dtype]
+    torch.testing.assert_close(ours, theirs, atol=atol, rtol=rtol)
+    # Each request: its whole context, then its new tokens causally (bottom-right).
+    keys, values, cu_q, cu_kv = [], [], [0], [0]
+    starts = [0]
+    for n in RAGGED:
+        starts.append(starts[-1] + n)
+    for b, n in enumerate(CONTEXTS):
+        keys += [ctx_k[b], k[starts[b]:starts[b + 1]]]
+        values += [ctx[b][2], v[starts[b]:starts[b + 1]]]
+        cu_q.append(starts[b + 1])
+        cu_kv.append(cu_kv[-1] + n + RAGGED[b])
+    ref, _ = reference_attention(q, torch.cat(keys), torch.cat(values), cu_q, cu_kv,
+                                 causal=True, scale=SCALE)
+    torch.testing.assert_close(ours.double(), ref, atol=atol, rtol=rtol)
