@@ -9,7 +9,7 @@ from pathlib import Path
 
 from app.commands._output import print_json, print_text
 
-HELP = "run a benchmark (selection, prefill, kv, run, vllm-prefill) and report JSON"
+HELP = "run a benchmark (selection, prefill, kv, run) and report JSON"
 
 #: Benchmark name -> module with ``add_arguments(parser)``, ``run(args) -> dict`` and
 #: ``render(result) -> str``.
