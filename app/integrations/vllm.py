@@ -51,7 +51,11 @@ _resolve_lock = threading.Lock()
 
 
 def _resolve(container: Application) -> type[MLAPrefillBackend]:
-    cls = container.mla_prefill_backends.TORCH_SDPA()
+    backends = getattr(container, "mla_prefill_backends", None)
+    if backends is None:
+        raise TypeError(f"AppCPUMLAPrefillBackend: expected an app.containers.Application, "
+                        f"got {type(container).__name__}")
+    cls = backends.TORCH_SDPA()
     if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
         raise TypeError(f"the container's {_BACKEND} provider gave {cls!r}, expected an "
                         f"app.backends.base.MLAPrefillBackend subclass")

@@ -207,6 +207,9 @@ def test_runs_the_torch_sdpa_class_our_container_provides() -> None:
         backend.prepare_metadata(prefill_metadata([16]))
         backend.run_prefill_new_tokens(q, k, v, False)
     assert CountingSDPA.calls == 2
+    with pytest.raises(TypeError, match=r"expected an app\.containers\.Application, got str"):
+        AppCPUMLAPrefillBackend.bind_container("default")  # type: ignore[arg-type]
+    assert AppCPUMLAPrefillBackend.backend_class() is TorchSDPABackend
 
 
 def _vllm_chunked_prefill(backend: Any, md: Any, q: torch.Tensor, k: torch.Tensor,
