@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, ClassVar
 
@@ -61,6 +62,7 @@ from app.backends._cpu_native import (
     NativePlan,
     load_native_kernel,
 )
+from app.backends._dense import all_finite, attend_dense
 from app.backends.merge import merge_attn_states
 
 if TYPE_CHECKING:
@@ -145,7 +147,11 @@ class TorchSDPABackend(RaggedKernelBackend):
                          v_head_dim, config)
         self._masks: OrderedDict[tuple[int, int, int, torch.dtype], torch.Tensor] = OrderedDict()
         self._keeps: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self._v_buffer: torch.Tensor | None = None
+        # Calls may run on several threads at once (layers of one step): the mask caches
+        # are shared under a lock (masks are read-only), the v buffer is written per call,
+        # so each thread keeps its own.
+        self._cache_lock = threading.Lock()
+        self._v_buffers = threading.local()
         self._cuda_flash_failed = False
         self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
         self._cuda_efficient_failed = False
@@ -167,42 +173,45 @@ class TorchSDPABackend(RaggedKernelBackend):
     def _mask(self, rows: int, keys: int, diagonal: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive ``[rows, keys]`` mask: row r sees keys ``j <= diagonal + r``."""
         key = (rows, keys, diagonal, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            hidden = torch.ones(rows, keys, dtype=torch.bool).triu(diagonal + 1)
-            mask = torch.zeros(rows, keys, dtype=dtype).masked_fill_(hidden, _NEG_INF)
-            self._masks[key] = mask
-            if len(self._masks) > _MASK_CACHE_SIZE:
-                self._masks.popitem(last=False)
-        else:
-            self._masks.move_to_end(key)
-        return mask
+        with self._cache_lock:
+            mask = self._masks.get(key)
+            if mask is None:
+                hidden = torch.ones(rows, keys, dtype=torch.bool).triu(diagonal + 1)
+                mask = torch.zeros(rows, keys, dtype=dtype).masked_fill_(hidden, _NEG_INF)
+                self._masks[key] = mask
+                if len(self._masks) > _MASK_CACHE_SIZE:
+                    self._masks.popitem(last=False)
+            else:
+                self._masks.move_to_end(key)
+            return mask
 
     def _keep(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """``[rows, rows]`` lower-triangular 0/1 multiplier (row r keeps keys ``j <= r``)."""
         key = (rows, dtype)
-        keep = self._keeps.get(key)
-        if keep is None:
-            keep = torch.ones(rows, rows, dtype=dtype).tril_()
-            self._keeps[key] = keep
-            if len(self._keeps) > _MASK_CACHE_SIZE:
-                self._keeps.pop(next(iter(self._keeps)))
-        return keep
+        with self._cache_lock:
+            keep = self._keeps.get(key)
+            if keep is None:
+                keep = torch.ones(rows, rows, dtype=dtype).tril_()
+                self._keeps[key] = keep
+                if len(self._keeps) > _MASK_CACHE_SIZE:
+                    self._keeps.pop(next(iter(self._keeps)))
+            return keep
 
     def _padded_v(self, v: torch.Tensor, dtype: torch.dtype, width: int, head_major: bool
                   ) -> torch.Tensor:
         """``v`` zero-padded to ``width`` in ``dtype``; the buffer is kept (and its padding
-        left zero) between calls when small enough, so a call only copies ``v`` in."""
+        left zero) between calls when small enough, so a call only copies ``v`` in (one
+        buffer per thread)."""
         tokens, heads, dim = v.shape
         shape = (heads, tokens, width) if head_major else (tokens, heads, width)
-        buf = self._v_buffer
+        buf: torch.Tensor | None = getattr(self._v_buffers, "buf", None)
         keep = tokens * heads * width * torch.empty((), dtype=dtype).element_size() \
             <= self.cpu_v_buffer_max_bytes
         axis = 1 if head_major else 0
         if (buf is None or not keep or buf.dtype != dtype or buf.shape[axis] < tokens
                 or buf.shape[1 - axis] != shape[1 - axis] or buf.shape[2] != width):
             buf = torch.zeros(shape, dtype=dtype)
-            self._v_buffer = buf if keep else None
+            self._v_buffers.buf = buf if keep else None
         buf = buf[:, :tokens] if head_major else buf[:tokens]
         buf[..., :dim].copy_(v.transpose(0, 1) if head_major else v)
         return buf
@@ -238,6 +247,12 @@ class TorchSDPABackend(RaggedKernelBackend):
         native = self._native_kernel(q.dtype)
         if native is not None:
             self._run_cpu_native(native, layout, q, k, v, causal, result, lse)
+            return
+        if not all_finite(k, v):
+            # A NaN or inf in a key or value: the aten kernel would leak it from masked keys
+            # (score + -inf, 0 * NaN) into every row; the dense path keeps to the rule (see
+            # app.backends._dense). Corrupt input is rare, so its speed does not matter.
+            self._run_dense(layout, q, k, v, causal, result, lse)
             return
         dtype = cpu_compute_dtype(q.dtype)
         width = max(self.qk_head_dim, self.v_head_dim)
@@ -367,7 +382,8 @@ class TorchSDPABackend(RaggedKernelBackend):
     def _run_dense(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
                    ) -> None:
-        """Per-request float32 matmul-softmax-matmul (lengths from the host layout)."""
+        """Per-request float32 matmul-softmax-matmul (lengths from the host layout), NaN
+        and inf handled by the rule of :mod:`app.backends._dense`."""
         for qs, ks, q_len, kv_len in zip(layout.q_starts, layout.kv_starts, layout.q_lens,
                                          layout.kv_lens, strict=True):
             if q_len == 0:
@@ -376,18 +392,8 @@ class TorchSDPABackend(RaggedKernelBackend):
                 result[qs:qs + q_len].zero_()
                 lse[:, qs:qs + q_len].fill_(_NEG_INF)
                 continue
-            qb = q[qs:qs + q_len].float().transpose(0, 1)
-            kb = k[ks:ks + kv_len].float().transpose(0, 1)
-            vb = v[ks:ks + kv_len].float().transpose(0, 1)
-            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(self.scale)
-            if causal:
-                hidden = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).triu(
-                    kv_len - q_len + 1)
-                scores.masked_fill_(hidden, _NEG_INF)
-            lg = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - lg.unsqueeze(-1)).nan_to_num_(nan=0.0)
-            result[qs:qs + q_len].copy_(torch.matmul(probs, vb).transpose(0, 1))
-            lse[:, qs:qs + q_len].copy_(lg)
+            attend_dense(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len], causal,
+                         self.scale, result[qs:qs + q_len], lse[:, qs:qs + q_len])
 
     # -- CUDA -----------------------------------------------------------------------------
 
