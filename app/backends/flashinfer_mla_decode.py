@@ -65,6 +65,7 @@ __all__ = [
     "TRTLLM_GEN_BLOCK_SIZES",
     "FlashInferMLADecodeBackend",
     "FlashInferMLAKernels",
+    "causal_tiles_fit",
     "decode_kernel_for",
 ]
 
@@ -112,6 +113,19 @@ def _probe() -> FlashInferMLAKernels | None:
     return FlashInferMLAKernels(wrapper_cls=BatchMLAPagedAttentionWrapper,
                                 plan_metadata=MLAPlanMetadata,
                                 trtllm_decode=trtllm_batch_decode_with_kv_cache_mla)
+
+
+def causal_tiles_fit(num_heads: int, query_len: int) -> bool:
+    """Whether the fa2/fa3 MLA kernels' query tile holds whole query rows of every head.
+
+    With a causal multi-token step, flashinfer refuses a plan in which a query tile ends
+    inside a row's heads at a KV-tile boundary ("native execution would omit a visible key",
+    ``mla/_batch_mla/_backends/_fa_common.py:325-358``); the tile is 64 rows, or 128 when
+    ``query_len * num_heads > 64``, so a head count that divides it never hits that."""
+    if query_len == 1:
+        return True  # planned non-causal: one row per request sees its whole sequence
+    tile = 128 if query_len * num_heads > 64 else 64
+    return tile % num_heads == 0
 
 
 def decode_kernel_for(capability: DeviceCapability, num_heads: int) -> str:
@@ -190,8 +204,13 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             f"block size {cfg.block_size} not supported by flashinfer's {kernel} MLA kernel "
             f"on SM{device_capability.to_int()} (supported: "
             f"{', '.join(str(s) for s in sizes)})"]
-        return insert_reasons(cls, base, device_capability, cfg, dtype=dtype,
-                              block_size=block)
+        reasons = insert_reasons(cls, base, device_capability, cfg, dtype=dtype,
+                                 block_size=block)
+        if kernel != TRTLLM_GEN and not causal_tiles_fit(cfg.num_heads, cfg.query_len):
+            reasons.append(f"query_len {cfg.query_len} with {cfg.num_heads} heads not "
+                           f"supported by flashinfer's {kernel} MLA kernel (its causal query "
+                           f"tile must hold whole rows: a head count dividing 64)")
+        return reasons
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,

@@ -163,6 +163,20 @@ def test_flashinfer_reasons_keep_their_order(monkeypatch: pytest.MonkeyPatch) ->
         SM100, cfg(FP8, heads=96))[0]
 
 
+def test_flashinfer_wrapper_refuses_causal_tiles_that_split_heads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _available(monkeypatch, fi_mod, True)
+    for heads, qlen, ok in ((16, 4, True), (16, 16, True), (128, 8, True), (24, 1, True),
+                            (24, 2, False), (96, 4, False), (64, 2, True)):
+        reasons = FlashInferMLADecodeBackend.validate_configuration(
+            SM90, cfg(heads=heads, query_len=qlen, block_size=16))
+        assert (reasons == []) is ok, (heads, qlen, reasons)
+        assert fi_mod.causal_tiles_fit(heads, qlen) is ok
+    # trtllm-gen has no such limit (Blackwell, 16 heads: no wrapper involved)
+    assert FlashInferMLADecodeBackend.validate_configuration(SM100, cfg(heads=48,
+                                                                        query_len=3)) == []
+
+
 @pytest.mark.parametrize(("cap", "ok"), [(SM80, False), (SM90, False), (SM100, True),
                                          (SM103, True), (SM107, True),
                                          (DeviceCapability(10, 1), False), (SM110, False),
