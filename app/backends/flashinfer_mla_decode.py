@@ -253,7 +253,9 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             zeroed=self.kernel == TRTLLM_GEN, min_bytes=WORKSPACE_BYTES)
         self._wrappers: dict[torch.device, Any] = {}
         self._planned: _PlanKey | None = None
-        self._lock = threading.Lock()
+        # re-entrant: a run holds it across its plan check and launch, so another thread's
+        # re-plan (a different scale) cannot swap the plan under a running call
+        self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -416,14 +418,15 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         # a 16-bit cache has no scale argument: fold k_scale into the (planned) softmax
         # scale and scale the output after
         sm_scale = softmax_scale if fp8 else softmax_scale * k_scale
-        wrapper = self._ensure_plan(metadata, q.device, int(kv_cache.shape[1]), q.dtype,
-                                    sm_scale)
         rows = metadata.batch * metadata.query_len
         q_packed = q.contiguous().view(rows, self.num_heads, self.head_dim)
         lse_rows = (lse if lse is not None else torch.empty(
             out.shape[:3], dtype=torch.float32, device=q.device)).view(rows, self.num_heads)
-        wrapper.run(**self.run_kwargs(q_packed, kv_cache,
-                                      out.view(rows, self.num_heads, self.kv_lora_rank),
-                                      lse_rows, k_scale))
+        with self._lock:
+            wrapper = self._ensure_plan(metadata, q.device, int(kv_cache.shape[1]), q.dtype,
+                                        sm_scale)
+            wrapper.run(**self.run_kwargs(q_packed, kv_cache,
+                                          out.view(rows, self.num_heads, self.kv_lora_rank),
+                                          lse_rows, k_scale))
         if not fp8 and k_scale != 1.0:
             out.mul_(k_scale)

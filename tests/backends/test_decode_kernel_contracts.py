@@ -407,6 +407,38 @@ def test_flashinfer_plans_once_per_step(fake_flashinfer: fakes.FakeFlashInferMLA
     assert fake_flashinfer.plans[-1]["causal"] is False                 # one row per request
 
 
+def test_flashinfer_threads_with_different_scales_never_share_a_plan(
+        fake_flashinfer: fakes.FakeFlashInferMLA, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    real_run = fake_flashinfer.wrapper_cls.run
+
+    def slow_run(self: Any, **kwargs: Any) -> Any:
+        time.sleep(0.002)  # a launch takes time: let another thread in between plan and run
+        return real_run(self, **kwargs)
+
+    monkeypatch.setattr(fake_flashinfer.wrapper_cls, "run", slow_run)
+    lens = [5, 20]
+    backend, cache, table = _prepared(FlashInferMLADecodeBackend, SM90, lens, 16, 1)
+    q, cache = _q(2, 1), cache.bfloat16()
+    scales = (0.02, 0.05, 0.1, 0.2)
+    refs = {s: reference_decode(q, cache, table, lens, 512, s)[0] for s in scales}
+    errors: list[float] = []
+
+    def layer_calls(scale: float) -> None:
+        for _ in range(5):
+            out = backend.forward_decode(q, cache, softmax_scale=scale)
+            errors.append(float((out.double() - refs[scale]).abs().max()))
+
+    threads = [threading.Thread(target=layer_calls, args=(s,)) for s in scales]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 20 and max(errors) <= 2e-2
+
+
 def test_tokenspeed_scales_are_read_on_every_call(fake_tokenspeed: list[dict[str, Any]]
                                                   ) -> None:
     lens = [7, 30]
