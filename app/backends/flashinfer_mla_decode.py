@@ -295,7 +295,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             self._planned = None
         device = metadata.block_table.device
         if (self.kernel != TRTLLM_GEN and self.block_size is not None and metadata.batch
-                and device.type == "cuda"):
+                and (device.type == "cuda" or not self.requires_cuda)):
             self._ensure_plan(metadata, device, self.block_size, self.query_dtypes()[0],
                               self.scale)
 

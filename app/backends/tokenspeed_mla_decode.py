@@ -193,7 +193,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         """Grow the workspace for the step now when its device is known (else at the first
         layer's call; either way once per step, before any launch)."""
         device = metadata.block_table.device
-        if device.type == "cuda" and metadata.batch:
+        if metadata.batch and (device.type == "cuda" or not self.requires_cuda):
             self.workspace.get(device, self.workspace_bytes(metadata, device))
 
     def decode_kwargs(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,

@@ -305,8 +305,8 @@ def test_trtllm_arguments_bind() -> None:
     assert ws.dtype == torch.uint8 and ws.numel() == fi_mod.WORKSPACE_BYTES and not ws.any()
 
 
-def test_tokenspeed_arguments_bind() -> None:
-    tokenspeed = pytest.importorskip("tokenspeed_mla")
+def test_tokenspeed_arguments_bind(fake_tokenspeed: list[dict[str, Any]]) -> None:
+    tokenspeed = pytest.importorskip("tokenspeed_mla")  # the real one, not the stand-in
     backend, cache, _ = _prepared(TokenSpeedMLADecodeBackend, SM100, [9, 9], 16, 3)
     q = torch.zeros(2, 3, 16, 576, dtype=torch.bfloat16)
     kwargs = backend.decode_kwargs(backend.metadata, q, cache, torch.zeros(2, 3, 16, 512),
@@ -405,6 +405,25 @@ def test_flashinfer_plans_once_per_step(fake_flashinfer: fakes.FakeFlashInferMLA
     backend.forward_decode(_q(2, 1), cache2.bfloat16())
     assert len(fake_flashinfer.plans) == 5 and len(fake_flashinfer.created) == 1
     assert fake_flashinfer.plans[-1]["causal"] is False                 # one row per request
+
+
+def test_flashinfer_plans_in_prepare_metadata_when_the_block_size_is_known(
+        fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
+    from app.config import EngineConfig
+
+    config = EngineConfig.from_dict({"cache": {"block_size": 32}})
+    backend = on_cpu(FlashInferMLADecodeBackend, SM90).from_config(config, SM90)
+    assert isinstance(backend, FlashInferMLADecodeBackend) and backend.block_size == 32
+    lens = [5, 70]
+    cache, table, seq = _step(lens, 32)
+    backend.prepare_metadata(table, seq, 1)
+    assert len(fake_flashinfer.plans) == 1 and not fake_flashinfer.runs  # planned already
+    assert fake_flashinfer.plans[0]["page_size"] == 32
+    q = _q(2, 1)
+    out = backend.forward_decode(q, cache.bfloat16())
+    assert len(fake_flashinfer.plans) == 1                              # reused by the layer
+    _close(out, reference_decode(q, cache.bfloat16(), table, lens, 512, config.model.scale)[0],
+           2e-2)
 
 
 def test_flashinfer_threads_with_different_scales_never_share_a_plan(
@@ -551,6 +570,11 @@ def test_tokenspeed_workspace_grows_with_batch_and_query_len(
         buffers.append(fake_tokenspeed[-1]["workspace_buffer"].data_ptr())
     one, four = (tokenspeed_workspace_bytes(b, q, 16, 512, NUM_SMS) for b, q in ((1, 1), (4, 4)))
     assert sizes == [one, four, four, four] and four > one   # grown, never shrunk
+    fresh = on_cpu(TokenSpeedMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16)
+    cache, table, seq = _step([40] * 2, 16)
+    fresh.prepare_metadata(table, seq, 1)                    # grown before the first layer
+    assert fresh.workspace.nbytes("cpu") == tokenspeed_workspace_bytes(2, 1, 16, 512, NUM_SMS)
+    assert four <= 128 * NUM_SMS * 513 * 4                   # bounded whatever the batch
     assert buffers[1] != buffers[0] and buffers[1] == buffers[2] == buffers[3]
 
 
