@@ -1,9 +1,10 @@
 """Pieces the GPU decode backends (FLASHINFER_MLA, TOKENSPEED_MLA) share.
 
-- ``KernelWorkspace``: one kernel workspace per device, held by a backend instance (or passed
-  to several), allocated on first use and replaced by a larger one when a step needs more.
-  Nothing is module-global, so two containers (or two backends) never share a buffer unless
-  their owner passes the same ``KernelWorkspace`` to both.
+- ``DecodeWorkspaces`` / ``WorkspaceSource``: kernel workspaces per (name, device), held by
+  a backend instance or passed in (the container's kernel workspaces have the same
+  ``get(name, nbytes, device, zeroed=)``), allocated on first use and replaced by a larger
+  one when a step needs more. Nothing is module-global: two containers (or two backends)
+  share a buffer only when their owner passes the same workspaces to both.
 - ``quantize_query_fp8``: the FP8 kernels (trtllm-gen, tokenspeed) read an FP8 query when the
   cache is FP8; the query is quantised per call with its own per-tensor scale (amax / 448),
   which is folded into that call's softmax scale. Nothing is kept between calls.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -32,9 +33,11 @@ if TYPE_CHECKING:
 __all__ = [
     "FP8_E4M3_MAX",
     "LN2",
-    "KernelWorkspace",
+    "DecodeWorkspaces",
+    "WorkspaceSource",
     "base2_to_natural",
     "check_query_dtype",
+    "check_workspaces",
     "insert_reasons",
     "quantize_query_fp8",
 ]
@@ -45,44 +48,61 @@ LN2 = math.log(2.0)
 FP8_E4M3_MAX = 448.0
 
 
-class KernelWorkspace:
-    """One kernel workspace per device: ``get(device, nbytes)`` returns a 1-D tensor of at
-    least ``nbytes`` bytes (``dtype`` elements), allocated on first use and *replaced* by a
-    larger one when a call needs more (the old buffer is dropped, not kept beside it).
+@runtime_checkable
+class WorkspaceSource(Protocol):
+    """Where a backend gets its kernel workspaces: ``get(name, nbytes, device, zeroed=)``
+    returns a 1-D ``uint8`` tensor of at least ``nbytes`` bytes for kernel ``name`` on
+    ``device`` (the container's kernel workspaces have this shape)."""
 
-    ``zeroed``: allocate with ``torch.zeros`` (trtllm-gen keeps semaphore counters in its
-    workspace and needs them zero on first use). Thread-safe. ``min_bytes`` is the smallest
-    buffer ever allocated (kernels that take a fixed-size workspace ask for it)."""
+    def get(self, name: str, nbytes: int, device: torch.device, *,
+            zeroed: bool = False) -> torch.Tensor:
+        """The workspace ``name`` on ``device``, at least ``nbytes`` bytes."""
+        ...
 
-    def __init__(self, *, dtype: torch.dtype = torch.uint8, zeroed: bool = False,
-                 min_bytes: int = 0) -> None:
-        if not isinstance(dtype, torch.dtype) or dtype.itemsize != 1:
-            raise ValueError(f"KernelWorkspace: dtype must be a one-byte torch.dtype, got "
-                             f"{dtype!r}")
-        self.dtype = dtype
-        self.zeroed = bool(zeroed)
-        self.min_bytes = check_int_at_least("KernelWorkspace: min_bytes", min_bytes, 0)
-        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+class DecodeWorkspaces:
+    """Kernel workspaces, one ``uint8`` buffer per (name, device), made on first use and
+    *replaced* by a larger one when a call needs more (the old buffer is dropped, not kept
+    beside it). ``zeroed``: made with ``torch.zeros`` (trtllm-gen keeps semaphore counters in
+    its workspace and needs them zero on first use). Thread-safe.
+
+    A backend makes its own when none is passed in; pass one to several backends (or the
+    container's) to share the buffers of a device."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def get(self, device: torch.device | str, nbytes: int = 0) -> torch.Tensor:
-        """The workspace on ``device``, at least ``max(nbytes, min_bytes)`` bytes."""
-        check_int_at_least("KernelWorkspace.get: nbytes", nbytes, 0)
-        dev = torch.device(device)
-        want = max(nbytes, self.min_bytes, 1)
+    def get(self, name: str, nbytes: int, device: torch.device | str, *,
+            zeroed: bool = False) -> torch.Tensor:
+        """The workspace ``name`` on ``device``, at least ``nbytes`` (and 1) bytes."""
+        check_int_at_least("DecodeWorkspaces.get: nbytes", nbytes, 0)
+        key = (name, torch.device(device))
         with self._lock:
-            buf = self._buffers.get(dev)
-            if buf is None or buf.numel() < want:
-                make = torch.zeros if self.zeroed else torch.empty
-                buf = make(want, dtype=self.dtype, device=dev)
-                self._buffers[dev] = buf
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() < max(nbytes, 1):
+                make = torch.zeros if zeroed else torch.empty
+                buf = make(max(nbytes, 1), dtype=torch.uint8, device=key[1])
+                self._buffers[key] = buf
             return buf
 
-    def nbytes(self, device: torch.device | str) -> int:
-        """The size of the current buffer on ``device`` (0 before the first ``get``)."""
+    def nbytes(self, name: str, device: torch.device | str) -> int:
+        """The size of buffer ``name`` on ``device`` (0 before the first ``get``)."""
         with self._lock:
-            buf = self._buffers.get(torch.device(device))
+            buf = self._buffers.get((name, torch.device(device)))
             return 0 if buf is None else int(buf.numel())
+
+
+def check_workspaces(who: str, workspaces: object) -> WorkspaceSource:
+    """``workspaces`` if it has the ``WorkspaceSource`` shape, a new ``DecodeWorkspaces`` for
+    None, else ``TypeError``."""
+    if workspaces is None:
+        return DecodeWorkspaces()
+    if not isinstance(workspaces, WorkspaceSource):
+        raise TypeError(f"{who}: workspaces must have get(name, nbytes, device, zeroed=) "
+                        f"(a DecodeWorkspaces or the container's kernel workspaces), got "
+                        f"{type(workspaces).__name__}")
+    return workspaces
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, float]:

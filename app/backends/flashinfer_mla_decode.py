@@ -48,8 +48,9 @@ from app._types import DeviceCapability
 from app._validation import check_int_at_least
 from app.backends._decode_checks import DecodeMetadata
 from app.backends._decode_gpu import (
-    KernelWorkspace,
+    WorkspaceSource,
     check_query_dtype,
+    check_workspaces,
     insert_reasons,
     quantize_query_fp8,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "FA3",
     "TRTLLM_GEN",
     "TRTLLM_GEN_BLOCK_SIZES",
+    "WORKSPACE_BYTES",
     "FlashInferMLADecodeBackend",
     "FlashInferMLAKernels",
     "causal_tiles_fit",
@@ -84,6 +86,8 @@ _KERNEL_CACHE_DTYPES = {
 }
 #: flashinfer's suggested starting size for the MLA workspaces (the wrapper's docstring).
 WORKSPACE_BYTES = 128 * 1024 * 1024
+#: The names of this backend's workspaces in a shared ``WorkspaceSource``.
+WORKSPACE_TRTLLM_GEN, WORKSPACE_WRAPPER = "flashinfer_mla.trtllm_gen", "flashinfer_mla.wrapper"
 #: Only the SM120 sparse backend reads it ("TODO: remove in 1.0?", mla/_core.py:4863);
 #: DeepSeek's no-rope query width, as vLLM passes.
 _QK_NOPE_HEAD_DIM = 128
@@ -215,11 +219,12 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,
                  device_capability: DeviceCapability | None = None,
-                 workspace: KernelWorkspace | None = None,
+                 workspaces: WorkspaceSource | None = None,
                  block_size: int | None = None) -> None:
-        """``device_capability`` picks the kernel (required); ``workspace`` may be shared by
-        the instances of one device (default: this instance's own); ``block_size``, when
-        known, lets ``prepare_metadata`` plan at once (else the first layer's call plans)."""
+        """``device_capability`` picks the kernel (required); ``workspaces`` may be shared
+        (the container's kernel workspaces; default: this instance's own ``DecodeWorkspaces``);
+        ``block_size``, when known, lets ``prepare_metadata`` plan at once (else the first
+        layer's call plans)."""
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype,
                          device_capability=device_capability)
         name = type(self).__name__
@@ -242,15 +247,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         if block_size is not None:
             check_int_at_least(f"{name}: block_size", block_size, 1)
             self._check_block_size(block_size)
-        if workspace is not None and not isinstance(workspace, KernelWorkspace):
-            raise TypeError(f"{name}: workspace must be a KernelWorkspace, got "
-                            f"{type(workspace).__name__}")
-        if workspace is not None and workspace.zeroed != (self.kernel == TRTLLM_GEN):
-            raise ValueError(f"{name}: the {self.kernel} kernel needs a workspace with "
-                             f"zeroed={self.kernel == TRTLLM_GEN}")
         self.block_size = block_size
-        self.workspace = workspace if workspace is not None else KernelWorkspace(
-            zeroed=self.kernel == TRTLLM_GEN, min_bytes=WORKSPACE_BYTES)
+        self.workspaces = check_workspaces(name, workspaces)
         self._wrappers: dict[torch.device, Any] = {}
         self._planned: _PlanKey | None = None
         # re-entrant: a run holds it across its plan check and launch, so another thread's
@@ -259,13 +257,22 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def from_config(cls, config: EngineConfig,
-                    device_capability: DeviceCapability | None = None
+                    device_capability: DeviceCapability | None = None, *,
+                    workspaces: WorkspaceSource | None = None
                     ) -> FlashInferMLADecodeBackend:
         """An instance for ``config`` (its cache block size lets each step plan early)."""
         m = config.model
         return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
                    qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype,
-                   device_capability=device_capability, block_size=config.cache.block_size)
+                   device_capability=device_capability, workspaces=workspaces,
+                   block_size=config.cache.block_size)
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        """The kernel's workspace on ``device``: 128 MiB, zeroed for trtllm-gen (its
+        semaphores must start at 0), a float workspace for the wrapper."""
+        name = WORKSPACE_TRTLLM_GEN if self.kernel == TRTLLM_GEN else WORKSPACE_WRAPPER
+        return self.workspaces.get(name, WORKSPACE_BYTES, device,
+                                   zeroed=self.kernel == TRTLLM_GEN)
 
     # -- what the kernel reads -----------------------------------------------------------
 
@@ -341,7 +348,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
                 return wrapper
             kernels = self._kernels()
             if wrapper is None:
-                wrapper = kernels.wrapper_cls(self.workspace.get(device), backend=self.kernel)
+                wrapper = kernels.wrapper_cls(self.workspace(device), backend=self.kernel)
                 self._wrappers[device] = wrapper
             wrapper.plan(**self.plan_kwargs(metadata, page_size, q_dtype, sm_scale, kernels))
             self._planned = key
@@ -374,7 +381,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         block_tables, seq_lens = metadata.on_device(q.device)
         return {
             "query": q, "kv_cache": kv_cache,
-            "workspace_buffer": self.workspace.get(q.device),
+            "workspace_buffer": self.workspace(q.device),
             "qk_nope_head_dim": _QK_NOPE_HEAD_DIM, "kv_lora_rank": self.kv_lora_rank,
             "qk_rope_head_dim": self.qk_rope_head_dim, "block_tables": block_tables,
             "seq_lens": seq_lens, "max_seq_len": metadata.max_seq_len, "out": out,

@@ -22,7 +22,7 @@ What the re-created vLLM backend got wrong, and this one does not:
   (``min(64, SMs // (B * ceil(H * q_len / 128)))``, what the package's split heuristics can
   pick), checked at every step and replaced by a larger buffer when the batch or query_len
   needs more; it is int8, as the kernel asserts (``mla_decode.py:1019``), per device, held by
-  the backend instance (or a ``KernelWorkspace`` passed in).
+  the backend instance (or shared through the ``workspaces`` passed in).
 
 ``is_var_seq`` is False exactly when every request of the step has the same length (the kernel
 then runs its persistent schedule); ``max_seq_len`` is the step's longest sequence. The kernel's
@@ -38,22 +38,31 @@ from __future__ import annotations
 import functools
 import threading
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from app._types import DeviceCapability
 from app.backends._decode_checks import DecodeMetadata
 from app.backends._decode_gpu import (
-    KernelWorkspace,
+    WorkspaceSource,
     base2_to_natural,
     check_query_dtype,
+    check_workspaces,
     insert_reasons,
     quantize_query_fp8,
 )
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 
-__all__ = ["MAX_HEADS", "TokenSpeedMLADecodeBackend", "tokenspeed_workspace_bytes"]
+if TYPE_CHECKING:
+    from app.config import EngineConfig
+
+__all__ = [
+    "MAX_HEADS",
+    "WORKSPACE_NAME",
+    "TokenSpeedMLADecodeBackend",
+    "tokenspeed_workspace_bytes",
+]
 
 #: (major, minor) of the GPUs the decode kernels support (mla_helpers.get_mla_decode_arch).
 _SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
@@ -61,6 +70,8 @@ _SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 MAX_HEADS = 128
 #: The kernel's query-row tile (M) and the largest split-KV count its heuristics pick.
 _M_TILE, _MAX_SPLIT_KV = 128, 64
+#: The name of this backend's workspace in a shared ``WorkspaceSource``.
+WORKSPACE_NAME = "tokenspeed_mla.decode"
 _INSTALL_HINT = "tokenspeed-mla is not installed (pip install 'app[tokenspeed]')"
 
 
@@ -137,9 +148,9 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,
                  device_capability: DeviceCapability | None = None,
-                 workspace: KernelWorkspace | None = None) -> None:
-        """``workspace``: an int8 ``KernelWorkspace`` to share between the instances of one
-        device (default: this instance's own)."""
+                 workspaces: WorkspaceSource | None = None) -> None:
+        """``workspaces``: shared kernel workspaces (the container's; default: this
+        instance's own ``DecodeWorkspaces``)."""
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype,
                          device_capability=device_capability)
         name = type(self).__name__
@@ -153,14 +164,20 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
                              f"({kv_lora_rank}, {qk_rope_head_dim})")
         if num_heads > MAX_HEADS:
             raise ValueError(f"{name}: at most {MAX_HEADS} query heads, got {num_heads}")
-        if workspace is not None and (not isinstance(workspace, KernelWorkspace)
-                                      or workspace.dtype != torch.int8):
-            raise TypeError(f"{name}: workspace must be a KernelWorkspace of dtype int8 (the "
-                            f"kernel asserts it), got {workspace!r}")
-        self.workspace = workspace if workspace is not None else KernelWorkspace(
-            dtype=torch.int8)
+        self.workspaces = check_workspaces(name, workspaces)
         self._num_sms: dict[torch.device, int] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig,
+                    device_capability: DeviceCapability | None = None, *,
+                    workspaces: WorkspaceSource | None = None
+                    ) -> TokenSpeedMLADecodeBackend:
+        """An instance for ``config.model`` (cache dtype = the model dtype)."""
+        m = config.model
+        return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
+                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype,
+                   device_capability=device_capability, workspaces=workspaces)
 
     def query_dtypes(self) -> tuple[torch.dtype, ...]:
         """The query dtypes the kernel reads with this backend's cache dtype."""
@@ -189,12 +206,17 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         return tokenspeed_workspace_bytes(metadata.batch, metadata.query_len, self.num_heads,
                                           self.kv_lora_rank, self._sm_count(device))
 
+    def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """The workspace on ``device``, at least ``nbytes``, as the int8 view the kernel
+        asserts (``mla_decode.py:1019``)."""
+        return self.workspaces.get(WORKSPACE_NAME, nbytes, device).view(torch.int8)
+
     def _plan(self, metadata: DecodeMetadata) -> None:
         """Grow the workspace for the step now when its device is known (else at the first
         layer's call; either way once per step, before any launch)."""
         device = metadata.block_table.device
         if metadata.batch and (device.type == "cuda" or not self.requires_cuda):
-            self.workspace.get(device, self.workspace_bytes(metadata, device))
+            self.workspace(device, self.workspace_bytes(metadata, device))
 
     def decode_kwargs(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                       out: torch.Tensor, workspace: torch.Tensor, softmax_scale: float,
@@ -225,7 +247,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
             q, q_scale = quantize_query_fp8(q)
         else:
             q = q.contiguous()
-        workspace = self.workspace.get(q.device, self.workspace_bytes(metadata, q.device))
+        workspace = self.workspace(q.device, self.workspace_bytes(metadata, q.device))
         # logits = softmax_scale * (q . k) with q = q8 * q_scale and k = k8 * k_scale; the
         # output is k_scale * (p @ c_kv8). Both come from this call's arguments only.
         result = self._module().tokenspeed_mla_decode(**self.decode_kwargs(

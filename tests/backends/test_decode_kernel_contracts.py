@@ -24,7 +24,6 @@ import torch
 from app._types import DeviceCapability
 from app.backends import flashinfer_mla_decode as fi_mod
 from app.backends import tokenspeed_mla_decode as ts_mod
-from app.backends._decode_gpu import KernelWorkspace
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.flashinfer_mla_decode import (
     FlashInferMLADecodeBackend,
@@ -33,17 +32,16 @@ from app.backends.flashinfer_mla_decode import (
 )
 from app.backends.tokenspeed_mla_decode import (
     TokenSpeedMLADecodeBackend,
-    tokenspeed_workspace_bytes,
 )
 from app.testing import assert_decode_conformance, reference_decode, run_decode_conformance
 from app.testing.decode_conformance import DECODE_CASES
+from tests.backends import _decode_gpu_support as support
 from tests.backends import _decode_kernel_fakes as fakes
 
 SM75, SM80, SM90 = DeviceCapability(7, 5), DeviceCapability(8, 0), DeviceCapability(9, 0)
 SM100, SM103, SM107 = DeviceCapability(10, 0), DeviceCapability(10, 3), DeviceCapability(10, 7)
 SM110, SM120 = DeviceCapability(11, 0), DeviceCapability(12, 0)
 FP8 = torch.float8_e4m3fn
-NUM_SMS = 148
 
 
 def cfg(dtype: torch.dtype = torch.bfloat16, *, heads: int = 16, block_size: int = 64,
@@ -52,57 +50,18 @@ def cfg(dtype: torch.dtype = torch.bfloat16, *, heads: int = 16, block_size: int
                                    num_heads=heads, block_size=block_size, query_len=query_len)
 
 
-def on_cpu(cls: type[MLADecodeBackend], cap: DeviceCapability) -> type[MLADecodeBackend]:
-    """The backend with its CUDA requirement lifted and ``cap`` passed as its capability, to
-    run the stand-in kernels on CPU through the conformance kit."""
-
-    def __init__(self: Any, *args: Any, device_capability: Any = None, **kwargs: Any) -> None:
-        cls.__init__(self, *args, device_capability=cap, **kwargs)
-
-    return type(f"Cpu{cls.__name__}", (cls,), {"requires_cuda": False,
-                                               "requires_device_capability": False,
-                                               "__init__": __init__})
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> fakes.FakeFlashInferMLA:
-    pytest.importorskip("flashinfer")
-    fake = fakes.FakeFlashInferMLA()
-    kernels = FlashInferMLAKernels(wrapper_cls=fake.wrapper_cls,
-                                   plan_metadata=fake.plan_metadata,
-                                   trtllm_decode=fake.trtllm_decode)
-    monkeypatch.setattr(fi_mod, "_probe", lambda: kernels)
-    return fake
+    return support.install_fake_flashinfer(monkeypatch)
 
 
 @pytest.fixture
 def fake_tokenspeed(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    pytest.importorskip("tokenspeed_mla")
-    calls: list[dict[str, Any]] = []
-    module = types.SimpleNamespace(
-        tokenspeed_mla_decode=fakes.make_tokenspeed_decode(calls, NUM_SMS),
-        get_num_sm=lambda device: NUM_SMS)
-    monkeypatch.setattr(ts_mod, "_probe", lambda: module)
-    return calls
+    return support.install_fake_tokenspeed(monkeypatch)
 
 
 def _available(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, ok: bool) -> None:
     monkeypatch.setattr(module, "_probe", (lambda: object()) if ok else (lambda: None))
-
-
-def _step(lens: list[int], bs: int, qlen: int = 1, extra_cols: int = 1
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A shuffled paged cache, its block table and seq_lens for ``lens``."""
-    gen = torch.Generator().manual_seed(len(lens) * 31 + bs)
-    needed = [(n + bs - 1) // bs for n in lens]
-    perm = torch.randperm(sum(needed) + 2, generator=gen)
-    table = torch.full((len(lens), max(needed, default=0) + extra_cols), -1, dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(needed):
-        table[b, :n] = perm[at:at + n]
-        at += n
-    cache = torch.randn(sum(needed) + 2, bs, 576, generator=gen)
-    return cache, table, torch.tensor(lens, dtype=torch.int32)
 
 
 # -- nothing imported at module import ----------------------------------------------------
@@ -223,15 +182,15 @@ def test_constructors_refuse_what_the_kernels_cannot_run() -> None:
         FlashInferMLADecodeBackend(*args, torch.bfloat16, device_capability=SM75)
     with pytest.raises(ValueError, match="kv_lora_rank, qk_rope_head_dim"):
         FlashInferMLADecodeBackend(16, 0.1, 256, 64, torch.bfloat16, device_capability=SM90)
-    with pytest.raises(ValueError, match="zeroed=True"):
+    with pytest.raises(TypeError, match="workspaces must have get"):
         FlashInferMLADecodeBackend(*args, torch.bfloat16, device_capability=SM100,
-                                   workspace=KernelWorkspace())
+                                   workspaces=object())
     with pytest.raises(ValueError, match="at most 128 query heads"):
         TokenSpeedMLADecodeBackend(256, 0.1, 512, 64, torch.bfloat16)
     with pytest.raises(ValueError, match=r"compute capability 9\.0"):
         TokenSpeedMLADecodeBackend(*args, torch.bfloat16, device_capability=SM90)
-    with pytest.raises(TypeError, match="int8"):
-        TokenSpeedMLADecodeBackend(*args, torch.bfloat16, workspace=KernelWorkspace())
+    with pytest.raises(TypeError, match="workspaces must have get"):
+        TokenSpeedMLADecodeBackend(*args, torch.bfloat16, workspaces=42)
     for cls in (FlashInferMLADecodeBackend, TokenSpeedMLADecodeBackend):
         with pytest.raises(ValueError, match="scale"):
             cls(16, float("nan"), 512, 64, torch.bfloat16, device_capability=SM100)
@@ -242,8 +201,8 @@ def test_constructors_refuse_what_the_kernels_cannot_run() -> None:
 def _prepared(cls: type[MLADecodeBackend], cap: DeviceCapability, lens: list[int], bs: int,
               qlen: int, dtype: torch.dtype = torch.bfloat16
               ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    backend = on_cpu(cls, cap)(16, 0.1, 512, 64, dtype)
-    cache, table, seq = _step(lens, bs, qlen)
+    backend = support.on_cpu(cls, cap)(16, 0.1, 512, 64, dtype)
+    cache, table, seq = support.paged_step(lens, bs)
     backend.prepare_metadata(table, seq, qlen)
     return backend, cache.to(dtype), table
 
@@ -322,7 +281,7 @@ def test_tokenspeed_arguments_bind(fake_tokenspeed: list[dict[str, Any]]) -> Non
 def test_gpu_backends_refuse_cpu_tensors() -> None:
     for cls, cap in ((FlashInferMLADecodeBackend, SM90), (TokenSpeedMLADecodeBackend, SM100)):
         backend = cls(16, 0.1, 512, 64, torch.bfloat16, device_capability=cap)
-        cache, table, seq = _step([3], 16)
+        cache, table, seq = support.paged_step([3], 16)
         backend.prepare_metadata(table, seq, 1)
         with pytest.raises(ValueError, match="expected CUDA tensors"):
             backend.forward_decode(torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16),
@@ -335,7 +294,7 @@ def test_gpu_backends_refuse_cpu_tensors() -> None:
 def test_flashinfer_wrapper_plumbing_conforms(fake_flashinfer: fakes.FakeFlashInferMLA,
                                               cap: DeviceCapability, dtype: torch.dtype
                                               ) -> None:
-    assert_decode_conformance(on_cpu(FlashInferMLADecodeBackend, cap), dtype=dtype,
+    assert_decode_conformance(support.on_cpu(FlashInferMLADecodeBackend, cap), dtype=dtype,
                               num_heads=8)
     assert {c["backend"] for c in fake_flashinfer.created} == {decode_kernel_for(cap, 8)}
     assert fake_flashinfer.runs and not fake_flashinfer.trtllm_calls
@@ -343,7 +302,7 @@ def test_flashinfer_wrapper_plumbing_conforms(fake_flashinfer: fakes.FakeFlashIn
 
 
 def test_flashinfer_trtllm_plumbing_conforms(fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
-    cls = on_cpu(FlashInferMLADecodeBackend, SM100)
+    cls = support.on_cpu(FlashInferMLADecodeBackend, SM100)
     cases = [c for c in DECODE_CASES if c != "other_block_size"]  # it would try 5 tokens
     assert_decode_conformance(cls, dtype=torch.bfloat16, num_heads=8, block_size=32,
                               cases=cases)
@@ -357,7 +316,7 @@ def test_flashinfer_trtllm_plumbing_conforms(fake_flashinfer: fakes.FakeFlashInf
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tokenspeed_plumbing_conforms(fake_tokenspeed: list[dict[str, Any]],
                                       dtype: torch.dtype) -> None:
-    assert_decode_conformance(on_cpu(TokenSpeedMLADecodeBackend, SM100), dtype=dtype,
+    assert_decode_conformance(support.on_cpu(TokenSpeedMLADecodeBackend, SM100), dtype=dtype,
                               num_heads=8)
     assert fake_tokenspeed and all(c["return_lse"] for c in fake_tokenspeed)
     assert {c["is_var_seq"] for c in fake_tokenspeed} == {True, False}
@@ -366,15 +325,10 @@ def test_tokenspeed_plumbing_conforms(fake_tokenspeed: list[dict[str, Any]],
 def test_a_base2_lse_left_unconverted_fails_the_kit(fake_tokenspeed: list[dict[str, Any]],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ts_mod, "base2_to_natural", lambda src, dst: dst.copy_(src))
-    report = run_decode_conformance(on_cpu(TokenSpeedMLADecodeBackend, SM100),
+    report = run_decode_conformance(support.on_cpu(TokenSpeedMLADecodeBackend, SM100),
                                     dtype=torch.bfloat16, num_heads=8, cases=["paged"])
     assert not report.passed and report.cases[0].lse_error is not None
     assert report.cases[0].lse_error > 1.0
-
-
-def _q(batch: int, qlen: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, qlen, 16, 576, generator=gen).bfloat16()
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
@@ -384,7 +338,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 def test_flashinfer_plans_once_per_step(fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
     lens = [5, 40, 17]
     backend, cache, table = _prepared(FlashInferMLADecodeBackend, SM90, lens, 16, 2)
-    q, cache = _q(3, 2), cache.bfloat16()
+    q, cache = support.bf16_query(3, 2), cache.bfloat16()
     for _ in range(4):  # four layers of one step
         backend.forward_decode(q, cache)
     assert (len(fake_flashinfer.created), len(fake_flashinfer.plans),
@@ -400,9 +354,9 @@ def test_flashinfer_plans_once_per_step(fake_flashinfer: fakes.FakeFlashInferMLA
     assert fake_flashinfer.plans[-1]["sm_scale"] == pytest.approx(0.2)  # k_scale folded in
     backend.forward_decode(q, cache)
     assert fake_flashinfer.plans[-1]["sm_scale"] == 0.1                 # nothing kept
-    cache2, table2, seq2 = _step([3, 3], 16)
+    cache2, table2, seq2 = support.paged_step([3, 3], 16)
     backend.prepare_metadata(table2, seq2, 1)                           # a new step
-    backend.forward_decode(_q(2, 1), cache2.bfloat16())
+    backend.forward_decode(support.bf16_query(2, 1), cache2.bfloat16())
     assert len(fake_flashinfer.plans) == 5 and len(fake_flashinfer.created) == 1
     assert fake_flashinfer.plans[-1]["causal"] is False                 # one row per request
 
@@ -412,14 +366,14 @@ def test_flashinfer_plans_in_prepare_metadata_when_the_block_size_is_known(
     from app.config import EngineConfig
 
     config = EngineConfig.from_dict({"cache": {"block_size": 32}})
-    backend = on_cpu(FlashInferMLADecodeBackend, SM90).from_config(config, SM90)
+    backend = support.on_cpu(FlashInferMLADecodeBackend, SM90).from_config(config, SM90)
     assert isinstance(backend, FlashInferMLADecodeBackend) and backend.block_size == 32
     lens = [5, 70]
-    cache, table, seq = _step(lens, 32)
+    cache, table, seq = support.paged_step(lens, 32)
     backend.prepare_metadata(table, seq, 1)
     assert len(fake_flashinfer.plans) == 1 and not fake_flashinfer.runs  # planned already
     assert fake_flashinfer.plans[0]["page_size"] == 32
-    q = _q(2, 1)
+    q = support.bf16_query(2, 1)
     out = backend.forward_decode(q, cache.bfloat16())
     assert len(fake_flashinfer.plans) == 1                              # reused by the layer
     _close(out, reference_decode(q, cache.bfloat16(), table, lens, 512, config.model.scale)[0],
@@ -440,7 +394,7 @@ def test_flashinfer_threads_with_different_scales_never_share_a_plan(
     monkeypatch.setattr(fake_flashinfer.wrapper_cls, "run", slow_run)
     lens = [5, 20]
     backend, cache, table = _prepared(FlashInferMLADecodeBackend, SM90, lens, 16, 1)
-    q, cache = _q(2, 1), cache.bfloat16()
+    q, cache = support.bf16_query(2, 1), cache.bfloat16()
     scales = (0.02, 0.05, 0.1, 0.2)
     refs = {s: reference_decode(q, cache, table, lens, 512, s)[0] for s in scales}
     errors: list[float] = []
@@ -462,7 +416,7 @@ def test_tokenspeed_scales_are_read_on_every_call(fake_tokenspeed: list[dict[str
                                                   ) -> None:
     lens = [7, 30]
     backend, cache, table = _prepared(TokenSpeedMLADecodeBackend, SM100, lens, 16, 1)
-    q = _q(2, 1)
+    q = support.bf16_query(2, 1)
     backend.forward_decode(q, cache)                                     # profiling defaults
     out = backend.forward_decode(q, cache, softmax_scale=0.03, k_scale=0.5)
     last = fake_tokenspeed[-1]
@@ -491,11 +445,11 @@ def test_fp8_cache_takes_its_scales_per_call(request: pytest.FixtureRequest,
         calls = fake.trtllm_calls if kernel == "trtllm-gen" else fake.runs
         cls, cap, bs = FlashInferMLADecodeBackend, (SM100 if kernel == "trtllm-gen" else SM90), 32
     lens = [9, 70, 33]
-    backend = on_cpu(cls, cap)(16, 0.1, 512, 64, FP8)
-    cache, table, seq = _step(lens, bs, 2)
+    backend = support.on_cpu(cls, cap)(16, 0.1, 512, 64, FP8)
+    cache, table, seq = support.paged_step(lens, bs)
     cache8, k_scale = _fp8_cache(cache)
     backend.prepare_metadata(table, seq, 2)
-    q = _q(3, 2, seed=1)
+    q = support.bf16_query(3, 2, seed=1)
     q8, q_scale = quantize_query_fp8(q)
     q_seen = q if kernel == "fa3" else (q8.float() * q_scale)
     for scale in (k_scale, 2 * k_scale):  # a changed scale is used at once
@@ -523,80 +477,19 @@ def test_bad_inputs_fail_before_any_kernel(fake_flashinfer: fakes.FakeFlashInfer
                                            fake_tokenspeed: list[dict[str, Any]]) -> None:
     for cls, cap in ((FlashInferMLADecodeBackend, SM90), (FlashInferMLADecodeBackend, SM100),
                      (TokenSpeedMLADecodeBackend, SM100)):
-        backend = on_cpu(cls, cap)(16, 0.1, 512, 64, torch.bfloat16)
-        cache, table, seq = _step([40, 70], 32)
+        backend = support.on_cpu(cls, cap)(16, 0.1, 512, 64, torch.bfloat16)
+        cache, table, seq = support.paged_step([40, 70], 32)
         with pytest.raises(ValueError, match="uniform query_len"):
             backend.prepare_metadata(table, seq, [1, 2])
         backend.prepare_metadata(table[:, :2], seq, 1)           # 70 tokens need 3 blocks
         with pytest.raises(ValueError, match="needs 3 blocks"):
-            backend.forward_decode(_q(2, 1), cache.bfloat16())
+            backend.forward_decode(support.bf16_query(2, 1), cache.bfloat16())
         backend.prepare_metadata(table, seq, 1)
         with pytest.raises(ValueError, match="query dtype"):
-            backend.forward_decode(_q(2, 1).float(), cache.bfloat16())
+            backend.forward_decode(support.bf16_query(2, 1).float(), cache.bfloat16())
         with pytest.raises(ValueError, match="kv_cache must be"):
-            backend.forward_decode(_q(2, 1), cache[..., :512].bfloat16())
+            backend.forward_decode(support.bf16_query(2, 1), cache[..., :512].bfloat16())
         with pytest.raises(ValueError, match="k_scale"):
-            backend.forward_decode(_q(2, 1), cache.bfloat16(), k_scale=0.0)
+            backend.forward_decode(support.bf16_query(2, 1), cache.bfloat16(), k_scale=0.0)
     assert not (fake_flashinfer.plans or fake_flashinfer.runs or fake_flashinfer.trtllm_calls
                 or fake_tokenspeed)
-
-
-# -- workspaces ----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
-def test_tokenspeed_workspace_bound_covers_the_package_requirement(dtype: torch.dtype) -> None:
-    pytest.importorskip("tokenspeed_mla")
-    for num_sms in (132, 148):
-        for heads in (8, 16, 32, 48, 64, 128):
-            for qlen in (1, 2, 3, 4, 5, 7, 8, 16):
-                for batch in (1, 2, 3, 5, 8, 16, 33, 64, 100, 256):
-                    bound = tokenspeed_workspace_bytes(batch, qlen, heads, 512, num_sms)
-                    assert bound <= 128 * num_sms * 513 * 4
-                    for max_seq in (100, 80_000):
-                        need = fakes.tokenspeed_required_workspace(
-                            batch, qlen, heads, 512, max_seq, dtype, num_sms)
-                        assert bound >= need, (num_sms, heads, qlen, batch, max_seq)
-
-
-def test_tokenspeed_workspace_grows_with_batch_and_query_len(
-        fake_tokenspeed: list[dict[str, Any]]) -> None:
-    backend = on_cpu(TokenSpeedMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16)
-    sizes, buffers = [], []
-    for lens, qlen in (([40], 1), ([40] * 4, 4), ([40] * 2, 1), ([40], 16)):
-        cache, table, seq = _step(lens, 16)
-        backend.prepare_metadata(table, seq, qlen)
-        backend.forward_decode(_q(len(lens), qlen), cache.bfloat16())
-        sizes.append(backend.workspace.nbytes("cpu"))
-        buffers.append(fake_tokenspeed[-1]["workspace_buffer"].data_ptr())
-    one, four = (tokenspeed_workspace_bytes(b, q, 16, 512, NUM_SMS) for b, q in ((1, 1), (4, 4)))
-    assert sizes == [one, four, four, four] and four > one   # grown, never shrunk
-    fresh = on_cpu(TokenSpeedMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16)
-    cache, table, seq = _step([40] * 2, 16)
-    fresh.prepare_metadata(table, seq, 1)                    # grown before the first layer
-    assert fresh.workspace.nbytes("cpu") == tokenspeed_workspace_bytes(2, 1, 16, 512, NUM_SMS)
-    assert four <= 128 * NUM_SMS * 513 * 4                   # bounded whatever the batch
-    assert buffers[1] != buffers[0] and buffers[1] == buffers[2] == buffers[3]
-
-
-def test_kernel_workspace_per_device_and_replaced_when_grown() -> None:
-    ws = KernelWorkspace(zeroed=True, min_bytes=64)
-    first = ws.get("cpu")
-    assert first.numel() == 64 and first.dtype == torch.uint8 and not first.any()
-    assert ws.get("cpu", 10) is first
-    bigger = ws.get("cpu", 100)
-    assert bigger.numel() == 100 and bigger is not first and not bigger.any()
-    assert ws.nbytes("cpu") == 100 and ws.nbytes("meta") == 0
-    with pytest.raises(ValueError, match="one-byte"):
-        KernelWorkspace(dtype=torch.float32)
-    with pytest.raises(ValueError, match="nbytes"):
-        ws.get("cpu", -1)
-    import threading
-    shared = KernelWorkspace(dtype=torch.int8)
-    got: list[torch.Tensor] = []
-    threads = [threading.Thread(target=lambda: got.append(shared.get("cpu", 1000)))
-               for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len({t.data_ptr() for t in got}) == 1
