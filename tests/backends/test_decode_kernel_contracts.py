@@ -262,6 +262,72 @@ def test_trtllm_arguments_bind() -> None:
     assert torch.equal(bound["block_tables"], table)
     ws = bound["workspace_buffer"]
     assert ws.dtype == torch.uint8 and ws.numel() == fi_mod.WORKSPACE_BYTES and not ws.any()
+    from flashinfer.mla._core import _check_trtllm_gen_mla_shape  # the entry's own checks
+    _check_trtllm_gen_mla_shape(q, cache, 512, 64, 0, bound["block_tables"], 32,
+                                require_aligned_block_table=False)
+
+
+@pytest.mark.parametrize("cap", [SM80, SM90, SM100])
+def test_flashinfer_dtypes_match_the_package_checks(monkeypatch: pytest.MonkeyPatch,
+                                                    cap: DeviceCapability) -> None:
+    """The cache dtypes FLASHINFER_MLA accepts on a GPU are the ones flashinfer's own plan
+    checks accept there, with the query dtype the backend hands the kernel."""
+    pytest.importorskip("flashinfer")
+    from flashinfer.mla._batch_mla._backends import _fa_common, trtllm_gen_backend
+
+    monkeypatch.setattr(_fa_common, "get_compute_capability",
+                        lambda device: (cap.major, cap.minor))
+    monkeypatch.setattr(_fa_common, "is_sm90a_supported", lambda device: cap.major == 9)
+    # an H100's / B200's shared memory per SM and per block (opt-in), in bytes
+    monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits",
+                        lambda device: (233472, 232448))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, FP8):
+        ours = FlashInferMLADecodeBackend.validate_configuration(cap, cfg(dtype,
+                                                                          block_size=32))
+        kernel = decode_kernel_for(cap, 16)
+        q_dtype = dtype if dtype != FP8 else (FP8 if kernel == "trtllm-gen" else torch.bfloat16)
+        try:
+            if kernel == "trtllm-gen":
+                trtllm_gen_backend._validate_trtllm_gen_mla_native_capability(
+                    q_data_type=q_dtype, kv_data_type=dtype, head_dim_ckv=512,
+                    head_dim_kpe=64, sm_scale=0.1)
+            else:
+                _fa_common._validate_generated_fa_plan(
+                    backend=kernel, device=torch.device("cpu"),
+                    qo_indptr=torch.zeros(2, dtype=torch.int32),
+                    kv_indptr=torch.zeros(2, dtype=torch.int32),
+                    kv_indices=torch.zeros(0, dtype=torch.int32),
+                    kv_len_arr=torch.zeros(1, dtype=torch.int32), head_dim_ckv=512,
+                    head_dim_kpe=64, q_data_type=q_dtype, kv_data_type=dtype,
+                    output_dtype=q_dtype,
+                    scale_mode="kv-per-tensor" if dtype == FP8 else "default")
+            theirs = True
+        except ValueError:
+            theirs = False
+        assert (ours == []) is theirs, (cap, dtype, ours)
+
+
+def test_tokenspeed_declarations_match_the_package_can_implement() -> None:
+    """Every block size / head count / query_len / dtype TOKENSPEED_MLA accepts is one the
+    package's own ``_check_can_implement`` accepts, and the ones it refuses are refused."""
+    pytest.importorskip("tokenspeed_mla")
+    from tokenspeed_mla.mla_decode import _check_can_implement
+
+    cls = TokenSpeedMLADecodeBackend
+    for dtype in cls.supported_dtypes:
+        for bs in (1, 2, 4, 8, 16, 32, 48, 64, 128, 256):
+            for heads in (8, 16, 32, 64, 96, 128, 256):
+                for qlen in (1, 2, 3, 4, 8, 16):
+                    for var_seq in (True, False):
+                        ours = cls.validate_configuration(SM100, cfg(
+                            dtype, heads=heads, block_size=bs, query_len=qlen)) == []
+                        try:
+                            _check_can_implement(dtype, bs, heads, qlen, 512, 64, not var_seq,
+                                                 var_seq, False, (10, 0))
+                            theirs = True
+                        except ValueError:
+                            theirs = False
+                        assert ours is theirs, (dtype, bs, heads, qlen, var_seq)
 
 
 def test_tokenspeed_arguments_bind(fake_tokenspeed: list[dict[str, Any]]) -> None:
