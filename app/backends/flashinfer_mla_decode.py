@@ -10,8 +10,10 @@ queried at launch):
   every layer reuses them. It reads bf16 or FP8 (e4m3) query and cache of the same dtype
   (``mla/_batch_mla/_backends/trtllm_gen_backend.py:150``), writes bf16 (``mla/_core.py``
   checks ``out`` against ``torch.bfloat16``), takes cache blocks of 32 or 64 tokens only and
-  no 65..127 heads (``mla/_core.py:4402-4410``); its workspace must be zeroed on first use
-  (semaphores), so it gets its own zeroed 128 MiB.
+  no 65..127 heads (``mla/_core.py:4402-4410``); its workspace is zeroed when made and grows
+  with the batch when the LSE is asked (``trtllm_gen_workspace_bytes``). Causal inside a
+  multi-token step: flashinfer's own test checks it against the fa2 wrapper planned causal
+  (``tests/attention/test_trtllm_gen_mla.py``).
 - **fa3** on SM90 and **fa2** elsewhere (SM80+, and Blackwell with 65..127 heads), through
   ``flashinfer.mla.BatchMLAPagedAttentionWrapper(backend=...)``: planned once per step (CSR page
   metadata built on the host from the step's block table), reused by every layer. Any page
@@ -69,6 +71,7 @@ __all__ = [
     "FlashInferMLAKernels",
     "causal_tiles_fit",
     "decode_kernel_for",
+    "trtllm_gen_workspace_bytes",
 ]
 
 TRTLLM_GEN, FA3, FA2 = "trtllm-gen", "fa3", "fa2"
@@ -117,6 +120,18 @@ def _probe() -> FlashInferMLAKernels | None:
     return FlashInferMLAKernels(wrapper_cls=BatchMLAPagedAttentionWrapper,
                                 plan_metadata=MLAPlanMetadata,
                                 trtllm_decode=trtllm_batch_decode_with_kv_cache_mla)
+
+
+def trtllm_gen_workspace_bytes(batch: int, query_len: int, num_heads: int,
+                               with_lse: bool) -> int:
+    """The trtllm-gen workspace one call needs: the split-KV scratch (128 MiB, flashinfer's
+    usual size) and, when the LSE is asked, the softmax-stats slab the launcher carves out
+    first: ``8 * H * B * round_up(query_len, 256)`` bytes plus a 1 MiB guard
+    (``csrc/trtllm_fmha_kernel_launcher.cu:343-359``); it grows with the batch."""
+    if not with_lse:
+        return WORKSPACE_BYTES
+    slab = 8 * num_heads * batch * (-(-query_len // 256) * 256)
+    return WORKSPACE_BYTES + slab + (1 << 20) + 16
 
 
 def causal_tiles_fit(num_heads: int, query_len: int) -> bool:
@@ -267,12 +282,12 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
                    device_capability=device_capability, workspaces=workspaces,
                    block_size=config.cache.block_size)
 
-    def workspace(self, device: torch.device) -> torch.Tensor:
-        """The kernel's workspace on ``device``: 128 MiB, zeroed for trtllm-gen (its
-        semaphores must start at 0), a float workspace for the wrapper."""
+    def workspace(self, device: torch.device, nbytes: int = WORKSPACE_BYTES) -> torch.Tensor:
+        """The kernel's workspace on ``device`` (at least ``nbytes``, 128 MiB by default):
+        zeroed for trtllm-gen (semaphores must start at 0), a float workspace for the
+        wrapper."""
         name = WORKSPACE_TRTLLM_GEN if self.kernel == TRTLLM_GEN else WORKSPACE_WRAPPER
-        return self.workspaces.get(name, WORKSPACE_BYTES, device,
-                                   zeroed=self.kernel == TRTLLM_GEN)
+        return self.workspaces.get(name, nbytes, device, zeroed=self.kernel == TRTLLM_GEN)
 
     # -- what the kernel reads -----------------------------------------------------------
 
@@ -381,7 +396,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         block_tables, seq_lens = metadata.on_device(q.device)
         return {
             "query": q, "kv_cache": kv_cache,
-            "workspace_buffer": self.workspace(q.device),
+            "workspace_buffer": self.workspace(q.device, trtllm_gen_workspace_bytes(
+                metadata.batch, metadata.query_len, self.num_heads, lse is not None)),
             "qk_nope_head_dim": _QK_NOPE_HEAD_DIM, "kv_lora_rank": self.kv_lora_rank,
             "qk_rope_head_dim": self.qk_rope_head_dim, "block_tables": block_tables,
             "seq_lens": seq_lens, "max_seq_len": metadata.max_seq_len, "out": out,

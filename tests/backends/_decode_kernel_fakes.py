@@ -158,6 +158,11 @@ class FakeFlashInferMLA:
             raise ValueError("trtllm-gen needs matching bf16 or fp8 query and kv_cache")
         if ws.dtype != torch.uint8 or bool(ws.any()):
             raise RuntimeError("trtllm-gen needs a zero-initialised uint8 workspace")
+        if a.get("return_lse", False):  # the launcher carves the softmax-stats slab first
+            slab = 8 * q.shape[2] * q.shape[0] * (-(-q.shape[1] // 256) * 256) + (1 << 20)
+            if ws.numel() < slab:
+                raise RuntimeError("Buffer overflow when allocating memory for "
+                                   "trtllm_gen_softmax_workspace")
         seq_lens, table = a["seq_lens"], a["block_tables"]
         if seq_lens.dtype != torch.int32 or table.dtype != torch.int32:
             raise ValueError("seq_lens and block_tables must be int32")

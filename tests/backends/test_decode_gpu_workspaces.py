@@ -112,3 +112,20 @@ def test_backends_share_workspaces_only_when_given_the_same(
                                                   workspaces=shared)
     assert ts.workspace(cpu, 10).dtype == torch.int8
     assert shared.nbytes(ts_mod.WORKSPACE_NAME, cpu) == 10
+
+
+def test_trtllm_gen_workspace_grows_with_the_batch_when_the_lse_is_asked(
+        fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
+    backend = support.on_cpu(FlashInferMLADecodeBackend, SM100)(128, 0.1, 512, 64,
+                                                               torch.bfloat16)
+    sizes = []
+    for batch, lse in ((2, False), (2, True), (600, True), (2, True)):
+        cache, table, seq = support.paged_step([1] * batch, 32)
+        backend.prepare_metadata(table, seq, 1)
+        q = torch.zeros(batch, 1, 128, 576, dtype=torch.bfloat16)
+        backend.forward_decode(q, cache.bfloat16(), return_lse=lse)
+        sizes.append(fake_flashinfer.trtllm_calls[-1]["workspace_buffer"].numel())
+    big = fi_mod.trtllm_gen_workspace_bytes(600, 1, 128, True)
+    assert fi_mod.WORKSPACE_BYTES < 8 * 128 * 600 * 256  # a fixed 128 MiB would overflow
+    assert sizes == [fi_mod.WORKSPACE_BYTES, fi_mod.trtllm_gen_workspace_bytes(2, 1, 128, True),
+                     big, big]
