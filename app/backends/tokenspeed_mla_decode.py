@@ -24,6 +24,8 @@ What the re-created vLLM backend got wrong, and this one does not:
   needs more; it is int8, as the kernel asserts (``mla_decode.py:1019``), per device, held by
   the backend instance (or shared through the ``workspaces`` passed in).
 
+With ``causal_mask=True`` row ``i`` of a multi-token step sees keys below
+``K - (query_len - 1) + i`` (``mla_decode_fp16.py:2920``): the contract's causal rule.
 ``is_var_seq`` is False exactly when every request of the step has the same length (the kernel
 then runs its persistent schedule); ``max_seq_len`` is the step's longest sequence. The kernel's
 LSE is base 2 (``mla_decode_fp16.py:3539-3540``: ``log2(row_sum) + scale_log2 * row_max``) and
