@@ -47,6 +47,7 @@ import torch
 from app._imports import import_object
 from app._types import DeviceCapability
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 
@@ -57,13 +58,8 @@ TARGET_ROOFLINE_CASES = ("16x8k", "64x4k")
 TARGET_SPEEDUP = 5.0
 BASELINE = "TORCH_SDPA"
 RANK, ROPE = 512, 64
-#: Decode backends the benchmark knows (imported lazily; a missing package skips it).
-DECODE_BACKENDS: dict[str, str] = {
-    "CPU_MLA": "app.backends.cpu_mla_decode.CpuMLADecodeBackend",
-    "TORCH_SDPA": "app.backends.torch_sdpa_decode.TorchSDPADecodeBackend",
-    "FLASHINFER_MLA": "app.backends.flashinfer_mla_decode.FlashInferMLADecodeBackend",
-    "TOKENSPEED_MLA": "app.backends.tokenspeed_mla_decode.TokenSpeedMLADecodeBackend",
-}
+#: The built-in decode backends (imported lazily; a missing package skips one).
+DECODE_BACKENDS: dict[str, str] = DECODE_BACKEND_TABLE.as_dict()
 
 
 @attrs.frozen
@@ -290,6 +286,15 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return targets
 
 
+def _bf16_dot() -> bool | None:
+    """Whether CPU_MLA runs bf16 on the CPU's bf16 dot products here (None: not x86)."""
+    try:
+        from app.backends.cpu_mla_decode import has_bf16_dot
+    except ImportError:  # pragma: no cover - the module is part of the package
+        return None
+    return has_bf16_dot()
+
+
 def _cpu() -> dict[str, Any]:
     model, flags = _pyplatform.processor() or _pyplatform.machine(), []
     with contextlib.suppress(OSError):
@@ -359,7 +364,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
-        "results": rows, "skipped_backends": skipped, "targets": targets,
+        "cpu_mla_bf16_dot": _bf16_dot(), "results": rows, "skipped_backends": skipped,
+        "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
         "errors": errors, "ok": not errors, "elapsed_s": round(time.perf_counter() - started, 1)}
 
