@@ -129,3 +129,21 @@ def test_trtllm_gen_workspace_grows_with_the_batch_when_the_lse_is_asked(
     assert fi_mod.WORKSPACE_BYTES < 8 * 128 * 600 * 256  # a fixed 128 MiB would overflow
     assert sizes == [fi_mod.WORKSPACE_BYTES, fi_mod.trtllm_gen_workspace_bytes(2, 1, 128, True),
                      big, big]
+
+
+def test_the_container_kernel_workspaces_fit(fake_tokenspeed: list[dict[str, Any]]) -> None:
+    """The container's ``KernelWorkspaces`` can be handed to both backends as is."""
+    from app.backends.kernel_base import KernelWorkspaces
+
+    shared = KernelWorkspaces()
+    assert isinstance(shared, WorkspaceSource)
+    backend = support.on_cpu(TokenSpeedMLADecodeBackend, SM100)(16, 0.1, 512, 64,
+                                                               torch.bfloat16,
+                                                               workspaces=shared)
+    cache, table, seq = support.paged_step([40, 9], 16)
+    backend.prepare_metadata(table, seq, 2)
+    backend.forward_decode(support.bf16_query(2, 2), cache.bfloat16())
+    assert fake_tokenspeed[-1]["workspace_buffer"].dtype == torch.int8 and len(shared) == 1
+    fi = support.on_cpu(FlashInferMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16,
+                                                          workspaces=shared)
+    assert not fi.workspace(torch.device("cpu")).any() and len(shared) == 2
