@@ -6,8 +6,9 @@
   one when a step needs more. Nothing is module-global: two containers (or two backends)
   share a buffer only when their owner passes the same workspaces to both.
 - ``quantize_query_fp8``: the FP8 kernels (trtllm-gen, tokenspeed) read an FP8 query when the
-  cache is FP8; the query is quantised per call with its own per-tensor scale (amax / 448),
-  which is folded into that call's softmax scale. Nothing is kept between calls.
+  cache is FP8; the query is quantised per call with its own per-tensor scale (amax / 448, a
+  device tensor), which is folded into that call's softmax scale. Nothing is kept between
+  calls.
 - ``base2_to_natural``: kernels that write a base-2 LSE are converted to the contract's
   natural log (``* ln 2``).
 - ``insert_reasons``: a backend whose limits depend on the GPU (which kernel runs there) adds
@@ -105,18 +106,21 @@ def check_workspaces(who: str, workspaces: object) -> WorkspaceSource:
     return workspaces
 
 
-def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, float]:
+def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` as contiguous ``float8_e4m3fn`` with a per-tensor scale: ``q ~= q8 * scale``.
 
-    The scale is ``amax(|q|) / 448`` of this call's query (1 for an all-zero query); reading it
-    as a Python float is one device sync, the price of an FP8 cache with a 16-bit query."""
-    amax = float(q.detach().abs().amax()) if q.numel() else 0.0
-    if not math.isfinite(amax):
-        raise ValueError(f"FP8 query quantisation: the query holds non-finite values "
-                         f"(amax {amax})")
-    scale = amax / FP8_E4M3_MAX if amax > 0.0 else 1.0
-    q8 = (q.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q8.contiguous(), scale
+    ``scale`` is a one-element float32 tensor on ``q``'s device, ``amax / 448`` over this
+    call's finite query values (1 when there are none), computed without a host sync; a
+    non-finite query value becomes NaN (e4m3fn has no infinity), so only its own row is
+    poisoned."""
+    x = q.detach().float()
+    finite = torch.isfinite(x)
+    amax = x.abs().masked_fill(~finite, 0.0).amax().reshape(1)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    scaled = x / scale
+    # e4m3fn has no infinity (a cast saturates it to 448): non-finite values become NaN
+    q8 = torch.where(finite, scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX), float("nan"))
+    return q8.to(torch.float8_e4m3fn).contiguous(), scale
 
 
 def base2_to_natural(lse_base2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

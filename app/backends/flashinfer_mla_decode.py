@@ -25,10 +25,11 @@ The plan's softmax scale is part of what the plan is keyed on: a call with anoth
 ``softmax_scale`` (or, for a 16-bit cache, another ``k_scale``, folded into it) plans again
 rather than reuse a stale one. An FP8 cache on trtllm-gen needs an FP8 query: it is quantised
 per call and its scale folded into that call's ``bmm1_scale``; ``bmm2_scale`` is the call's
-``k_scale``. The LSE is asked in natural log (``return_lse_base="basee"`` /
-``lse_mode="basee"``; both kernels write base 2 natively and scale by ``1 / log2 e``,
-``mla/_core.py:3535``). The wrapper's plan declares the LSE, so it is always computed (into a
-scratch buffer when the caller wants none).
+``k_scale`` (both as one-element device tensors, trtllm-gen's dynamic-scale form, so the
+query's scale is never read on the host). The LSE is asked in natural log
+(``return_lse_base="basee"`` / ``lse_mode="basee"``; both kernels write base 2 natively and
+scale by ``1 / log2 e``, ``mla/_core.py:3535``). The wrapper's plan declares the LSE, so it is
+always computed (into a scratch buffer when the caller wants none).
 
 flashinfer-python is imported only when availability is asked or at first use; the argument
 construction (``plan_kwargs``, ``run_kwargs``, ``trtllm_kwargs``) is kept apart from the launch
@@ -388,8 +389,9 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         return kwargs
 
     def trtllm_kwargs(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor | None, bmm1_scale: float,
-                      bmm2_scale: float) -> dict[str, Any]:
+                      out: torch.Tensor, lse: torch.Tensor | None,
+                      bmm1_scale: float | torch.Tensor, bmm2_scale: float | torch.Tensor
+                      ) -> dict[str, Any]:
         """The keyword arguments of ``trtllm_batch_decode_with_kv_cache_mla``:
         ``q [B, query_len, H, 576]`` (bf16 or FP8), ``out [B, query_len, H, 512]`` bf16,
         ``lse [B, query_len, H]`` natural log when asked."""
@@ -424,15 +426,20 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     def _run_trtllm(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:
-        q_scale = 1.0
+        bmm1: float | torch.Tensor = softmax_scale * k_scale
+        bmm2: float | torch.Tensor = k_scale
         if self._kernel_q_dtype() == torch.float8_e4m3fn:
+            # logits = softmax_scale * (q . k) with q = q8 * q_scale and k = k8 * k_scale; the
+            # output is k_scale * (p @ c_kv8). The query's scale stays on the device: both
+            # scales go as one-element float32 tensors (trtllm-gen's dynamic-scale form), so
+            # no host sync.
             q, q_scale = quantize_query_fp8(q)
+            bmm1 = q_scale * (softmax_scale * k_scale)
+            bmm2 = torch.full_like(q_scale, k_scale)
         else:
             q = q.contiguous()
-        # logits = softmax_scale * (q . k) with q = q8 * q_scale and k = k8 * k_scale;
-        # the output is k_scale * (p @ c_kv8)
-        self._kernels().trtllm_decode(**self.trtllm_kwargs(
-            metadata, q, kv_cache, out, lse, softmax_scale * k_scale * q_scale, k_scale))
+        self._kernels().trtllm_decode(**self.trtllm_kwargs(metadata, q, kv_cache, out, lse,
+                                                           bmm1, bmm2))
 
     def _run_wrapper(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,

@@ -246,7 +246,8 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         check_query_dtype(what, q, self.query_dtypes(), self.kv_cache_dtype)
         q_scale = 1.0
         if self.kv_cache_dtype == torch.float8_e4m3fn:
-            q, q_scale = quantize_query_fp8(q)
+            q, q_scale_t = quantize_query_fp8(q)
+            q_scale = float(q_scale_t)  # the kernel takes host floats: one sync per call
         else:
             q = q.contiguous()
         workspace = self.workspace(q.device, self.workspace_bytes(metadata, q.device))

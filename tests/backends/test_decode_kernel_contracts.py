@@ -535,9 +535,31 @@ def test_fp8_cache_takes_its_scales_per_call(request: pytest.FixtureRequest,
             assert call["query"].dtype == FP8
             key1, key2 = ("softmax_scale", "output_scale") if kernel == "tokenspeed" else (
                 "bmm1_scale", "bmm2_scale")
-            assert call[key1] == pytest.approx(0.1 * scale * q_scale)
-            assert call[key2] == scale
+            assert float(call[key1]) == pytest.approx(0.1 * scale * float(q_scale))
+            assert float(call[key2]) == pytest.approx(scale)
+            # trtllm-gen takes the query's scale as a device tensor (no host sync); tokenspeed
+            # takes host floats
+            assert isinstance(call[key1], torch.Tensor) is (kernel == "trtllm-gen")
     assert out.dtype == torch.bfloat16
+
+
+def test_fp8_query_quantisation_keeps_non_finite_values_to_their_row() -> None:
+    from app.backends._decode_gpu import quantize_query_fp8
+
+    q = torch.randn(2, 3, 4, 8)
+    q[1, 2, 0, 5] = float("nan")
+    q[0, 1, 3, 2] = float("inf")
+    q8, scale = quantize_query_fp8(q)
+    assert q8.dtype == FP8 and scale.shape == (1,) and scale.dtype == torch.float32
+    finite = q.abs().masked_fill(~torch.isfinite(q), 0).amax() / 448
+    assert float(scale) == pytest.approx(float(finite))
+    back = q8.float() * scale
+    bad = ~torch.isfinite(back)
+    assert bad[1, 2, 0, 5] and bad[0, 1, 3, 2] and int(bad.sum()) == 2
+    ok = torch.isfinite(q)
+    assert float((back[ok] - q[ok]).abs().max()) <= float(finite) * 448 / 16
+    zero8, one = quantize_query_fp8(torch.zeros(1, 1, 1, 4))
+    assert float(one) == 1.0 and not zero8.float().any()
 
 
 def test_bad_inputs_fail_before_any_kernel(fake_flashinfer: fakes.FakeFlashInferMLA,
