@@ -4,7 +4,7 @@ from app._types import DeviceCapability
 from app.platforms.base import Platform, SupportsMLADimensions
 from app.platforms.cpu import CpuPlatform
 from app.platforms.cuda import TRTLLM_PREFERRED_DIMENSIONS, CudaPlatform
-from app.platforms.detect import detect_platform
+from app.platforms.detect import detect_platform, parse_device_capability
 
 __all__ = [
     "TRTLLM_PREFERRED_DIMENSIONS",
@@ -14,4 +14,5 @@ __all__ = [
     "Platform",
     "SupportsMLADimensions",
     "detect_platform",
+    "parse_device_capability",
 ]

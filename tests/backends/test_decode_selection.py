@@ -92,7 +92,7 @@ def test_register_override_and_new_names(app_container: Application) -> None:
     register_mla_decode_backend("MY_DECODE_KERNEL", TokenStub)
     config = EngineConfig.from_dict({"attention": {"mla_decode_backend": "MY_DECODE_KERNEL"}})
     assert get_mla_decode_backend(config) is TokenStub
-    with pytest.raises(ValueError, match="Unknown MLA decode backend: 'NOPE'. Valid options"):
+    with pytest.raises(ValueError, match=r"Unknown MLA decode backend: 'NOPE'\. Valid options"):
         MLADecodeBackendEnum["NOPE"]
     with pytest.raises(ValueError, match="already exists in MLADecodeBackendEnum"):
         register_mla_decode_backend("TORCH_SDPA", Stub)

@@ -452,6 +452,15 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
                 ((int64_t)table[pos / a->block_size] * a->block_stride +
                  (pos % a->block_size) * a->row_stride) * es;
     }
+    /* The next chunk's rows into L2 while this one computes: pages are scattered, and a
+     * hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
+    const int64_t next_end = k1 - cs - BK < BK ? k1 : cs + 2 * BK;
+    for (int64_t pos = cs + BK; pos < next_end; ++pos) {
+      const char* row = (const char*)a->cache +
+                        ((int64_t)table[pos / a->block_size] * a->block_stride +
+                         (pos % a->block_size) * a->row_stride) * es;
+      for (int64_t byte = 0; byte < d * es; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
+    }
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
     for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
