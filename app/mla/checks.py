@@ -19,6 +19,7 @@ their tokens and a shared prompt prefix is computed once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -80,7 +81,8 @@ class _Layer64:
         return freqs.cos(), freqs.sin()
 
     def keys_values(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [n, hidden]`` at positions ``start..`` -> ``k [H, n, P+R]``, ``v [H, n, V]``."""
+        """``x [n, hidden]`` at positions ``start..`` -> ``k [H, n, P+R]``, ``v [H, n, V]``
+        (head-major views, not contiguous)."""
         n = x.shape[0]
         c = x @ self.w.w_kv_a.t()
         kv = (rms_norm(c[:, :self.lr], self.w.kv_a_norm) @ self.w.w_kv_b.t()).view(
@@ -90,7 +92,7 @@ class _Layer64:
         if self.r:
             cos, sin = self._cos_sin(torch.arange(start, start + n))
             k[..., self.p:] = apply_rope(c[:, self.lr:], cos, sin)[:, None, :]
-        return k.transpose(0, 1).contiguous(), kv[..., self.p:].transpose(0, 1).contiguous()
+        return k.transpose(0, 1), kv[..., self.p:].transpose(0, 1)
 
     def attend(self, x_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -183,9 +185,11 @@ class TeacherForcedReference:
                 else:
                     self._hidden[i] = h
             else:
-                inputs = self._hidden[-1][:n] if self._hidden else self.embedding.lookup(
-                    torch.tensor(tokens, dtype=torch.int64))
-                result = layer.attend(inputs.index_select(0, rows), rows, k, v)
+                if self._hidden:
+                    inputs = self._hidden[-1].index_select(0, rows)
+                else:
+                    inputs = self.embedding.lookup(torch.tensor(tokens, dtype=torch.int64)[rows])
+                result = layer.attend(inputs, rows, k, v)
         self._tokens = tokens
         self.reused_tokens += common
         self.computed_tokens += n - common
@@ -224,9 +228,10 @@ class GenerationCheck:
 def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if not got.numel():
         return 0.0
-    diff = (got - want).abs()
-    # A NaN or inf anywhere is an infinite error (a NaN would compare as "within tolerance").
-    return float(diff.max()) if bool(torch.isfinite(diff).all()) else float("inf")
+    # A NaN or inf anywhere is an infinite error (max propagates NaN; a NaN would otherwise
+    # compare as "within tolerance").
+    error = float((got - want).abs().max())
+    return error if math.isfinite(error) else float("inf")
 
 
 def check_generation(reference: TeacherForcedReference, output: RequestOutput,
