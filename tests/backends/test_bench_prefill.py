@@ -24,7 +24,7 @@ def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
     for row in rows:
         assert row["ms"] > 0 and row["gflops"] > 0 and row["baseline_ms"] > 0
         assert row["ratio_to_matmul"] == pytest.approx(
-            row["gflops"] / result["matmul_fp32_gflops"], abs=2e-3)
+            row["gflops"] / result["matmul_fp32_gflops"], abs=2e-3, rel=1e-2)  # mm is rounded
         assert row["ratio_to_matmul_paired"] > 0
     assert result["targets"] == []  # the targets are on the full-size cases only
 
