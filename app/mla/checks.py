@@ -48,7 +48,7 @@ def _strided(rows: torch.Tensor, head: int, tail: int, most: int | None) -> torc
     return torch.cat([rows[:head], middle, rows[n - tail:] if tail else rows[:0]])
 
 
-def sample_rows(row_kinds: torch.Tensor, max_prefill_rows: int | None = 48,
+def sample_rows(row_kinds: torch.Tensor, max_prefill_rows: int | None = 32,
                 tail_rows: int = 16, max_decode_rows: int | None = 32,
                 edge_rows: int = 8) -> torch.Tensor:
     """The rows to check (sorted int64): at most ``max_prefill_rows`` ``PREFILL`` rows (the last
@@ -235,7 +235,7 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_generation(reference: TeacherForcedReference, output: RequestOutput,
-                     max_prefill_rows: int | None = 48, max_decode_rows: int | None = 32
+                     max_prefill_rows: int | None = 32, max_decode_rows: int | None = 32
                      ) -> GenerationCheck:
     """Check ``output`` (kept ``hidden`` and ``row_kinds`` required) on ``sample_rows`` (the
     tokens chosen by the decode rows and the last prefill row checked)."""
