@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from app.commands._args import positive_int
+from app.commands._memory import check_cache_fits
 from app.config import DTYPE_ALIASES, EngineConfig
 
 HELP = "whole-path prefill tokens/s and the time outside attention kernels at 4k contexts"
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = 1 + 4 * n * -(-per_request // args.block_size)
     config = _config(args, num_blocks)
     container = create_container(config)
+    check_cache_fits(config, container.platform().device)
     platform = container.platform()
     sync = torch.cuda.synchronize if platform.device.type == "cuda" else None
     timer = PhaseTimer(enabled=False, sync=sync)
