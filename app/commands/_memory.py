@@ -13,7 +13,7 @@ import torch
 
 from app.config import EngineConfig
 
-__all__ = ["available_memory_bytes", "check_cache_fits"]
+__all__ = ["available_memory_bytes", "check_cache_fits", "check_request_fits"]
 
 #: Host memory one block costs beyond its latent storage (the pool's Python block object).
 _BLOCK_OVERHEAD_BYTES = 256
@@ -52,3 +52,17 @@ def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
                 f"block: {latent} B of latent cache for {cache.block_size} tokens, and the "
                 f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
                 f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
+
+
+def check_request_fits(config: EngineConfig, max_len: int) -> None:
+    """``ValueError`` when a request of ``max_len`` tokens needs more blocks than the pool has
+    (block 0 is the null block): it could never run, so say so before generating it."""
+    cache = config.cache
+    needed = -(-max_len // cache.block_size)
+    if needed > cache.num_blocks - 1:
+        raise ValueError(
+            f"--max-len {max_len}: a request that long can never run: it needs {needed} blocks of "
+            f"{cache.block_size} tokens; the pool has {cache.num_blocks - 1} usable "
+            f"(cache.num_blocks = {cache.num_blocks}, block 0 reserved): raise --num-blocks to "
+            f"at least {needed + 1} or lower --max-len to at most "
+            f"{(cache.num_blocks - 1) * cache.block_size}")

@@ -22,7 +22,7 @@ import torch
 
 from app import deployment
 from app.commands._args import int_in, positive_int
-from app.commands._memory import check_cache_fits
+from app.commands._memory import check_cache_fits, check_request_fits
 from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -174,6 +174,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
         config = build_config(args, EngineConfig())
         container = create_container(config)
     check_cache_fits(config, container.platform().device)
+    check_request_fits(config, args.max_len)
     explanation = explain_mla_prefill_selection(config, container=container)
     engine = MLAPrefillEngine(config, container=container, seed=args.seed,
                               step_tokens=args.step_tokens)

@@ -65,6 +65,9 @@ def test_a_good_plan_runs(run_cli: CliRunner, plan_file: Path) -> None:
     (["backends", "--mla-dimensions", "128,64,99999999"], ["--mla-dimensions: expected three"]),
     (["run", "--num-requests", "0"], ["argument --num-requests: expected an int in [1, "]),
     (["run", "--num-blocks", "1e9"], ["argument --num-blocks: expected an int in [2, "]),
+    (["run", "--max-len", str(2**31 - 1), "--no-progress"],
+     ["--max-len 2147483647: a request that long can never run: it needs 134217728 blocks",
+      "usable"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "(see python -m app --help)"]),
 ])
 def test_hostile_command_line(run_cli: CliRunner, tmp_path: Path, plan_file: Path,
