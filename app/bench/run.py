@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from app.commands._args import positive_int
+from app.commands._args import int_in, positive_int
 from app.commands._memory import check_cache_fits
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context chunk bound (default: the config's, 65536)")
     parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV-cache block size (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0,
+                        help="seed (default: %(default)s)")
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="leave glibc malloc as it is (see app.mla.process)")
 

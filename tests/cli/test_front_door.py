@@ -68,6 +68,9 @@ def test_a_good_plan_runs(run_cli: CliRunner, plan_file: Path) -> None:
     (["run", "--max-len", str(2**31 - 1), "--no-progress"],
      ["--max-len 2147483647: a request that long can never run: it needs 134217728 blocks",
       "usable"]),
+    (["backends", "--kind", "decode", "--query-len", "0"],
+     ["argument --query-len: expected an int in [1, 16], got 0"]),
+    (["bench", "run", "--seed", "-5"], ["argument --seed: expected an int in [0, "]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "(see python -m app --help)"]),
 ])
 def test_hostile_command_line(run_cli: CliRunner, tmp_path: Path, plan_file: Path,
