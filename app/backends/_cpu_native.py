@@ -4,9 +4,8 @@ TORCH_SDPA runs float32 CPU prefill through this kernel where it can (an x86-64 
 AVX-512 and a C compiler), and through the aten CPU flash kernel otherwise. Why a kernel of
 our own: aten's kernel needs ``v`` zero-padded from 128 to 192 columns (1/6 of the FLOPs
 wasted), computes whole 512-key blocks on the causal diagonal, and its small per-block BLAS
-calls run well below the machine's matmul rate; it measured ~0.55 of the fp32 matmul rate
-on 1 x 4096 causal on a 2-core AVX-512 machine, this kernel 0.76-0.84
-(``python -m app bench prefill``, against a matmul timed beside each call; docs/benchmarks.md).
+calls run well below the machine's matmul rate. The two side by side: ``python -m app bench
+prefill`` and docs/benchmarks.md.
 
 The library is built, cached, checked (ABI version, the argument struct's layout, a float64
 self-test) and loaded by :mod:`app.backends._native_loader` (its docstring says where it is

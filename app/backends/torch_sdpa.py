@@ -4,16 +4,15 @@
 kernel of :mod:`app.backends._cpu_native` (``_native/mla_prefill_cpu.c``, built at first use;
 ``cpu_native_kernel = False`` or ``APP_CPU_NATIVE_KERNEL=0`` turns it off). No padded ``v``,
 only the causal diagonal's 14 x 32 tiles are masked, bottom-right causal and empty rows
-handled in the kernel; bf16/fp16 are converted while packing (float32 math). Measured on a 2-core
-AVX-512 machine: 0.76-0.84 of the fp32 matmul rate on 1 x 4096 causal (aten's: ~0.55).
+handled in the kernel; bf16/fp16 are converted while packing (float32 math). Its speed against
+aten's kernel: ``python -m app bench prefill`` and docs/benchmarks.md.
 
 **CPU otherwise**: the aten CPU flash kernel
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the natural-log
 LSE. It needs equal head dims, so ``v`` is zero-padded to the q/k head dim (the LSE does not
 depend on ``v``; the padded buffer is kept between calls, so only ``v`` is copied in) and the
 output sliced back. It computes in float32 unless the CPU has fast bf16 (AMX / AVX512-BF16),
-and takes strided ``[n, H, L, D]`` views of the ``[T, H, D]`` inputs (no layout copy;
-``cpu_head_major`` copies to ``[H, T, D]`` instead, which measured no faster). Consecutive
+and takes strided ``[n, H, L, D]`` views of the ``[T, H, D]`` inputs (no layout copy). Consecutive
 requests with equal lengths run as one batched call. The kernel's ``is_causal`` is top-left
 aligned and it gives LSE 0 to rows that see no key, so:
 
@@ -22,8 +21,7 @@ aligned and it gives LSE 0 to rows that see no key, so:
 - a short causal float32 call (at most ``cpu_chunked_causal_max`` rows that see a key) runs
   per request as plain float32 matmuls, ``cpu_blocked_rows`` query rows at a time over only
   the keys they can see (no padded v, no masked work outside the diagonal tiles; exp inputs
-  clamped at -80, since torch's exp is ~50x slower on inputs that underflow); measured
-  ~1.15-1.25x the chunked kernel calls below on 4 x 512 (2-core AVX512); it lost on 1 x 4096;
+  clamped at -80, since torch's exp is much slower on inputs that underflow);
 - otherwise a short causal call (at most ``cpu_chunked_causal_max`` query rows, or any call
   with more keys than queries up to that size) runs as chunks of ``cpu_causal_chunk`` query
   rows, each over the keys it can see with a small bottom-right additive mask: the kernel
@@ -31,10 +29,8 @@ aligned and it gives LSE 0 to rows that see no key, so:
 - a long causal call runs as one ``is_causal`` call over the square part, merged by LSE with
   a non-causal call over the extra leading keys when ``kv_len > q_len``.
 
-Measured limits of this kernel on a 2-core AVX512 machine (see docs/gpu-results.md and the
-benchmark): the zero-padded v costs 1/6 of the FLOPs (192 instead of 128 columns in P @ V),
-a long causal call does ~12% extra work (kv blocks of 512), and 32/64-row query blocks of
-short calls run well below the kernel's large-block rate.
+The limits of this kernel, the measured gains of each path and why each threshold has its
+value are in docs/benchmarks.md ("TORCH_SDPA on CPU: paths and thresholds").
 
 **CUDA**: torch's varlen flash kernel (``aten::_flash_attention_forward``, v padded to the
 q/k head dim, fp16/bf16, head dim <= 256), else the varlen memory-efficient kernel
@@ -79,6 +75,10 @@ logger = logging.getLogger(__name__)
 _NEG_INF = float("-inf")
 _MASK_CACHE_SIZE = 256
 _EXP_FLOOR = -80.0
+#: Heads per matmul batch of the plain-matmul path (its score tile is heads x rows x keys).
+_BLOCKED_HEADS = 16
+#: Largest zero-padded v buffer (bytes) kept between calls (its padding stays zero).
+_V_BUFFER_MAX_BYTES = 256 << 20
 
 
 def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,13 +91,10 @@ def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-def _batch_view(x: torch.Tensor, start: int, count: int, length: int, head_major: bool
-                ) -> torch.Tensor:
-    """Rows ``[start, start + count * length)`` of ``x`` as ``[count, H, length, D]``."""
-    if head_major:  # x is [H, T, D]
-        heads, _, dim = x.shape
-        return x[:, start:start + count * length].view(heads, count, length, dim).transpose(0, 1)
-    _, heads, dim = x.shape  # x is [T, H, D]
+def _batch_view(x: torch.Tensor, start: int, count: int, length: int) -> torch.Tensor:
+    """Rows ``[start, start + count * length)`` of ``x [T, H, D]`` as ``[count, H, length, D]``
+    (a strided view)."""
+    _, heads, dim = x.shape
     return x[start:start + count * length].view(count, length, heads, dim).transpose(1, 2)
 
 
@@ -113,24 +110,15 @@ class TorchSDPABackend(RaggedKernelBackend):
 
     #: Use the native AVX-512 kernel on CPU where it builds (else the aten kernel below).
     cpu_native_kernel: ClassVar[bool] = True
-    #: Query rows per chunk of a short causal call on CPU (0: never chunk). Measured on a
-    #: 2-core AVX512 machine: 64..256 are within noise on 4 x 512; 256 keeps the kernel's
-    #: 64-row query blocks (shorter calls get 32-row blocks, which pack K more often).
+    #: Query rows per chunk of a short causal call on the aten CPU path (0: never chunk);
+    #: 256 keeps the kernel's 64-row query blocks (docs/benchmarks.md).
     cpu_causal_chunk: ClassVar[int] = 256
     #: Causal calls with at most this many query rows (after dropping rows that see no key)
-    #: run in chunks on CPU; longer ones run as one ``is_causal`` call (from 768 rows the
-    #: kernel uses 256-row query blocks, and one call wins: 1 x 2048 is ~20% faster).
+    #: run in chunks (or plain-matmul blocks); longer ones as one ``is_causal`` call.
     cpu_chunked_causal_max: ClassVar[int] = 768
-    #: Query rows per block of the plain-matmul path for short causal calls on CPU in float32
-    #: (0: use the aten kernel's chunks instead); keys past a block's last row are skipped.
+    #: Query rows per block of the plain-matmul path for short float32 causal calls (0: use
+    #: the aten kernel's chunks instead); keys past a block's last row are skipped.
     cpu_blocked_rows: ClassVar[int] = 64
-    #: Heads per matmul batch of that path (the score tile is heads x rows x keys floats).
-    cpu_blocked_heads: ClassVar[int] = 16
-    #: Copy q/k/v into a head-major ``[H, T, D]`` layout on CPU (every (request, head) block
-    #: contiguous) instead of handing the kernel strided views of ``[T, H, D]``.
-    cpu_head_major: ClassVar[bool] = False
-    #: Largest zero-padded v buffer (bytes) kept between calls (its padding stays zero).
-    cpu_v_buffer_max_bytes: ClassVar[int] = 256 << 20
 
     @staticmethod
     def get_name() -> str:
@@ -194,23 +182,19 @@ class TorchSDPABackend(RaggedKernelBackend):
                     self._keeps.pop(next(iter(self._keeps)))
             return keep
 
-    def _padded_v(self, v: torch.Tensor, dtype: torch.dtype, width: int, head_major: bool
-                  ) -> torch.Tensor:
-        """``v`` zero-padded to ``width`` in ``dtype``; the buffer is kept (and its padding
-        left zero) between calls when small enough, so a call only copies ``v`` in (one
-        buffer per thread)."""
+    def _padded_v(self, v: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """``v [T, H, Dv]`` zero-padded to ``width`` in ``dtype``; the buffer is kept (and its
+        padding left zero) between calls when at most ``_V_BUFFER_MAX_BYTES``, so a call only
+        copies ``v`` in (one buffer per thread)."""
         tokens, heads, dim = v.shape
-        shape = (heads, tokens, width) if head_major else (tokens, heads, width)
         buf: torch.Tensor | None = getattr(self._v_buffers, "buf", None)
-        keep = tokens * heads * width * torch.empty((), dtype=dtype).element_size() \
-            <= self.cpu_v_buffer_max_bytes
-        axis = 1 if head_major else 0
-        if (buf is None or not keep or buf.dtype != dtype or buf.shape[axis] < tokens
-                or buf.shape[1 - axis] != shape[1 - axis] or buf.shape[2] != width):
-            buf = torch.zeros(shape, dtype=dtype)
+        keep = tokens * heads * width * dtype.itemsize <= _V_BUFFER_MAX_BYTES
+        if (buf is None or not keep or buf.dtype != dtype or buf.shape[0] < tokens
+                or buf.shape[1] != heads or buf.shape[2] != width):
+            buf = torch.zeros(tokens, heads, width, dtype=dtype)
             self._v_buffers.buf = buf if keep else None
-        buf = buf[:, :tokens] if head_major else buf[:tokens]
-        buf[..., :dim].copy_(v.transpose(0, 1) if head_major else v)
+        buf = buf[:tokens]
+        buf[..., :dim].copy_(v)
         return buf
 
     def _native_kernel(self, dtype: torch.dtype) -> NativeMLAPrefillKernel | None:
@@ -228,14 +212,13 @@ class TorchSDPABackend(RaggedKernelBackend):
         def unit_last(x: torch.Tensor) -> torch.Tensor:
             return x if x.stride(-1) == 1 else x.contiguous()
 
-        key = (id(layout), "native-plan")  # one plan per step, shared by every layer
-        plan = self._device_cache.get(key)
-        if not isinstance(plan, NativePlan):
-            plan = kernel.plan(layout.q_starts, layout.q_lens, layout.kv_starts,
+        def make_plan() -> NativePlan:  # one plan per step, shared by every layer
+            return kernel.plan(layout.q_starts, layout.q_lens, layout.kv_starts,
                                layout.kv_lens, total_q=layout.total_q,
                                total_kv=layout.total_kv, num_heads=self.num_heads,
                                head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim)
-            self._device_cache[key] = plan
+
+        plan = self._step_cache.get(layout, "native-plan", make_plan)
         kernel.run(plan, unit_last(q), unit_last(k), unit_last(v), causal, self.scale, result,
                    lse)
 
@@ -253,31 +236,27 @@ class TorchSDPABackend(RaggedKernelBackend):
             return
         dtype = cpu_compute_dtype(q.dtype)
         width = max(self.qk_head_dim, self.v_head_dim)
-        head_major = self.cpu_head_major
         qk = []
         for x in (q, k):
-            if head_major or x.shape[-1] < width:
-                buf = torch.empty((x.shape[1], x.shape[0], width) if head_major
-                                  else (x.shape[0], x.shape[1], width), dtype=dtype)
+            if x.shape[-1] < width:
+                buf = torch.empty(x.shape[0], x.shape[1], width, dtype=dtype)
                 buf[..., x.shape[-1]:].zero_()
-                buf[..., :x.shape[-1]].copy_(x.transpose(0, 1) if head_major else x)
+                buf[..., :x.shape[-1]].copy_(x)
                 qk.append(buf)
             else:
                 x = x.to(dtype)
                 qk.append(x if x.stride(-1) == 1 else x.contiguous())
         runs = layout.runs()
-        if causal and not head_major and all(
-                self._blocked(q_len, kv_len, dtype) for *_, q_len, kv_len in runs):
+        if causal and all(self._blocked(q_len, kv_len, dtype) for *_, q_len, kv_len in runs):
             vx = v.to(dtype)  # the plain-matmul path needs no padding
         else:
-            vx = self._padded_v(v, dtype, width, head_major)
+            vx = self._padded_v(v, dtype, width)
         for q0, k0, count, q_len, kv_len in runs:
             if q_len:
                 self._cpu_run(
-                    _batch_view(qk[0], q0, count, q_len, head_major),
-                    _batch_view(qk[1], k0, count, kv_len, head_major),
-                    _batch_view(vx, k0, count, kv_len, head_major),
-                    result, lse, q0, count, q_len, kv_len, causal)
+                    _batch_view(qk[0], q0, count, q_len), _batch_view(qk[1], k0, count, kv_len),
+                    _batch_view(vx, k0, count, kv_len), result, lse, q0, count, q_len, kv_len,
+                    causal)
 
     def _cpu_run(self, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                  result: torch.Tensor, lse: torch.Tensor, q0: int, count: int, q_len: int,
@@ -350,7 +329,7 @@ class TorchSDPABackend(RaggedKernelBackend):
         (strided views); writes ``out: [H, rows, Dv]`` and ``lse: [H, rows]`` views. Only the
         diagonal tile of each block is masked; the LSE comes from the same max and sum."""
         heads, rows = q.shape[0], q.shape[1]
-        group = max(1, min(heads, self.cpu_blocked_heads))
+        group = max(1, min(heads, _BLOCKED_HEADS))
         step = self.cpu_blocked_rows
         zero = torch.zeros(1, 1, 1, dtype=q.dtype)
         row_max = torch.empty(heads, rows, 1, dtype=q.dtype)
@@ -365,7 +344,7 @@ class TorchSDPABackend(RaggedKernelBackend):
                 diag = s[:, :, extra + a:end]
                 diag += self._mask(b - a, b - a, 0, s.dtype)
                 m = torch.amax(s, -1, keepdim=True, out=row_max[hs, a:b])
-                # torch's exp is ~50x slower on inputs that underflow (< -87.3, -inf
+                # torch's exp is far slower on inputs that underflow (< -87.3, -inf
                 # included): clamp first (weight e^-80 ~ 2e-35 is below float32 resolution
                 # next to the row max's 1), then zero the masked keys exactly.
                 s.sub_(m).clamp_(min=_EXP_FLOOR).exp_()

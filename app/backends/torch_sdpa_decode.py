@@ -1,7 +1,8 @@
 """TORCH_SDPA decode: absorbed MLA decode in plain torch, on any device (fallback and baseline).
 
-Per request it gathers the rows the request reads from the paged cache (through the block
-table: pages in any order, shared or not), then runs matmul -> softmax -> matmul in float32.
+Per request it gathers the pages the request reads (``index_select`` through the block
+table: pages in any order, shared or not; rows past ``seq_len`` are sliced off before any
+math), then runs matmul -> softmax -> matmul in float32.
 Memory per call is one request's context in float32 (``seq_len * (kv_lora_rank +
 qk_rope_head_dim) * 4`` bytes), released before the next request: fine for a fallback, and the
 reason the native CPU kernel exists.
@@ -73,9 +74,8 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
         block_size = int(kv_cache.shape[1])
         block_table, _ = metadata.on_device(q.device)
         for b, seq_len in enumerate(metadata.seq_lens_list):
-            pos = torch.arange(seq_len, device=q.device)
-            blocks = block_table[b].to(torch.long)[pos // block_size]
-            latent = kv_cache[blocks, pos % block_size]             # [seq_len, D]
+            blocks = block_table[b, :-(-seq_len // block_size)].to(torch.long)
+            latent = kv_cache.index_select(0, blocks).reshape(-1, self.head_dim)[:seq_len]
             o, lg = decode_one_request(q[b], latent, self.kv_lora_rank,
                                        softmax_scale * k_scale, k_scale)
             out[b].copy_(o)
