@@ -71,6 +71,10 @@ def test_a_good_plan_runs(run_cli: CliRunner, plan_file: Path) -> None:
     (["backends", "--kind", "decode", "--query-len", "0"],
      ["argument --query-len: expected an int in [1, 16], got 0"]),
     (["bench", "run", "--seed", "-5"], ["argument --seed: expected an int in [0, "]),
+    (["bench", "decode", "--device", "tpu"],
+     ["argument --device: expected cpu, cuda or cuda:N, got 'tpu'"]),
+    (["bench", "decode", "--block-size", "0"], ["argument --block-size: expected an int in [1, "]),
+    (["bench", "decode", "--stream-gib", "inf"], ["argument --stream-gib: expected a positive"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "(see python -m app --help)"]),
 ])
 def test_hostile_command_line(run_cli: CliRunner, tmp_path: Path, plan_file: Path,
@@ -82,8 +86,9 @@ def test_hostile_command_line(run_cli: CliRunner, tmp_path: Path, plan_file: Pat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_bench_prefill_on_cuda_without_a_gpu(run_cli: CliRunner) -> None:
-    code, _, err = run_cli("bench", "prefill", "--quick", "--device", "cuda")
+@pytest.mark.parametrize("bench", ["prefill", "decode"])
+def test_bench_on_cuda_without_a_gpu(run_cli: CliRunner, bench: str) -> None:
+    code, _, err = run_cli("bench", bench, "--quick", "--device", "cuda")
     assert_one_line_usage_error(code, err, "--device cuda: CUDA is not available on this machine",
                                 "use --device cpu")
 
