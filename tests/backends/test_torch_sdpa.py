@@ -59,7 +59,7 @@ def test_every_aten_cpu_path_conforms(attrs: dict[str, int]) -> None:
 ])
 def test_aten_cpu_internal_limits_conform(monkeypatch: pytest.MonkeyPatch, constant: str,
                                           value: int) -> None:
-    import app.backends.torch_sdpa as module
+    import app.backends._aten_cpu as module
 
     monkeypatch.setattr(module, constant, value)
     assert_conformance(variant(**ATEN), dtype=torch.float32)
