@@ -13,7 +13,8 @@ import pytest
 
 APP = Path(__file__).parent.parent / "app"
 PUBLIC_PACKAGES = ["app", "app.backends", "app.kvcache", "app.platforms", "app.testing",
-                   "app.mla", "app.deployment", "app.plugins", "app.config", "app.containers"]
+                   "app.mla", "app.deployment", "app.plugins", "app.config", "app.containers",
+                   "app.integrations"]
 
 
 def _sources() -> list[Path]:

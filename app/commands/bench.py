@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "decode": "app.bench.decode",
     "kv": "app.bench.kv",
     "run": "app.bench.run",
+    "vllm-prefill": "app.bench.vllm_prefill",
 }
 
 
