@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from app.commands._args import positive_int
+from app.commands._args import int_in, positive_int
+from app.commands._memory import check_cache_fits
 from app.config import DTYPE_ALIASES, EngineConfig
 
 HELP = "whole-path prefill tokens/s and the time outside attention kernels at 4k contexts"
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context chunk bound (default: the config's, 65536)")
     parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV-cache block size (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0,
+                        help="seed (default: %(default)s)")
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="leave glibc malloc as it is (see app.mla.process)")
 
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = 1 + 4 * n * -(-per_request // args.block_size)
     config = _config(args, num_blocks)
     container = create_container(config)
+    check_cache_fits(config, container.platform().device)
     platform = container.platform()
     sync = torch.cuda.synchronize if platform.device.type == "cuda" else None
     timer = PhaseTimer(enabled=False, sync=sync)
