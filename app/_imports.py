@@ -40,6 +40,9 @@ def import_object(path: str) -> Any:
     except ImportError as exc:
         raise ImportError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
     except ValueError as exc:
+        if not str(exc).startswith("invalid format"):  # the module raised it, not the parser
+            raise ImportError(f"importing module {module_name!r} for {path!r} raised "
+                              f"{_one_line(exc)}") from exc
         raise ValueError(f"expected a dotted path like 'package.module.Name', got {path!r}: "
                          f"{exc}") from None
     except Exception as exc:  # the module's own code failed: still "does not import"

@@ -107,6 +107,7 @@ def test_kv_plan_empty_indices_is_an_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("source, raised", [
     ('raise RuntimeError("planted")\n', "RuntimeError: planted"),
     ("def f(:\n", "SyntaxError: invalid syntax"),
+    ('raise ValueError("planted value")\n', "ValueError: planted value"),
     ("import no_such_module_anywhere\n", "No module named 'no_such_module_anywhere'"),
 ])
 def test_import_object_turns_any_import_failure_into_import_error(

@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from app._imports import object_path
-from app.backends._providers import REGISTRATION_LOCK, class_path, provider_of, resolve_class
+from app.backends._providers import class_path, provider_of, resolve_class
 from app.backends.kinds import BackendKind
 
 if TYPE_CHECKING:
@@ -61,6 +61,22 @@ class SelectionCache:
         self._lock = threading.Lock()
         #: Selections computed (cache misses), for diagnostics and benchmarks.
         self.misses = 0
+        #: The last (kind name, config, selection args, selector config): an engine asks again
+        #: with the same frozen config object, and building the selector config (validated
+        #: attrs objects) was a third of a cached call. One tuple, replaced whole: thread-safe.
+        self._last_selector_config: tuple[str, Any, tuple[Any, ...], Any] | None = None
+
+    def selector_config(self, kind: BackendKind, config: EngineConfig,
+                        selection_args: dict[str, Any]) -> Any:
+        """``kind.selector_config(config, **selection_args)``, reused while ``config`` is the
+        same object (configs are frozen, so the result cannot change)."""
+        args = tuple(sorted(selection_args.items()))
+        last = self._last_selector_config
+        if last is not None and last[1] is config and last[0] == kind.name and last[2] == args:
+            return last[3]
+        built = kind.selector_config(config, **selection_args)
+        self._last_selector_config = (kind.name, config, args, built)
+        return built
 
     def get(self, key: tuple[Any, ...]) -> type[Any] | None:
         """The class remembered for ``key``, or None."""
@@ -83,11 +99,11 @@ class SelectionCache:
 
 def _provider_state(backends: Any) -> tuple[Any, ...]:
     """Every backend provider with the override that is in effect (part of the cache key):
-    the last overriding provider wins, so it alone decides what a provider gives. Read under
-    the registration lock: a registration by a new name adds a provider meanwhile."""
-    with REGISTRATION_LOCK:
-        return tuple((provider, provider.last_overriding)
-                     for provider in backends.providers.values())
+    the last overriding provider wins, so it alone decides what a provider gives. The values
+    are copied in one C-level step first (atomic under the GIL), so a registration by a new
+    name that adds a provider meanwhile cannot break the iteration."""
+    return tuple((provider, provider.last_overriding)
+                 for provider in list(backends.providers.values()))
 
 
 def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, backends: Any,
@@ -95,7 +111,8 @@ def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, 
     """The backend class of ``kind`` for ``config`` on ``platform`` among ``backends`` (the
     container's providers of that kind). ``selection_args``: the kind's extra selection inputs
     (decode: ``query_len``). Raises ``ValueError`` when nothing valid is found."""
-    selector_config = kind.selector_config(config, **selection_args)
+    selector_config = (kind.selector_config(config, **selection_args) if cache is None
+                       else cache.selector_config(kind, config, selection_args))
     requested = kind.requested(config)
     key = (kind.name, requested, selector_config, platform, _provider_state(backends))
     if cache is not None:

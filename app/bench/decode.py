@@ -50,6 +50,7 @@ from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
+from app.commands._args import bench_device, positive_float, positive_int, resolve_device
 
 HELP = "MLA decode backends over a paged cache: ms, GB/s, GFLOP/s, roofline fraction"
 
@@ -94,13 +95,14 @@ def default_cases(quick: bool) -> list[Case]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quick``, ``--device``, ``--backends``, ``--block-size``, ``--repeat`` ..."""
     parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--device", default=None, type=bench_device,
+                        help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--backends", default="valid",
                         help="comma list of decode backend names, or 'valid'")
-    parser.add_argument("--block-size", type=int, default=64, help="cache block size (64)")
-    parser.add_argument("--repeat", type=int, default=None,
+    parser.add_argument("--block-size", type=positive_int, default=64, help="cache block size (64)")
+    parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed calls per case (default 5, 2 with --quick)")
-    parser.add_argument("--stream-gib", type=float, default=None,
+    parser.add_argument("--stream-gib", type=positive_float, default=None,
                         help="GiB read to measure the stream bandwidth (default 1; 0.0625 quick)")
     parser.add_argument("--no-baseline", action="store_true",
                         help=f"do not time {BASELINE} beside each backend")
@@ -313,7 +315,7 @@ def _cpu() -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result."""
     started = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     if args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     gib = args.stream_gib if args.stream_gib is not None else (0.0625 if args.quick else 1.0)

@@ -47,7 +47,7 @@ import torch
 from app._types import MLADimensions
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.bench._timing import time_calls, time_interleaved
-from app.commands._args import bench_device, int_in, positive_int
+from app.commands._args import bench_device, int_in, positive_int, resolve_device
 
 HELP = "MLA prefill backends on ragged batches: ms, GFLOP/s, ratio to the fp32 matmul rate"
 
@@ -383,13 +383,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result."""
     started = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine "
-                         f"(torch {torch.__version__}); use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {args.device}: this machine has "
-                         f"{torch.cuda.device_count()} CUDA device(s)")
+    device = resolve_device(args.device)
     dtypes = []
     for name in str(args.dtypes).split(","):
         if name.strip() not in _DTYPES:

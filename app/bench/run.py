@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from app.commands._args import int_in, positive_int
+from app.commands._memory import check_cache_fits
 from app.config import DTYPE_ALIASES, EngineConfig
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context chunk bound (default: the config's, 65536)")
     parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV-cache block size (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0,
+                        help="seed (default: %(default)s)")
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="leave glibc malloc as it is (see app.mla.process)")
 
@@ -107,7 +109,9 @@ def _engine(args: argparse.Namespace, num_blocks: int, step_tokens: int, timer: 
     from app.mla.engine import MLAEngine
 
     config = _config(args, num_blocks)
-    return MLAEngine(config, container=create_container(config), seed=args.seed,
+    container = create_container(config)
+    check_cache_fits(config, container.platform().device)
+    return MLAEngine(config, container=container, seed=args.seed,
                      step_tokens=step_tokens, keep_outputs=False, timer=timer,
                      num_speculative_tokens=speculative, max_num_seqs=max(256, step_tokens))
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from app.bench._timing import time_interleaved
+from app.commands._args import int_in, positive_float, positive_int
 
 HELP = "vLLM's own CPU MLA prefill backend vs ours through vLLM's interface (--vllm-python)"
 
@@ -60,11 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"python of an environment with vLLM 0.33 on CPU (default "
                              f"${VLLM_PYTHON_ENV})")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
-    parser.add_argument("--repeat", type=int, default=None,
+    parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed rounds per case (default 3, 2 with --quick)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    parser.add_argument("--heads", type=int_in(1, 1024), default=16,
+                        help="attention heads (default 16)")
     parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
-    parser.add_argument("--vllm-timeout", type=float, default=1800.0,
+    parser.add_argument("--vllm-timeout", type=positive_float, default=1800.0,
                         help="seconds the vLLM side may take (default 1800)")
 
 

@@ -9,9 +9,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from app._validation import INT32_MAX
 
-__all__ = ["bench_device", "int_in", "output_file", "positive_float", "positive_int"]
+__all__ = ["bench_device", "int_in", "output_file", "positive_float", "positive_int",
+           "resolve_device"]
 
 
 def int_in(minimum: int, maximum: int = INT32_MAX) -> Callable[[str], int]:
@@ -58,6 +61,19 @@ def bench_device(text: str) -> str:
             not sep or (index.isascii() and index.isdigit() and len(index) < 4))):
         return name
     raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device a benchmark runs on: ``name`` (from ``bench_device``), else CUDA when present,
+    else the CPU. ``ValueError`` when CUDA (or that CUDA device) is not here."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                         f"CUDA device(s)")
+    return device
 
 
 def output_file(text: str) -> Path:

@@ -17,6 +17,7 @@ import argparse
 from typing import Any
 
 from app._types import DeviceCapability
+from app.commands._args import int_in
 from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show which MLA backends are valid here, why not, and which one is chosen"
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``--mla-dimensions``, ``--query-len``."""
     parser.add_argument("--kind", choices=(*KINDS, "all"), default="prefill",
                         help="which backends: prefill (default), decode or all")
-    parser.add_argument("--query-len", type=int, default=1, metavar="N",
+    parser.add_argument("--query-len", type=int_in(1, 16), default=1, metavar="N",
                         help="decode: tokens per request per step (1..16; default 1)")
     parser.add_argument("--backend", metavar="NAME", default=None,
                         help="an explicit backend (e.g. FLASHINFER) instead of auto selection")

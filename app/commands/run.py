@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 from app import deployment
 from app.commands._args import int_in, positive_int
+from app.commands._memory import check_cache_fits, check_request_fits
 from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -177,45 +177,6 @@ def build_config(args: argparse.Namespace, base: EngineConfig) -> EngineConfig:
     return EngineConfig(model=model, attention=attention, cache=cache)
 
 
-#: Host memory one block costs beyond its latent storage (the pool's Python block object).
-_BLOCK_OVERHEAD_BYTES = 256
-
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Memory the KV cache may take on ``device``: free GPU memory, or the host's physical
-    memory; None when it cannot be told (no CUDA here, an OS without ``sysconf``)."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
-    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache on
-    ``device``, the pool's per-block bookkeeping on the host. Checked before the pool is built
-    (a huge ``num_blocks`` would otherwise spend minutes building it, then fail)."""
-    model, cache = config.model, config.cache
-    latent = cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
-        model.dtype.itemsize)
-    cpu = torch.device("cpu")
-    per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
-                 else {cpu: latent + _BLOCK_OVERHEAD_BYTES})
-    for where, cost in per_block.items():
-        have = available_memory_bytes(where)
-        if have is not None and cache.num_blocks * cost > have:
-            raise ValueError(
-                f"cache.num_blocks = {cache.num_blocks} needs "
-                f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
-                f"block: {latent} B of latent cache for {cache.block_size} tokens, and the "
-                f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
-                f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
-
-
 def _why_not(explanation: Any) -> dict[str, list[str]]:
     chosen = explanation["chosen"]
     return {name: verdict["reasons"] or ["valid, but lower priority"
@@ -340,6 +301,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
         config = build_config(args, EngineConfig())
         container = create_container(config)
     check_cache_fits(config, container.platform().device)
+    check_request_fits(config, args.max_len)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(
         config, query_len=1 + args.speculative_tokens, container=container)

@@ -65,6 +65,16 @@ def test_a_good_plan_runs(run_cli: CliRunner, plan_file: Path) -> None:
     (["backends", "--mla-dimensions", "128,64,99999999"], ["--mla-dimensions: expected three"]),
     (["run", "--num-requests", "0"], ["argument --num-requests: expected an int in [1, "]),
     (["run", "--num-blocks", "1e9"], ["argument --num-blocks: expected an int in [2, "]),
+    (["run", "--max-len", str(2**31 - 1), "--no-progress"],
+     ["--max-len 2147483647: a request that long can never run: it needs 134217728 blocks",
+      "usable"]),
+    (["backends", "--kind", "decode", "--query-len", "0"],
+     ["argument --query-len: expected an int in [1, 16], got 0"]),
+    (["bench", "run", "--seed", "-5"], ["argument --seed: expected an int in [0, "]),
+    (["bench", "decode", "--device", "tpu"],
+     ["argument --device: expected cpu, cuda or cuda:N, got 'tpu'"]),
+    (["bench", "decode", "--block-size", "0"], ["argument --block-size: expected an int in [1, "]),
+    (["bench", "decode", "--stream-gib", "inf"], ["argument --stream-gib: expected a positive"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "(see python -m app --help)"]),
 ])
 def test_hostile_command_line(run_cli: CliRunner, tmp_path: Path, plan_file: Path,
@@ -76,8 +86,9 @@ def test_hostile_command_line(run_cli: CliRunner, tmp_path: Path, plan_file: Pat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_bench_prefill_on_cuda_without_a_gpu(run_cli: CliRunner) -> None:
-    code, _, err = run_cli("bench", "prefill", "--quick", "--device", "cuda")
+@pytest.mark.parametrize("bench", ["prefill", "decode"])
+def test_bench_on_cuda_without_a_gpu(run_cli: CliRunner, bench: str) -> None:
+    code, _, err = run_cli("bench", bench, "--quick", "--device", "cuda")
     assert_one_line_usage_error(code, err, "--device cuda: CUDA is not available on this machine",
                                 "use --device cpu")
 
@@ -104,6 +115,13 @@ def test_num_blocks_is_bounded_by_memory(run_cli: CliRunner) -> None:
     code, _, err = run_cli("run", "--num-blocks", str(2**31 - 1), "--no-progress")
     assert_one_line_usage_error(code, err, "cache.num_blocks = 2147483647 needs",
                                 "GiB of cpu memory", "use at most")
+
+
+def test_bench_run_pool_is_bounded_by_memory(run_cli: CliRunner) -> None:
+    # 4 requests of 10**8 context tokens: ~25 million blocks of 18 KiB each, refused up front.
+    code, _, err = run_cli("bench", "run", "--context-len", str(10**8), "--block-size", "16",
+                           "--no-malloc-tuning")
+    assert_one_line_usage_error(code, err, "needs", "GiB of cpu memory", "use at most")
 
 
 def test_an_unexpected_error_is_one_line_too(run_cli: CliRunner,

@@ -1,0 +1,68 @@
+"""Whether a KV-cache pool fits in memory, checked before it is built (``run``, ``bench run``).
+
+A pool of ``num_blocks`` blocks is a Python list of block objects plus one latent-cache tensor:
+with an absurd ``num_blocks`` (int32 allows 2**31 - 1) building it would take minutes and then
+fail; this says up front how much memory it needs, how much there is, and how many blocks fit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from app.config import EngineConfig
+
+__all__ = ["available_memory_bytes", "check_cache_fits", "check_request_fits"]
+
+#: Host memory one block costs beyond its latent storage (the pool's Python block object).
+_BLOCK_OVERHEAD_BYTES = 256
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory the KV cache may take on ``device``: free GPU memory, or the host's physical
+    memory; None when it cannot be told (no CUDA here, an OS without ``sysconf``)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
+    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache on
+    ``device``, the pool's per-block bookkeeping on the host. Checked before the pool is built
+    (a huge ``num_blocks`` would otherwise spend minutes building it, then fail)."""
+    model, cache = config.model, config.cache
+    latent = cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
+        model.dtype.itemsize)
+    cpu = torch.device("cpu")
+    per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
+                 else {cpu: latent + _BLOCK_OVERHEAD_BYTES})
+    for where, cost in per_block.items():
+        have = available_memory_bytes(where)
+        if have is not None and cache.num_blocks * cost > have:
+            raise ValueError(
+                f"cache.num_blocks = {cache.num_blocks} needs "
+                f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
+                f"block: {latent} B of latent cache for {cache.block_size} tokens, and the "
+                f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
+                f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
+
+
+def check_request_fits(config: EngineConfig, max_len: int) -> None:
+    """``ValueError`` when a request of ``max_len`` tokens needs more blocks than the pool has
+    (block 0 is the null block): it could never run, so say so before generating it."""
+    cache = config.cache
+    needed = -(-max_len // cache.block_size)
+    if needed > cache.num_blocks - 1:
+        raise ValueError(
+            f"--max-len {max_len}: a request that long can never run: it needs {needed} blocks of "
+            f"{cache.block_size} tokens; the pool has {cache.num_blocks - 1} usable "
+            f"(cache.num_blocks = {cache.num_blocks}, block 0 reserved): raise --num-blocks to "
+            f"at least {needed + 1} or lower --max-len to at most "
+            f"{(cache.num_blocks - 1) * cache.block_size}")
