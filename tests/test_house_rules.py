@@ -176,10 +176,14 @@ def import_cycles(root: Path) -> list[list[str]]:
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    for v in sorted(graph):
-        if v not in index:
-            connect(v)
+    old_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old_limit, 10_000))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                connect(v)
+    finally:  # later tests (the 500-deep TOML corpus entry) rely on the default limit
+        sys.setrecursionlimit(old_limit)
     return cycles
 
 
