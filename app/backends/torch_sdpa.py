@@ -56,6 +56,7 @@ import torch
 
 from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends._cpu_native import (
+    DTYPE_CODES,
     V_HEAD_DIM_MULTIPLE,
     NativeMLAPrefillKernel,
     NativePlan,
@@ -209,7 +210,9 @@ class TorchSDPABackend(RaggedKernelBackend):
 
     def _native_kernel(self, dtype: torch.dtype) -> NativeMLAPrefillKernel | None:
         """The native kernel if this call can use it (looked up once per instance)."""
-        if (not self.cpu_native_kernel or cpu_compute_dtype(dtype) != torch.float32
+        # Every input dtype the kernel reads (bf16 too, where the CPU has fast bf16: the
+        # kernel's own bf16 products beat aten's bf16 flash kernel).
+        if (not self.cpu_native_kernel or dtype not in DTYPE_CODES
                 or self.v_head_dim % V_HEAD_DIM_MULTIPLE):
             return None
         if self._native is False:

@@ -79,6 +79,13 @@ def run(args: argparse.Namespace) -> int:
         print_json(info)
         return 0
     packages = info.pop("kernel_packages")
+    features = info.get("cpu_features")
+    if isinstance(features, dict):  # one readable line instead of a dict's repr
+        from app.platforms.cpu_features import FEATURE_NAMES
+
+        info["cpu_features"] = " ".join(
+            f"{name}={'yes' if features[name] else 'no'}" for name in FEATURE_NAMES
+        ) + f" (from {features['source']})"
     print_text(format_mapping(info))
     print_text()
     print_text(format_table(
