@@ -8,75 +8,92 @@ calls run well below the machine's matmul rate; it measured ~0.55 of the fp32 ma
 on 1 x 4096 causal on a 2-core AVX-512 machine, this kernel 0.76-0.84
 (``python -m app bench prefill``, against a matmul timed beside each call; docs/benchmarks.md).
 
-The library is compiled once per (source, compiler, flags) into a cache directory
-(``$APP_CACHE_DIR``, else ``$XDG_CACHE_HOME/app``, else ``~/.cache/app``), checked against a
-float64 reference on a small problem, and loaded with ctypes, which releases the GIL during
-the call: ``torch.get_num_threads()`` Python threads each run their share of the (request,
-head) items. ``APP_CPU_NATIVE_KERNEL=0`` turns it off. A kernel that cannot be built or
-loaded is not an error: :func:`native_kernel_status` says why, and callers fall back.
+The library is built, cached, checked (ABI version, the argument struct's layout, a float64
+self-test) and loaded by :mod:`app.backends._native_loader` (its docstring says where it is
+cached and what is trusted). Arguments go to C as one ``mla_prefill_args`` struct
+(:class:`MlaPrefillArgs`). ctypes releases the GIL during the call: the (request, head) items
+are split into ``torch.get_num_threads()`` shares run by
+:func:`app.backends._native_pool.run_shares`, which is safe for any number of concurrent
+callers and returns only when every share is done. ``APP_CPU_NATIVE_KERNEL=0`` turns the
+kernel off. A kernel that cannot be built or loaded is not an error:
+:func:`native_kernel_status` says why, and callers fall back.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 import torch
 
+from app.backends._native_loader import (
+    NativeLibrary,
+    NativeLibrarySpec,
+    cpu_flags,
+    load_native_library,
+    read_switch,
+    reset_native_libraries,
+)
+from app.backends._native_pool import run_shares
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISABLE_ENV", "NativeKernelStatus", "NativeMLAPrefillKernel", "NativePlan",
-           "enabled_by_environment", "load_native_kernel", "native_kernel_status"]
+__all__ = ["DISABLE_ENV", "SPEC", "MlaPrefillArgs", "NativeKernelStatus",
+           "NativeMLAPrefillKernel", "NativePlan", "enabled_by_environment",
+           "load_native_kernel", "native_kernel_status"]
 
 #: Set to ``0`` (or false/off/no) to keep TORCH_SDPA on the aten CPU kernel.
 DISABLE_ENV = "APP_CPU_NATIVE_KERNEL"
-_ENV_VALUES = {"": True, "1": True, "true": True, "on": True, "yes": True,
-               "0": False, "false": False, "off": False, "no": False}
-_SOURCE = Path(__file__).with_name("_native") / "mla_prefill_cpu.c"
-_FLAGS = ("-O3", "-mavx512f", "-mfma", "-mf16c", "-fPIC", "-shared")
 #: The kernel's p.v tiles are 64 output columns wide.
 V_HEAD_DIM_MULTIPLE = 64
+#: ``MLA_PREFILL_CPU_ABI`` in ``_native/mla_prefill_cpu.h``.
+ABI_VERSION = 2
 
-_c_long, _c_ptr = ctypes.c_long, ctypes.c_void_p
-#: The element types the kernel reads and writes (its DT_* codes); it computes in float32.
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+class MlaPrefillArgs(ctypes.Structure):
+    """``mla_prefill_args`` of ``_native/mla_prefill_cpu.h`` (layout checked at load)."""
+
+    _fields_ = [
+        ("q", _ptr), ("k", _ptr), ("v", _ptr), ("out", _ptr), ("lse", _ptr),
+        ("q_start", _ptr), ("q_len", _ptr), ("kv_start", _ptr), ("kv_len", _ptr),
+        ("items", _ptr), ("scratch", _ptr),
+        ("q_row", _i64), ("q_head", _i64), ("k_row", _i64), ("k_head", _i64),
+        ("v_row", _i64), ("v_head", _i64), ("o_row", _i64), ("o_head", _i64),
+        ("lse_head", _i64), ("n_items", _i64), ("d", _i64), ("dv", _i64),
+        ("in_dt", _i32), ("out_dt", _i32), ("causal", _i32), ("scale", ctypes.c_float)]
 
 
 @attrs.frozen
 class NativeKernelStatus:
-    """Whether the native kernel is usable here; if not, every reason why."""
+    """Whether the native kernel is usable here; if not, every reason why. ``library``: the
+    loaded file; ``notes``: what the user should hear of even so (a refused cache directory,
+    a rebuilt corrupt file)."""
 
     available: bool
     reasons: tuple[str, ...] = ()
     library: Path | None = None
+    notes: tuple[str, ...] = ()
 
 
 class NativeMLAPrefillKernel:
     """A loaded kernel library: ragged float32 MLA attention on the CPU."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
-        self.path = path
-        self._attend = library.mla_cpu_attend
-        self._attend.restype = None
-        c_int, c_float = ctypes.c_int, ctypes.c_float
-        self._attend.argtypes = [
-            _c_ptr, _c_long, _c_long, _c_ptr, _c_long, _c_long, _c_ptr, _c_long, _c_long,
-            c_int, _c_long, _c_long, c_int, c_float, _c_ptr, _c_long, _c_long, c_int, _c_ptr,
-            _c_long, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_long, _c_ptr]
-        self._scratch_floats = library.mla_cpu_scratch_floats
-        self._scratch_floats.restype = _c_long
-        self._scratch_floats.argtypes = [_c_long, _c_long, _c_long, _c_long]
+    def __init__(self, library: NativeLibrary) -> None:
+        self.path = library.path
+        self._attend = library.function("mla_prefill_cpu_attend", _i32,
+                                        ctypes.POINTER(MlaPrefillArgs))
+        self._scratch_floats = library.function("mla_prefill_cpu_scratch_floats", _i64,
+                                                _i64, _i64, _i64, _i64)
+        #: Element types the kernel reads and writes, with the library's codes for them.
+        self.dtype_codes = dict(library.dtype_codes)
 
     def plan(self, q_starts: Sequence[int], q_lens: Sequence[int], kv_starts: Sequence[int],
              kv_lens: Sequence[int], *, total_q: int, total_kv: int, num_heads: int,
@@ -130,27 +147,31 @@ class NativeMLAPrefillKernel:
         if not plan.shares:
             return
         lengths = plan.lengths
-        fixed = (q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
-                 k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), DTYPE_CODES[q.dtype],
-                 q.shape[2], v.shape[2], int(causal), scale, out.data_ptr(), out.stride(0),
-                 out.stride(1), DTYPE_CODES[out.dtype], lse.data_ptr(), lse.stride(0),
-                 *(lengths[i].data_ptr() for i in range(4)))
+        fixed = MlaPrefillArgs(
+            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+            lse=lse.data_ptr(), q_start=lengths[0].data_ptr(), q_len=lengths[1].data_ptr(),
+            kv_start=lengths[2].data_ptr(), kv_len=lengths[3].data_ptr(),
+            q_row=q.stride(0), q_head=q.stride(1), k_row=k.stride(0), k_head=k.stride(1),
+            v_row=v.stride(0), v_head=v.stride(1), o_row=out.stride(0), o_head=out.stride(1),
+            lse_head=lse.stride(0), d=q.shape[2], dv=v.shape[2],
+            in_dt=self.dtype_codes[q.dtype], out_dt=self.dtype_codes[out.dtype],
+            causal=int(causal), scale=scale)
 
-        def work(share: torch.Tensor, floats: int) -> None:
-            # No torch op that may parallelise here: torch forbids its OpenMP pool from
-            # these threads in a forked child ("Invalid thread pool").
-            scratch = _scratch(floats)  # held by name: the C call must not outlive it
-            self._attend(*fixed, share.data_ptr(), share.shape[0], scratch.data_ptr())
+        def share_of(items: torch.Tensor, floats: int) -> Callable[[], None]:
+            def work() -> None:
+                # No torch op that may parallelise here (see _native_pool).
+                scratch = _scratch(floats)  # held by name: the C call must not outlive it
+                args = MlaPrefillArgs.from_buffer_copy(fixed)
+                args.items, args.n_items = items.data_ptr(), items.shape[0]
+                args.scratch = scratch.data_ptr()
+                if self._attend(ctypes.byref(args)) != 0:  # pragma: no cover - _check ran
+                    raise RuntimeError("native CPU kernel: the library refused its arguments")
+            return work
 
-        if len(plan.shares) == 1:
-            work(plan.shares[0], plan.scratch_floats[0])
-            return
-        pool = _pool.get(len(plan.shares))
-        futures = [pool.submit(work, share, n)
-                   for share, n in zip(plan.shares, plan.scratch_floats, strict=True)]
-        wait(futures)  # every share done before an error surfaces: none still writes to out
-        for future in futures:
-            future.result()
+        # Every tensor the C code touches stays referenced here until run_shares returns,
+        # and it returns only when every share is done.
+        run_shares([share_of(items, floats)
+                    for items, floats in zip(plan.shares, plan.scratch_floats, strict=True)])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                q_starts: Sequence[int], q_lens: Sequence[int], kv_starts: Sequence[int],
@@ -162,13 +183,12 @@ class NativeMLAPrefillKernel:
                          v_head_dim=v.shape[2])
         self.run(plan, q, k, v, causal, scale, out, lse)
 
-    @staticmethod
-    def _check(plan: NativePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _check(self, plan: NativePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor) -> None:
         # The C code trusts every pointer and length it gets: check them all here.
         for name, t, rank, dtypes in (
-                ("q", q, 3, tuple(DTYPE_CODES)), ("k", k, 3, (q.dtype,)),
-                ("v", v, 3, (q.dtype,)), ("out", out, 3, tuple(DTYPE_CODES)),
+                ("q", q, 3, tuple(self.dtype_codes)), ("k", k, 3, (q.dtype,)),
+                ("v", v, 3, (q.dtype,)), ("out", out, 3, tuple(self.dtype_codes)),
                 ("lse", lse, 2, (torch.float32,))):
             if t.dtype not in dtypes or t.device.type != "cpu" or t.dim() != rank:
                 allowed = "/".join(str(x).removeprefix("torch.") for x in dtypes)
@@ -217,64 +237,16 @@ def _scratch(floats: int) -> torch.Tensor:
     return buf
 
 
-class _WorkerPool:
-    """One thread pool per process, resized when ``torch.get_num_threads()`` changes and
-    made anew in a forked child (whose copy of the pool has no threads)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._size = 0
-        self._pid = 0
-
-    def get(self, workers: int) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._size != workers or self._pid != os.getpid():
-                if self._pool is not None and self._pid == os.getpid():
-                    self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="app-mla-cpu")
-                self._size, self._pid = workers, os.getpid()
-            return self._pool
-
-
-_pool = _WorkerPool()
-
 
 # -- building and loading -----------------------------------------------------------------
 
-_load_lock = threading.Lock()
-_loaded: dict[str, NativeMLAPrefillKernel | NativeKernelStatus] = {}
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512f" in line.split()
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
 def enabled_by_environment() -> bool:
     """``$APP_CPU_NATIVE_KERNEL`` read strictly: unset/1/true/on/yes or 0/false/off/no."""
-    raw = os.environ.get(DISABLE_ENV, "")
-    value = _ENV_VALUES.get(raw.strip().lower())
-    if value is None:
-        raise ValueError(f"{DISABLE_ENV}: expected one of 1/true/on/yes or 0/false/off/no "
-                         f"(or unset), got {raw!r}")
-    return value
+    return read_switch(DISABLE_ENV)
 
 
-def _static_reasons() -> list[str]:
+def _requirements() -> list[str]:
+    """Why the kernel cannot run here, besides a missing C compiler (the loader's check)."""
     reasons = []
     if not enabled_by_environment():
         reasons.append(f"turned off by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}")
@@ -282,58 +254,30 @@ def _static_reasons() -> list[str]:
         reasons.append(f"needs an x86-64 CPU, this is {platform.machine()}")
     elif not _cpu_has_avx512():
         reasons.append("needs a CPU with AVX-512 (avx512f), this one has none")
-    if _compiler() is None:
-        reasons.append("needs a C compiler to build it (set CC, or install cc/gcc/clang)")
     return reasons
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("APP_CACHE_DIR")
-    if base:
-        return Path(base) / "cpu-kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "app" / "cpu-kernels"
+def _cpu_has_avx512() -> bool:
+    flags = cpu_flags()
+    if flags:
+        return "avx512f" in flags
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
 
 
-def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=60, check=False).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()).hexdigest()
-    name = f"mla_prefill_cpu-{key[:16]}.so"
-    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"app-{os.getuid()}"):
-        target = directory / name
-        if target.is_file():
-            return target
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        tmp = directory / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        proc = subprocess.run([compiler, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=300, check=False)
-        if proc.returncode:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent builder never loads a partial file
-        return target
-    raise RuntimeError(f"no writable cache directory ({_cache_dir()}, {tempfile.gettempdir()})")
-
-
-def _self_test(kernel: NativeMLAPrefillKernel) -> str | None:
+def _self_test(library: NativeLibrary) -> str | None:
     """A small ragged causal problem against float64; the error text if it disagrees."""
+    kernel = NativeMLAPrefillKernel(library)
     gen = torch.Generator().manual_seed(0)
     q_lens, kv_lens = (37, 5, 130), (37, 9, 130)
+    q_starts, kv_starts = [0, 37, 42], [0, 37, 46]
     q = torch.randn(sum(q_lens), 3, 80, generator=gen)
     k = torch.randn(sum(kv_lens), 3, 80, generator=gen)
     v = torch.randn(sum(kv_lens), 3, 64, generator=gen)
     out, lse = torch.empty(q.shape[0], 3, 64), torch.empty(3, q.shape[0])
     # bf16 in and out too: the conversions are the kernel's own code as well.
     out16 = torch.empty(q.shape[0], 3, 64, dtype=torch.bfloat16)
-    kernel.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), [0, 37, 42], q_lens, [0, 37, 46],
+    kernel.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_starts, q_lens, kv_starts,
                   kv_lens, True, 0.1, out16, torch.empty(3, q.shape[0]))
-    q_starts = [0, 37, 42]
-    kv_starts = [0, 37, 46]
     kernel.attend(q, k, v, q_starts, q_lens, kv_starts, kv_lens, True, 0.1, out, lse)
     for b in range(3):
         qs, ks = q_starts[b], kv_starts[b]
@@ -357,48 +301,38 @@ def _self_test(kernel: NativeMLAPrefillKernel) -> str | None:
     return None
 
 
-def _load() -> NativeMLAPrefillKernel | NativeKernelStatus:
-    reasons = _static_reasons()
-    if reasons:
-        return NativeKernelStatus(False, tuple(reasons))
-    compiler = _compiler()
-    if compiler is None:  # pragma: no cover - _static_reasons checked it
-        return NativeKernelStatus(False, ("no C compiler",))
-    try:
-        path = _build(compiler)
-        kernel = NativeMLAPrefillKernel(ctypes.CDLL(str(path)), path)
-        failure = _self_test(kernel)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return NativeKernelStatus(False, (f"could not build or load it: {exc}",))
-    if failure:
-        return NativeKernelStatus(False, (failure,), path)
-    return kernel
+#: The prefill kernel's library, for :func:`app.backends._native_loader.load_native_library`.
+SPEC = NativeLibrarySpec(
+    name="mla_prefill_cpu", sources=("mla_prefill_cpu.c",), abi_version=ABI_VERSION,
+    flags=("-O3", "-mavx512f", "-mfma", "-mf16c"),
+    structs=(("mla_prefill_args", MlaPrefillArgs),), self_test=_self_test,
+    requirements=_requirements)
+
+_kernel_lock = threading.Lock()
+_kernel: list[tuple[NativeLibrary, NativeMLAPrefillKernel]] = []  # the library it wraps
 
 
 def load_native_kernel() -> NativeMLAPrefillKernel | None:
     """The kernel, built and loaded on the first call in a process; None where it cannot be
     (see :func:`native_kernel_status`; the reason is logged once at INFO). Raises
     ``ValueError`` for an unrecognised ``$APP_CPU_NATIVE_KERNEL`` (nothing is cached then)."""
-    with _load_lock:
-        result = _loaded.get("kernel")
-        if result is None:
-            result = _load()
-            _loaded["kernel"] = result
-            if isinstance(result, NativeKernelStatus):
-                logger.info("native CPU MLA kernel unavailable: %s", "; ".join(result.reasons))
-    return result if isinstance(result, NativeMLAPrefillKernel) else None
+    library = load_native_library(SPEC).library
+    if library is None:
+        return None
+    with _kernel_lock:
+        if not _kernel or _kernel[0][0] is not library:  # first use, or a reset loader
+            _kernel[:] = [(library, NativeMLAPrefillKernel(library))]
+        return _kernel[0][1]
 
 
 def native_kernel_status() -> NativeKernelStatus:
     """Whether :func:`load_native_kernel` gives a kernel (building it if not yet tried)."""
-    kernel = load_native_kernel()
-    if kernel is not None:
-        return NativeKernelStatus(True, (), kernel.path)
-    status = _loaded["kernel"]
-    return status if isinstance(status, NativeKernelStatus) else NativeKernelStatus(False)
+    status = load_native_library(SPEC)
+    return NativeKernelStatus(status.available, status.reasons, status.path, status.notes)
 
 
 def _reset_for_tests() -> None:
     """Forget the loaded kernel, so the next call probes and builds again."""
-    with _load_lock:
-        _loaded.clear()
+    reset_native_libraries(SPEC.name)
+    with _kernel_lock:
+        _kernel.clear()

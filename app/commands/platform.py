@@ -62,14 +62,16 @@ def collect() -> dict[str, Any]:
 
 
 def cpu_native_kernel() -> str:
-    """TORCH_SDPA's native CPU kernel: ``available (<library>)`` or ``unavailable: <why>``
-    (builds it on first use, ~1 s)."""
+    """TORCH_SDPA's native CPU kernel: ``available (<library>)`` or ``unavailable: <why>``,
+    then ``; note: <what>`` for each loader note (builds it on first use, ~1 s)."""
     from app.backends._cpu_native import native_kernel_status
 
     status = native_kernel_status()
-    if status.available:
-        return f"available ({status.library})"
-    return f"unavailable: {'; '.join(status.reasons)}"
+    text = (f"available ({status.library})" if status.available
+            else f"unavailable: {'; '.join(status.reasons)}")
+    # A refused cache directory (not ours, or writable by others) is said even when a
+    # fallback directory worked.
+    return text + "".join(f"; note: {note}" for note in status.notes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.backends import _cpu_native as native
+from app.backends import _native_loader as loader
 
 DRIVER = Path(__file__).with_name("native") / "asan_driver.c"
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
@@ -20,13 +21,15 @@ SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=
 
 
 def test_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Path) -> None:
-    compiler = native._compiler()
+    compiler = loader.find_compiler()
     if compiler is None or platform.machine().lower() not in ("x86_64", "amd64") \
             or not native._cpu_has_avx512():
         pytest.skip("the native kernel cannot run here (needs x86-64, AVX-512, a C compiler)")
     exe = tmp_path / "asan_driver"
-    build = subprocess.run([compiler, *SANITIZE, str(DRIVER), str(native._SOURCE), "-o",
-                            str(exe), "-lm"], capture_output=True, text=True, timeout=120)
+    sources = [str(loader.NATIVE_DIR / s) for s in native.SPEC.sources]
+    build = subprocess.run([compiler, *SANITIZE, "-I", str(loader.NATIVE_DIR), str(DRIVER),
+                            *sources, "-o", str(exe), "-lm"],
+                           capture_output=True, text=True, timeout=120)
     if build.returncode != 0:
         if "sanitize" in build.stderr or "asan" in build.stderr.lower():
             pytest.skip(f"{compiler} cannot build with sanitizers: {build.stderr[-300:]}")

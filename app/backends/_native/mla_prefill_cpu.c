@@ -1,6 +1,6 @@
 /* MLA prefill attention for one (request, head) on an AVX-512 CPU, float32.
  *
- * Built at first use by app/backends/_cpu_native.py (cc -O3 -mavx512f -mfma -mf16c) and
+ * Built at first use by app/backends/_native_loader.py (cc -O3 -mavx512f -mfma -mf16c) and
  * called through ctypes, which releases the GIL, so one Python thread per core runs its own
  * (request, head) items. A flash-attention loop: query blocks of BQ rows, key blocks of BK
  * keys, register tiles of MR x 32 scores (q.k) and PR x 64 outputs (p.v), an online softmax
@@ -13,13 +13,18 @@
  * Layouts (elements, last dim contiguous): q [q_len rows, ld_q], k [kv_len rows, ld_k],
  * v [kv_len rows, ld_v], out [q_len rows, ld_o]; lse [q_len] float32 (natural log; -inf and
  * a zero output row for a query that sees no key). q/k/v share one element type and out has
- * one (DT_F32, DT_BF16 or DT_F16); they are converted to float32 while packing and back
- * when the output is written (bf16 rounds to nearest even), so the math is float32 always.
+ * one (APP_DT_F32, APP_DT_BF16 or APP_DT_F16); they are converted to float32 while packing and
+ * back when the output is written (bf16 rounds to nearest even), so the math is float32 always.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "mla_prefill_cpu.h"
+
+APP_NATIVE_LIBRARY(MLA_PREFILL_CPU_ABI)
+APP_NATIVE_STRUCT_LAYOUT(mla_prefill_args, MLA_PREFILL_ARGS)
 
 #define MR 14          /* query rows per q.k register tile */
 #define NR 32          /* keys per q.k register tile (two vectors) */
@@ -32,32 +37,30 @@
 #define LDS (BK + 16)  /* score row stride: padded so score rows do not share cache sets */
 #define PREFETCH_ROWS 4  /* v rows are a whole token apart: fetch ahead of the copy */
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
 static long round_up(long x, long m) { return (x + m - 1) / m * m; }
 
 static inline float load_elem(const void* p, long i, int dt) {
-  if (dt == DT_BF16) {
+  if (dt == APP_DT_BF16) {
     uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
   }
-  if (dt == DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
+  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
   return ((const float*)p)[i];
 }
 
 static inline __m512 load16(const void* p, long i, int dt) {
-  if (dt == DT_F32) return _mm512_loadu_ps((const float*)p + i);
+  if (dt == APP_DT_F32) return _mm512_loadu_ps((const float*)p + i);
   __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
-  if (dt == DT_F16) return _mm512_cvtph_ps(h);
+  if (dt == APP_DT_F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 static inline void store16(void* p, long i, __m512 x, int dt) {
-  if (dt == DT_F32) {
+  if (dt == APP_DT_F32) {
     _mm512_storeu_ps((float*)p + i, x);
-  } else if (dt == DT_F16) {
+  } else if (dt == APP_DT_F16) {
     _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {  /* bf16, round to nearest even */
@@ -69,11 +72,11 @@ static inline void store16(void* p, long i, __m512 x, int dt) {
   }
 }
 
-static inline long elem_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+static inline long elem_size(int dt) { return (long)app_native_elem_size(dt); }
 
 /* Scratch floats for one (request, head) of these sizes: a packed query block, packed k,
  * v copy, scores, accumulator, row max and row sum, plus 16 floats to align the packed k. */
-long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv) {
+int64_t mla_prefill_cpu_scratch_floats(int64_t q_len, int64_t kv_len, int64_t d, int64_t dv) {
   (void)q_len;
   return BQ * d + round_up(kv_len, NR) * d + kv_len * dv + BQ * LDS + BQ * dv + 2 * BQ + 16;
 }
@@ -173,14 +176,14 @@ static inline __attribute__((always_inline)) void pack_inputs_as(
 static void pack_inputs(const void* q, long ld_q, const void* k, long ld_k, const void* v,
                         long ld_v, int dt, long q_len, long kv_len, long d, long dv,
                         float k_mult, float* qpack, float* kpack, float* vbuf) {
-  if (dt == DT_BF16)
-    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_BF16, q_len, kv_len, d, dv, k_mult, qpack,
+  if (dt == APP_DT_BF16)
+    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, APP_DT_BF16, q_len, kv_len, d, dv, k_mult, qpack,
                    kpack, vbuf);
-  else if (dt == DT_F16)
-    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_F16, q_len, kv_len, d, dv, k_mult, qpack,
+  else if (dt == APP_DT_F16)
+    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, APP_DT_F16, q_len, kv_len, d, dv, k_mult, qpack,
                    kpack, vbuf);
   else
-    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, DT_F32, q_len, kv_len, d, dv, k_mult, qpack,
+    pack_inputs_as(q, ld_q, k, ld_k, v, ld_v, APP_DT_F32, q_len, kv_len, d, dv, k_mult, qpack,
                    kpack, vbuf);
 }
 
@@ -283,7 +286,7 @@ static void softmax_row(float* row, long vis, long width, float* m, float* l, fl
 
 /* Attention of one (request, head). d: q/k head dim (any); dv: v head dim, a multiple of
  * 64. causal: query r sees keys <= r + kv_len - q_len. in_dt: the element type of q/k/v,
- * out_dt: of out. scratch: mla_cpu_scratch_floats. */
+ * out_dt: of out. scratch: mla_prefill_cpu_scratch_floats. */
 static void attend_head(const void* q, long ld_q, const void* k, long ld_k, const void* v,
                          long ld_v, int in_dt, long q_len, long kv_len, long d, long dv,
                          int causal, float scale, void* out, long ld_o, int out_dt, float* lse,
@@ -376,25 +379,22 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
   }
 }
 
-/* A worker's share of a ragged batch: items[2 i] is a request, items[2 i + 1] a head. Tensor
- * strides are in elements: q [tokens, heads, d] with strides (q_row, q_head, 1), likewise k,
- * v, out; lse [heads, tokens] float32 with strides (lse_head, 1). Request b is q rows
- * q_start[b] .. + q_len[b] against k/v rows kv_start[b] .. + kv_len[b]. scratch holds
- * mla_cpu_scratch_floats for the largest request of the share. */
-void mla_cpu_attend(const void* q, long q_row, long q_head, const void* k, long k_row,
-                    long k_head, const void* v, long v_row, long v_head, int in_dt, long d,
-                    long dv, int causal, float scale, void* out, long o_row, long o_head,
-                    int out_dt, float* lse, long lse_head, const int64_t* q_start,
-                    const int64_t* q_len, const int64_t* kv_start, const int64_t* kv_len,
-                    const int64_t* items, long n_items, float* scratch) {
-  const long in_size = elem_size(in_dt), out_size = elem_size(out_dt);
-  for (long it = 0; it < n_items; ++it) {
-    const long b = items[2 * it], h = items[2 * it + 1];
-    attend_head((const char*)q + (q_start[b] * q_row + h * q_head) * in_size, q_row,
-                (const char*)k + (kv_start[b] * k_row + h * k_head) * in_size, k_row,
-                (const char*)v + (kv_start[b] * v_row + h * v_head) * in_size, v_row, in_dt,
-                q_len[b], kv_len[b], d, dv, causal, scale,
-                (char*)out + (q_start[b] * o_row + h * o_head) * out_size, o_row, out_dt,
-                lse + h * lse_head + q_start[b], scratch);
+/* A worker's share of a ragged batch: see mla_prefill_args in mla_prefill_cpu.h. */
+int32_t mla_prefill_cpu_attend(const mla_prefill_args* a) {
+  const int in_ok = a->in_dt == APP_DT_F32 || a->in_dt == APP_DT_BF16 || a->in_dt == APP_DT_F16;
+  const int out_ok =
+      a->out_dt == APP_DT_F32 || a->out_dt == APP_DT_BF16 || a->out_dt == APP_DT_F16;
+  if (!in_ok || !out_ok || a->dv % 64 != 0 || a->dv <= 0 || a->d <= 0) return 1;
+  const long in_size = elem_size(a->in_dt), out_size = elem_size(a->out_dt);
+  for (long it = 0; it < a->n_items; ++it) {
+    const long b = a->items[2 * it], h = a->items[2 * it + 1];
+    const long qs = a->q_start[b], ks = a->kv_start[b];
+    attend_head((const char*)a->q + (qs * a->q_row + h * a->q_head) * in_size, a->q_row,
+                (const char*)a->k + (ks * a->k_row + h * a->k_head) * in_size, a->k_row,
+                (const char*)a->v + (ks * a->v_row + h * a->v_head) * in_size, a->v_row,
+                a->in_dt, a->q_len[b], a->kv_len[b], a->d, a->dv, a->causal, a->scale,
+                (char*)a->out + (qs * a->o_row + h * a->o_head) * out_size, a->o_row,
+                a->out_dt, a->lse + h * a->lse_head + qs, a->scratch);
   }
+  return 0;
 }

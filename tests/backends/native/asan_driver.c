@@ -1,4 +1,4 @@
-/* Runs mla_cpu_attend under AddressSanitizer (built by test_cpu_native_asan.py) on shapes
+/* Runs mla_prefill_cpu_attend under AddressSanitizer (built by test_cpu_native_asan.py) on shapes
  * around every tile, block and head-dim edge, with each tensor and the scratch allocated at
  * exactly the size the kernel is told, and checks the result against a float64 reference.
  * Prints "<cases> cases, <bad> bad"; exits 1 if any case is off. */
@@ -8,15 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-void mla_cpu_attend(const void* q, long q_row, long q_head, const void* k, long k_row,
-                    long k_head, const void* v, long v_row, long v_head, int in_dt, long d,
-                    long dv, int causal, float scale, void* out, long o_row, long o_head,
-                    int out_dt, float* lse, long lse_head, const int64_t* q_start,
-                    const int64_t* q_len, const int64_t* kv_start, const int64_t* kv_len,
-                    const int64_t* items, long n_items, float* scratch);
-long mla_cpu_scratch_floats(long q_len, long kv_len, long d, long dv);
+#include "mla_prefill_cpu.h"
 
-enum { F32 = 0, BF16 = 1 };
+enum { F32 = APP_DT_F32, BF16 = APP_DT_BF16 };
 enum { HEADS = 2 };
 
 static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.f - 1.f; }
@@ -96,13 +90,21 @@ static int run_case(long ql, long kl, long d, long dv, int causal, int in_dt, in
   void* v = random_tensor(kl * HEADS * dv, 1.f, in_dt, vf);
   void* out = malloc((size_t)(ql * HEADS * dv) * (out_dt == F32 ? 4 : 2) + 1);
   float* lse = malloc(sizeof(float) * (size_t)(HEADS * ql) + 1);
-  float* scratch = malloc(sizeof(float) * (size_t)mla_cpu_scratch_floats(ql, kl, d, dv));
+  float* scratch =
+      malloc(sizeof(float) * (size_t)mla_prefill_cpu_scratch_floats(ql, kl, d, dv));
   int64_t q_start = 0, q_len = ql, kv_start = 0, kv_len = kl, items[2 * HEADS];
   for (long h = 0; h < HEADS; ++h) items[2 * h] = 0, items[2 * h + 1] = h;
   const float scale = 1.f / sqrtf((float)d);
-  mla_cpu_attend(q, HEADS * d, d, k, HEADS * d, d, v, HEADS * dv, dv, in_dt, d, dv, causal,
-                 scale, out, HEADS * dv, dv, out_dt, lse, ql, &q_start, &q_len, &kv_start,
-                 &kv_len, items, HEADS, scratch);
+  const mla_prefill_args args = {
+      .q = q, .k = k, .v = v, .out = out, .lse = lse, .q_start = &q_start, .q_len = &q_len,
+      .kv_start = &kv_start, .kv_len = &kv_len, .items = items, .scratch = scratch,
+      .q_row = HEADS * d, .q_head = d, .k_row = HEADS * d, .k_head = d, .v_row = HEADS * dv,
+      .v_head = dv, .o_row = HEADS * dv, .o_head = dv, .lse_head = ql, .n_items = HEADS,
+      .d = d, .dv = dv, .in_dt = in_dt, .out_dt = out_dt, .causal = causal, .scale = scale};
+  if (mla_prefill_cpu_attend(&args) != 0) {
+    printf("refused: q %ld kv %ld d %ld dv %ld\n", ql, kl, d, dv);
+    return 1;
+  }
   double worst = 0.0;
   for (long h = 0; h < HEADS; ++h) {
     double err = check_head(qf, kf, vf, out, lse, ql, kl, d, dv, causal, scale, out_dt, h);
