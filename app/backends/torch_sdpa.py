@@ -1,11 +1,15 @@
 """TORCH_SDPA: MLA prefill on torch's own fused attention kernels; runs everywhere.
 
-**CPU, float32 compute, AVX-512 and a C compiler present** (the default there): the native
+**CPU with AVX-512 and a C compiler** (the default there): the native
 kernel of :mod:`app.backends._cpu_native` (``_native/mla_prefill_cpu.c``, built at first use;
 ``cpu_native_kernel = False`` or ``APP_CPU_NATIVE_KERNEL=0`` turns it off). No padded ``v``,
 only the causal diagonal's 14 x 32 tiles are masked, bottom-right causal and empty rows
-handled in the kernel; bf16/fp16 are converted while packing (float32 math). Measured on a 2-core
-AVX-512 machine: 0.76-0.84 of the fp32 matmul rate on 1 x 4096 causal (aten's: ~0.55).
+handled in the kernel; fp16 (and bf16 on CPUs without AVX512-BF16) are converted while packing
+(float32 math). bf16 inputs on a CPU with AVX512-BF16 take the kernel's bf16-products build
+(:mod:`app.backends._cpu_native_bf16`: q.k and p.v through ``vdpbf16ps``, float32 accumulation,
+probabilities rounded to bf16). Measured on a 2-core AVX-512 machine: 0.76-0.84 of the fp32
+matmul rate on 1 x 4096 causal (aten's: ~0.55); against the measured peaks, see
+docs/benchmarks.md.
 
 **CPU otherwise**: the aten CPU flash kernel
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the natural-log
@@ -56,12 +60,12 @@ import torch
 
 from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends._cpu_native import (
-    DTYPE_CODES,
     V_HEAD_DIM_MULTIPLE,
     NativeMLAPrefillKernel,
     NativePlan,
     load_native_kernel,
 )
+from app.backends._cpu_native_bf16 import load_native_bf16_kernel
 from app.backends.merge import merge_attn_states
 
 if TYPE_CHECKING:
@@ -115,6 +119,9 @@ class TorchSDPABackend(RaggedKernelBackend):
 
     #: Use the native AVX-512 kernel on CPU where it builds (else the aten kernel below).
     cpu_native_kernel: ClassVar[bool] = True
+    #: bf16 inputs on the kernel's bf16-products build where the CPU has AVX512-BF16
+    #: (``APP_CPU_BF16_KERNEL=0`` or False here: the float32-math kernel instead).
+    cpu_bf16_kernel: ClassVar[bool] = True
     #: Query rows per chunk of a short causal call on CPU (0: never chunk). Measured on a
     #: 2-core AVX512 machine: 64..256 are within noise on 4 x 512; 256 keeps the kernel's
     #: 64-row query blocks (shorter calls get 32-row blocks, which pack K more often).
@@ -149,6 +156,7 @@ class TorchSDPABackend(RaggedKernelBackend):
         self._v_buffer: torch.Tensor | None = None
         self._cuda_flash_failed = False
         self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
+        self._native_bf16: NativeMLAPrefillKernel | bool | None = False
         self._cuda_efficient_failed = False
 
     def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
@@ -210,14 +218,20 @@ class TorchSDPABackend(RaggedKernelBackend):
 
     def _native_kernel(self, dtype: torch.dtype) -> NativeMLAPrefillKernel | None:
         """The native kernel if this call can use it (looked up once per instance)."""
-        # Every input dtype the kernel reads (bf16 too, where the CPU has fast bf16: the
-        # kernel's own bf16 products beat aten's bf16 flash kernel).
-        if (not self.cpu_native_kernel or dtype not in DTYPE_CODES
-                or self.v_head_dim % V_HEAD_DIM_MULTIPLE):
+        # Every input dtype the kernel reads; bf16 on the bf16-products build where the CPU
+        # has AVX512-BF16 (measured ~1.8x the float32 math on 1 x 4096), else float32 math
+        # (which still beat aten's bf16 flash kernel).
+        if not self.cpu_native_kernel or self.v_head_dim % V_HEAD_DIM_MULTIPLE:
             return None
+        if dtype == torch.bfloat16 and self.cpu_bf16_kernel:
+            if self._native_bf16 is False:
+                self._native_bf16 = load_native_bf16_kernel()
+            if isinstance(self._native_bf16, NativeMLAPrefillKernel):
+                return self._native_bf16
         if self._native is False:
             self._native = load_native_kernel()
-        return self._native if isinstance(self._native, NativeMLAPrefillKernel) else None
+        kernel = self._native if isinstance(self._native, NativeMLAPrefillKernel) else None
+        return kernel if kernel is not None and dtype in kernel.dtype_codes else None
 
     def _run_cpu_native(self, kernel: NativeMLAPrefillKernel, layout: RaggedLayout,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -23,8 +23,10 @@ def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert {r["case"] for r in rows} == {c.name for c in prefill.default_cases(quick=True)}
     for row in rows:
         assert row["ms"] > 0 and row["gflops"] > 0 and row["baseline_ms"] > 0
+        # rel: both figures are rounded to 0.1 GFLOP/s (a slow matmul on a busy machine
+        # makes the ratio large and an absolute bound too tight)
         assert row["ratio_to_matmul"] == pytest.approx(
-            row["gflops"] / result["matmul_fp32_gflops"], abs=2e-3)
+            row["gflops"] / result["matmul_fp32_gflops"], rel=5e-3, abs=2e-3)
         assert row["ratio_to_matmul_paired"] > 0
     assert result["targets"] == []  # the targets are on the full-size cases only
     peaks = result["peaks"]
@@ -35,7 +37,7 @@ def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert row["bound_peak"] == "fp32_fma"
         assert row["peak_gflops"] == peaks["fp32_fma_gflops"]
         assert row["fraction_of_peak"] == pytest.approx(
-            row["gflops"] / peaks["fp32_fma_gflops"], abs=2e-3)
+            row["gflops"] / peaks["fp32_fma_gflops"], rel=5e-3, abs=2e-3)
         assert row["fraction_of_peak_paired"] > 0
 
 
