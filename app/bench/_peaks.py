@@ -3,9 +3,9 @@
 Why measured and not a matmul: on CPUs with AVX512-BF16 torch's float32 matmul is not the
 machine's limit (it swung 65-209 GFLOP/s in one run on a 2-core EPYC where the native kernel
 reached 329), so "fraction of the matmul rate" said little. A peak probe
-(``_native/cpu_peaks.c``) runs a loop of independent multiply-adds held in registers, one
-call on each of ``torch.get_num_threads()`` threads at once (the kernels' threads), and
-reports the summed rate:
+(``app/backends/_native/cpu_peaks.c``) runs a loop of independent multiply-adds held in
+registers, one call on each of ``torch.get_num_threads()`` threads at once (the kernels'
+threads), and reports the summed rate:
 
 - ``fp32_fma``: ``vfmadd231ps`` on 512-bit vectors, 2 FLOPs a lane: the bound of a float32
   kernel (and of the native kernel's float32 math on bf16 inputs);
@@ -13,28 +13,29 @@ reports the summed rate:
   bound of a bf16 dot-product kernel (measured only where the CPU has AVX512-BF16).
 
 AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds` says so.
-The probe is compiled at first use into a fresh private directory (mode 0700, removed once
-loaded), so nothing another user can write is ever loaded.
+The probe is built, cached and checked by the shared native loader
+(:mod:`app.backends._native_loader`: private cache directories, ABI version).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
 import statistics
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from app.backends._native_loader import (
+    NativeLibrary,
+    NativeLibrarySpec,
+    NativeLibraryStatus,
+    load_native_library,
+)
 from app.platforms.cpu_features import detect_cpu_features
 
 __all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
@@ -44,8 +45,8 @@ __all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
 FP32_FMA = "fp32_fma"
 BF16_DOT = "bf16_dot"
 
-_SOURCE = Path(__file__).with_name("_native") / "cpu_peaks.c"
-_FLAGS = ("-O2", "-mavx512f", "-mfma", "-fPIC", "-shared")
+#: ``APP_NATIVE_LIBRARY(...)`` in ``app/backends/_native/cpu_peaks.c``.
+ABI_VERSION = 1
 #: Seconds one probe call aims for (one per thread; the best of ``repeat`` is kept).
 PROBE_SECONDS = 0.03
 
@@ -64,13 +65,16 @@ class PeakProbe:
     def __init__(self, library: ctypes.CDLL, has_bf16: bool) -> None:
         self._fma = library.cpu_peak_fma_f32
         self._fma.restype = ctypes.c_float
-        self._fma.argtypes = [ctypes.c_long, ctypes.c_float, ctypes.c_float]
+        self._fma.argtypes = [ctypes.c_int64, ctypes.c_float, ctypes.c_float]
         flops = {FP32_FMA: library.cpu_peak_fma_f32_flops_per_iter}
+        for fn in (library.cpu_peak_fma_f32_flops_per_iter,
+                   library.cpu_peak_dot_bf16_flops_per_iter):
+            fn.restype, fn.argtypes = ctypes.c_int64, []
         self._bf16 = None
         if has_bf16:
             self._bf16 = library.cpu_peak_dot_bf16
             self._bf16.restype = ctypes.c_float
-            self._bf16.argtypes = [ctypes.c_long, ctypes.c_uint]
+            self._bf16.argtypes = [ctypes.c_int64, ctypes.c_uint32]
             flops[BF16_DOT] = library.cpu_peak_dot_bf16_flops_per_iter
         self._flops_per_iter = {kind: int(fn()) for kind, fn in flops.items()}
         self._iters: dict[str, int] = {}
@@ -125,66 +129,54 @@ class PeakProbe:
         return workers * iters * self._flops_per_iter[kind] / best / 1e9
 
 
-_load_lock = threading.Lock()
-_loaded: dict[str, PeakProbe | PeakProbeStatus] = {}
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-def _build_and_load(compiler: str) -> PeakProbe:
-    # A private directory per build: nothing pre-planted can be picked up, nothing is kept.
-    with tempfile.TemporaryDirectory(prefix="app-peaks-") as tmp:
-        target = Path(tmp) / "cpu_peaks.so"
-        has_bf16 = True
-        for extra in ((), ("-DAPP_NO_AVX512BF16",)):  # an old compiler without avx512bf16
-            proc = subprocess.run([compiler, *_FLAGS, *extra, "-o", str(target), str(_SOURCE)],
-                                  capture_output=True, text=True, timeout=120, check=False)
-            if proc.returncode == 0:
-                break
-            has_bf16 = False
-        else:
-            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        library = ctypes.CDLL(str(target))
-        return PeakProbe(library, has_bf16 and bool(library.cpu_peak_has_bf16_probe())
-                         and detect_cpu_features().avx512_bf16)
-
-
-def _load() -> PeakProbe | PeakProbeStatus:
-    reasons = []
+def _requirements() -> list[str]:
     if not detect_cpu_features().avx512f:
-        reasons.append("needs a CPU with AVX-512 (avx512f), this one has none")
-    compiler = _compiler()
-    if compiler is None:
-        reasons.append("needs a C compiler to build it (set CC, or install cc/gcc/clang)")
-    if reasons or compiler is None:
-        return PeakProbeStatus(False, tuple(reasons))
-    try:
-        return _build_and_load(compiler)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return PeakProbeStatus(False, (f"could not build or load it: {exc}",))
+        return ["needs a CPU with AVX-512 (avx512f), this one has none"]
+    return []
+
+
+def _requirements_bf16() -> list[str]:
+    reasons = _requirements()
+    if not detect_cpu_features().avx512_bf16:
+        reasons.append("needs a CPU with AVX512-BF16 for the bf16 probe")
+    return reasons
+
+
+#: The probe library with the bf16 loop (CPUs with AVX512-BF16), and without it (the rest,
+#: or a compiler that does not know ``avx512bf16``).
+SPEC_BF16 = NativeLibrarySpec(name="cpu_peaks", sources=("cpu_peaks.c",),
+                              abi_version=ABI_VERSION, flags=("-O2", "-mavx512f", "-mfma"),
+                              link_flags=(), requirements=_requirements_bf16)
+SPEC_FP32 = NativeLibrarySpec(name="cpu_peaks_fp32", sources=("cpu_peaks.c",),
+                              abi_version=ABI_VERSION,
+                              flags=("-O2", "-mavx512f", "-mfma", "-DAPP_NO_AVX512BF16"),
+                              link_flags=(), requirements=_requirements)
+_probe_lock = threading.Lock()
+_probe: list[tuple[NativeLibrary, PeakProbe]] = []
+
+
+def _status() -> NativeLibraryStatus:
+    status = load_native_library(SPEC_BF16)
+    return status if status.available else load_native_library(SPEC_FP32)
 
 
 def load_peak_probe() -> PeakProbe | None:
-    """The probe, built on the first call in a process; None where it cannot be
-    (:func:`peak_probe_status` says why)."""
-    with _load_lock:
-        result = _loaded.get("probe")
-        if result is None:
-            result = _loaded["probe"] = _load()
-    return result if isinstance(result, PeakProbe) else None
+    """The probe, built on the first call in a process by the shared native loader; None
+    where it cannot be (:func:`peak_probe_status` says why)."""
+    library = _status().library
+    if library is None:
+        return None
+    with _probe_lock:
+        if not _probe or _probe[0][0] is not library:
+            has_bf16 = bool(library.function("cpu_peak_has_bf16_probe", ctypes.c_int32)())
+            _probe[:] = [(library, PeakProbe(library.cdll, has_bf16))]
+        return _probe[0][1]
 
 
 def peak_probe_status() -> PeakProbeStatus:
     """Whether :func:`load_peak_probe` gives a probe, and if not why."""
-    if load_peak_probe() is not None:
-        return PeakProbeStatus(True)
-    status = _loaded["probe"]
-    return status if isinstance(status, PeakProbeStatus) else PeakProbeStatus(False)
+    status = _status()
+    return PeakProbeStatus(status.available, status.reasons)
 
 
 def peak_kinds() -> dict[str, str]:
