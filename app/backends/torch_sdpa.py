@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, ClassVar
 
@@ -153,7 +154,11 @@ class TorchSDPABackend(RaggedKernelBackend):
                          v_head_dim, config)
         self._masks: OrderedDict[tuple[int, int, int, torch.dtype], torch.Tensor] = OrderedDict()
         self._keeps: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self._v_buffer: torch.Tensor | None = None
+        # Calls may run on several threads at once (layers of one step): the mask caches
+        # are shared under a lock (masks are read-only), the v buffer is written per call,
+        # so each thread keeps its own.
+        self._cache_lock = threading.Lock()
+        self._v_buffers = threading.local()
         self._cuda_flash_failed = False
         self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
         self._native_bf16: NativeMLAPrefillKernel | bool | None = False
@@ -176,42 +181,45 @@ class TorchSDPABackend(RaggedKernelBackend):
     def _mask(self, rows: int, keys: int, diagonal: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive ``[rows, keys]`` mask: row r sees keys ``j <= diagonal + r``."""
         key = (rows, keys, diagonal, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            hidden = torch.ones(rows, keys, dtype=torch.bool).triu(diagonal + 1)
-            mask = torch.zeros(rows, keys, dtype=dtype).masked_fill_(hidden, _NEG_INF)
-            self._masks[key] = mask
-            if len(self._masks) > _MASK_CACHE_SIZE:
-                self._masks.popitem(last=False)
-        else:
-            self._masks.move_to_end(key)
-        return mask
+        with self._cache_lock:
+            mask = self._masks.get(key)
+            if mask is None:
+                hidden = torch.ones(rows, keys, dtype=torch.bool).triu(diagonal + 1)
+                mask = torch.zeros(rows, keys, dtype=dtype).masked_fill_(hidden, _NEG_INF)
+                self._masks[key] = mask
+                if len(self._masks) > _MASK_CACHE_SIZE:
+                    self._masks.popitem(last=False)
+            else:
+                self._masks.move_to_end(key)
+            return mask
 
     def _keep(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """``[rows, rows]`` lower-triangular 0/1 multiplier (row r keeps keys ``j <= r``)."""
         key = (rows, dtype)
-        keep = self._keeps.get(key)
-        if keep is None:
-            keep = torch.ones(rows, rows, dtype=dtype).tril_()
-            self._keeps[key] = keep
-            if len(self._keeps) > _MASK_CACHE_SIZE:
-                self._keeps.pop(next(iter(self._keeps)))
-        return keep
+        with self._cache_lock:
+            keep = self._keeps.get(key)
+            if keep is None:
+                keep = torch.ones(rows, rows, dtype=dtype).tril_()
+                self._keeps[key] = keep
+                if len(self._keeps) > _MASK_CACHE_SIZE:
+                    self._keeps.pop(next(iter(self._keeps)))
+            return keep
 
     def _padded_v(self, v: torch.Tensor, dtype: torch.dtype, width: int, head_major: bool
                   ) -> torch.Tensor:
         """``v`` zero-padded to ``width`` in ``dtype``; the buffer is kept (and its padding
-        left zero) between calls when small enough, so a call only copies ``v`` in."""
+        left zero) between calls when small enough, so a call only copies ``v`` in (one
+        buffer per thread)."""
         tokens, heads, dim = v.shape
         shape = (heads, tokens, width) if head_major else (tokens, heads, width)
-        buf = self._v_buffer
+        buf: torch.Tensor | None = getattr(self._v_buffers, "buf", None)
         keep = tokens * heads * width * torch.empty((), dtype=dtype).element_size() \
             <= self.cpu_v_buffer_max_bytes
         axis = 1 if head_major else 0
         if (buf is None or not keep or buf.dtype != dtype or buf.shape[axis] < tokens
                 or buf.shape[1 - axis] != shape[1 - axis] or buf.shape[2] != width):
             buf = torch.zeros(shape, dtype=dtype)
-            self._v_buffer = buf if keep else None
+            self._v_buffers.buf = buf if keep else None
         buf = buf[:, :tokens] if head_major else buf[:tokens]
         buf[..., :dim].copy_(v.transpose(0, 1) if head_major else v)
         return buf
