@@ -13,6 +13,7 @@ from app.backends.base import (
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
 )
+from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.registry import (
     MLAPrefillBackendEnum,
     override_mla_prefill_backend,
@@ -23,6 +24,8 @@ from app.backends.selector import explain_mla_prefill_selection, get_mla_prefill
 __all__ = [
     "ContextChunkMetadata",
     "DeviceCapability",
+    "MLADecodeBackend",
+    "MLADecodeSelectorConfig",
     "MLADimensions",
     "MLAPrefillBackend",
     "MLAPrefillBackendEnum",

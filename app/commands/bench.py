@@ -9,13 +9,14 @@ from pathlib import Path
 
 from app.commands._output import print_json, print_text
 
-HELP = "run a benchmark (selection, prefill, kv, run) and report JSON"
+HELP = "run a benchmark (selection, prefill, decode, kv, run) and report JSON"
 
 #: Benchmark name -> module with ``add_arguments(parser)``, ``run(args) -> dict`` and
 #: ``render(result) -> str``.
 BENCHMARKS: dict[str, str] = {
     "selection": "app.bench.selection",
     "prefill": "app.bench.prefill",
+    "decode": "app.bench.decode",
     "kv": "app.bench.kv",
     "run": "app.bench.run",
 }

@@ -3,6 +3,8 @@
 - ``run_conformance`` / ``assert_conformance``: the conformance kit every prefill backend (ours
   and third parties') is checked with against a float64 reference; see
   ``app.testing.conformance`` for the cases and how to run it on your backend.
+- ``run_decode_conformance`` / ``assert_decode_conformance``: the same for MLA decode backends
+  (paged cache, random page tables, query_len 1..16); see ``app.testing.decode_conformance``.
 - ``SelectionOnlyBackend``: a backend to register and select in tests; it runs nothing.
 - ``reference_attention``: the float64 ragged attention the kit compares with.
 - The pytest fixtures (``app_container``, ``override_prefill_backend``, ``fake_platform``) live
@@ -19,15 +21,25 @@ from app.testing.conformance import (
     reference_attention,
     run_conformance,
 )
+from app.testing.decode_conformance import (
+    DECODE_CASES,
+    assert_decode_conformance,
+    reference_decode,
+    run_decode_conformance,
+)
 from app.testing.stubs import SelectionOnlyBackend
 
 __all__ = [
     "CASES",
+    "DECODE_CASES",
     "DEFAULT_TOLERANCES",
     "CaseResult",
     "ConformanceReport",
     "SelectionOnlyBackend",
     "assert_conformance",
+    "assert_decode_conformance",
     "reference_attention",
+    "reference_decode",
     "run_conformance",
+    "run_decode_conformance",
 ]

@@ -1,0 +1,351 @@
+"""A conformance kit for MLA decode backends: built-in or third party.
+
+It builds a decode backend from its class, writes random latents into a paged cache, builds
+random page tables and compares every output and LSE with ``reference_decode`` (float64, from
+the same inputs). The cases:
+
+=====================  ======================================================================
+``paged``              pages out of order and shared between requests, seq_len 1, seq_lens
+                       that are and are not multiples of the block size, unused table
+                       entries -1, huge values in the unused rows of last blocks
+``causal_query_len_4`` query_len 4: row i sees keys ``[0, seq_len - 4 + i]``
+``max_query_len``      the backend's ``max_query_len`` (16 by default)
+``batch_1``            one request with a long context
+``batch_33``           33 requests of random lengths
+``empty_batch``        B = 0: empty outputs, no error
+``out_buffer``         ``out=`` (pre-filled with NaN) is written in place and returned
+``noncontiguous_q``    q as a strided view of a larger tensor
+``scales_per_call``    ``softmax_scale``/``k_scale`` change between calls; nothing is cached
+``other_block_size``   a second block size (5 when any is accepted)
+``nonfinite_keys``     NaN in a step's last new token: exactly the rows that see it are
+                       non-finite; NaN in unused rows of a block changes nothing
+=====================  ======================================================================
+
+Every case checks the LSE (``return_lse=True``) and the plain call. Run it on your backend::
+
+    from app.testing import assert_decode_conformance
+    assert_decode_conformance(MyDecodeBackend, device="cuda", dtype=torch.bfloat16)
+
+``run_decode_conformance`` returns the report instead of raising. Tolerances are absolute, per
+dtype (``DEFAULT_TOLERANCES`` of the prefill kit).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+
+from app._types import DeviceCapability
+from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.testing.conformance import DEFAULT_TOLERANCES, CaseResult, ConformanceReport
+
+__all__ = [
+    "DECODE_CASES",
+    "assert_decode_conformance",
+    "reference_decode",
+    "run_decode_conformance",
+]
+
+#: Every decode case name, in the order they run.
+DECODE_CASES: tuple[str, ...] = (
+    "paged", "causal_query_len_4", "max_query_len", "batch_1", "batch_33", "empty_batch",
+    "out_buffer", "noncontiguous_q", "scales_per_call", "other_block_size", "nonfinite_keys")
+
+
+def reference_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: Sequence[int], kv_lora_rank: int, scale: float,
+                     k_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed paged decode in float64 on the host.
+
+    ``q [B, Q, H, D]``, ``kv_cache [num_blocks, block_size, D]``, ``block_table [B, *]``.
+    Returns ``out [B, Q, H, kv_lora_rank]`` and ``lse [B, Q, H]`` (float64, natural log);
+    row i of request b sees keys ``[0, seq_lens[b] - Q + i]``."""
+    batch, qlen, heads, _ = q.shape
+    bs = int(kv_cache.shape[1])
+    out = torch.zeros(batch, qlen, heads, kv_lora_rank, dtype=torch.float64)
+    lse = torch.zeros(batch, qlen, heads, dtype=torch.float64)
+    cache = kv_cache.detach().to("cpu", torch.float64)
+    table = block_table.detach().to("cpu", torch.long)
+    for b, seq_len in enumerate(seq_lens):
+        pos = torch.arange(seq_len)
+        kv = cache[table[b][pos // bs], pos % bs] * k_scale           # [L, D]
+        for i in range(qlen):
+            seen = kv[:seq_len - qlen + i + 1]
+            qi = q[b, i].detach().to("cpu", torch.float64)            # [H, D]
+            s = qi @ seen.t() * scale
+            lg = torch.logsumexp(s, dim=-1)
+            out[b, i] = torch.exp(s - lg.unsqueeze(-1)) @ seen[:, :kv_lora_rank]
+            lse[b, i] = lg
+    return out, lse
+
+
+class _CaseFailure(Exception):
+    pass
+
+
+class _DecodeKit:
+    """State shared by the cases of one run."""
+
+    def __init__(self, backend_cls: type[MLADecodeBackend], device: torch.device,
+                 dtype: torch.dtype, heads: int, rank: int, rope: int, block_size: int,
+                 seed: int, tol: dict[str, float]) -> None:
+        self.cls, self.device, self.dtype = backend_cls, device, dtype
+        self.heads, self.rank, self.rope, self.bs, self.tol = heads, rank, rope, block_size, tol
+        self.dim = rank + rope
+        self.scale = 1.0 / math.sqrt(128 + rope)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def backend(self) -> MLADecodeBackend:
+        return self.cls(num_heads=self.heads, scale=self.scale, kv_lora_rank=self.rank,
+                        qk_rope_head_dim=self.rope, kv_cache_dtype=self.dtype,
+                        device_capability=_capability(self.device))
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.device, self.dtype)
+
+    def layout(self, seq_lens: Sequence[int], bs: int, share: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A random paged cache and block table: pages shuffled, odd requests share their
+        first (full) page with the previous request, unused table entries -1, unused rows huge."""
+        needed = [(n + bs - 1) // bs for n in seq_lens]
+        width = max(needed, default=0) + 2
+        num_blocks = sum(needed) + 3
+        perm = torch.randperm(num_blocks, generator=self.gen).tolist()
+        table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+        nxt = 0
+        for b, n in enumerate(needed):
+            for j in range(n):
+                if share and b % 2 == 1 and j == 0 and min(seq_lens[b - 1], seq_lens[b]) >= bs:
+                    table[b, j] = table[b - 1, 0]
+                    continue
+                table[b, j] = perm[nxt]
+                nxt += 1
+        cache = torch.randn(num_blocks, bs, self.dim, generator=self.gen)
+        for b, n in enumerate(seq_lens):
+            if n % bs and needed[b]:
+                cache[int(table[b, needed[b] - 1]), n % bs:] = 1e4
+        return cache.to(self.device, self.dtype), table.to(self.device)
+
+    def run(self, seq_lens: Sequence[int], qlen: int, errors: dict[str, float], *,
+            bs: int | None = None, strided_q: bool = False, out_buffer: bool = False,
+            scales: Sequence[tuple[float | None, float | None]] = ((None, None),)) -> None:
+        bs = self.bs if bs is None else bs
+        cache, table = self.layout(seq_lens, bs)
+        be = self.backend()
+        be.prepare_metadata(table, torch.tensor(seq_lens, dtype=torch.int32,
+                                                device=self.device), qlen)
+        shape = (len(seq_lens), qlen, self.heads, self.dim)
+        q = self.randn(shape[2], shape[0], shape[1], shape[3] + 8)[..., 3:3 + self.dim] \
+            .permute(1, 2, 0, 3) if strided_q else self.randn(*shape)
+        if strided_q and q.is_contiguous() and q.numel():
+            raise _CaseFailure("internal: q should be a non-contiguous view")
+        for softmax_scale, k_scale in scales:
+            ref = reference_decode(q, cache, table, seq_lens, self.rank,
+                                   softmax_scale or self.scale, k_scale or 1.0)
+            buf = torch.full((*shape[:3], self.rank), float("nan"), dtype=self.dtype,
+                             device=self.device) if out_buffer else None
+            result = be.forward_decode(q, cache, out=buf, return_lse=True,
+                                       softmax_scale=softmax_scale, k_scale=k_scale)
+            if not isinstance(result, tuple) or len(result) != 2:
+                raise _CaseFailure("forward_decode(return_lse=True) must return (out, lse)")
+            if buf is not None and result[0] is not buf:
+                raise _CaseFailure("out= was not returned as the output")
+            self.compare(f"scales {softmax_scale}, {k_scale}", result[0], result[1], ref,
+                         errors)
+            plain = be.forward_decode(q, cache, softmax_scale=softmax_scale, k_scale=k_scale)
+            if isinstance(plain, tuple):
+                raise _CaseFailure("forward_decode(return_lse=False) must return a tensor")
+            self.compare("no LSE", plain, None, ref, errors)
+
+    def compare(self, what: str, out: object, lse: object,
+                ref: tuple[torch.Tensor, torch.Tensor], errors: dict[str, float]) -> None:
+        ref_out, ref_lse = ref
+        if not isinstance(out, torch.Tensor) or list(out.shape) != list(ref_out.shape) \
+                or out.dtype != self.dtype:
+            raise _CaseFailure(f"{what}: output must be a {self.dtype} tensor of shape "
+                               f"{list(ref_out.shape)}, got {_describe(out)}")
+        got = out.detach().to("cpu", torch.float64)
+        if not torch.isfinite(got).all():
+            raise _CaseFailure(f"{what}: output has non-finite values")
+        errors["out"] = max(errors.get("out", 0.0), _max_abs(got, ref_out))
+        if lse is None:
+            return
+        if not isinstance(lse, torch.Tensor) or list(lse.shape) != list(ref_lse.shape) \
+                or lse.dtype != torch.float32:
+            raise _CaseFailure(f"{what}: LSE must be float32 {list(ref_lse.shape)} [B, Q, H], "
+                               f"got {_describe(lse)}")
+        got_lse = lse.detach().to("cpu", torch.float64)
+        if not torch.isfinite(got_lse).all():
+            raise _CaseFailure(f"{what}: LSE has non-finite values")
+        errors["lse"] = max(errors.get("lse", 0.0), _max_abs(got_lse, ref_lse))
+
+    # -- the cases -------------------------------------------------------------------------
+
+    def paged(self, errors: dict[str, float]) -> None:
+        bs = self.bs
+        self.run([1, bs + 1, bs, 2 * bs + 7, 3 * bs, 6 * bs + 3], 1, errors)
+
+    def causal_query_len_4(self, errors: dict[str, float]) -> None:
+        self.run([4, 5, self.bs + 3, 4 * self.bs, 70], 4, errors)
+
+    def max_query_len(self, errors: dict[str, float]) -> None:
+        n = self.cls.max_query_len
+        self.run([n, n + 1, 3 * n + 5], n, errors)
+
+    def batch_1(self, errors: dict[str, float]) -> None:
+        self.run([1500], 1, errors)
+
+    def batch_33(self, errors: dict[str, float]) -> None:
+        lens = torch.randint(1, 120, (33,), generator=self.gen).tolist()
+        self.run(lens, 1, errors)
+
+    def empty_batch(self, errors: dict[str, float]) -> None:
+        be = self.backend()
+        be.prepare_metadata(torch.zeros(0, 4, dtype=torch.int32, device=self.device),
+                            torch.zeros(0, dtype=torch.int32, device=self.device), 2)
+        q = self.randn(0, 2, self.heads, self.dim)
+        result = be.forward_decode(q, self.randn(3, self.bs, self.dim), return_lse=True)
+        if not isinstance(result, tuple) or list(result[0].shape) != [0, 2, self.heads,
+                                                                       self.rank] \
+                or list(result[1].shape) != [0, 2, self.heads]:
+            raise _CaseFailure(f"empty batch: expected out [0, 2, H, rank] and lse [0, 2, H], "
+                               f"got {_describe(result)}")
+
+    def out_buffer(self, errors: dict[str, float]) -> None:
+        self.run([3, self.bs * 2 + 1, 40], 2, errors, out_buffer=True)
+
+    def noncontiguous_q(self, errors: dict[str, float]) -> None:
+        self.run([7, self.bs + 9, 50], 3, errors, strided_q=True)
+
+    def scales_per_call(self, errors: dict[str, float]) -> None:
+        self.run([9, 2 * self.bs + 1], 2, errors,
+                 scales=((0.01, None), (None, 2.0), (0.2, 0.5), (None, None)))
+
+    def other_block_size(self, errors: dict[str, float]) -> None:
+        sizes = [s for s in self.cls.supported_block_sizes if s != self.bs]
+        bs = 5 if not self.cls.supported_block_sizes else sizes[0]
+        self.run([2, bs, bs + 2, 9 * bs + 4], 2, errors, bs=bs)
+
+    def nonfinite_keys(self, errors: dict[str, float]) -> None:
+        seq_lens, qlen, bs = [3 * self.bs + 2, 9], 4, self.bs
+        cache, table = self.layout(seq_lens, bs, share=False)
+        for b, n in enumerate(seq_lens):                 # NaN in the unused rows: invisible
+            if n % bs:
+                cache[int(table[b, (n - 1) // bs]), n % bs:] = float("nan")
+        last = seq_lens[0] - 1                           # request 0's last new token
+        cache[int(table[0, last // bs]), last % bs, 5] = float("nan")
+        be = self.backend()
+        be.prepare_metadata(table, torch.tensor(seq_lens, dtype=torch.int32,
+                                                device=self.device), qlen)
+        q = self.randn(len(seq_lens), qlen, self.heads, self.dim)
+        result = be.forward_decode(q, cache, return_lse=True)
+        out, lse = result[0].cpu(), result[1].cpu()
+        finite = torch.isfinite(out.float()).all(dim=-1).cpu()          # [B, Q, H]
+        expected = torch.ones_like(finite)
+        expected[0, qlen - 1] = False
+        if not torch.equal(finite, expected):
+            raise _CaseFailure("NaN in the last new token of request 0 must make exactly its "
+                               f"last query row non-finite; finite rows: {finite.tolist()}")
+        clean = cache.clone()
+        clean[int(table[0, last // bs]), last % bs] = 0
+        for b, n in enumerate(seq_lens):
+            if n % bs:
+                clean[int(table[b, (n - 1) // bs]), n % bs:] = 0
+        ref = reference_decode(q, clean, table, seq_lens, self.rank, self.scale)
+        keep = expected.unsqueeze(-1)
+        self.compare("visible rows", torch.where(keep, out, 0), lse.masked_fill(~expected, 0),
+                     (torch.where(keep, ref[0], 0), ref[1].masked_fill(~expected, 0)), errors)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max().item()) if a.numel() else 0.0
+
+
+def _capability(device: torch.device) -> DeviceCapability | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return DeviceCapability(major, minor)
+
+
+def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
+                           device: torch.device | str = "cpu",
+                           dtype: torch.dtype = torch.bfloat16, num_heads: int = 16,
+                           kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
+                           block_size: int | None = None, seed: int = 0,
+                           cases: Sequence[str] | None = None,
+                           tolerances: dict[str, float] | None = None) -> ConformanceReport:
+    """Run the decode kit on ``backend_cls``; return the report (a failing case never raises).
+
+    ``block_size`` defaults to 16, or the backend's first supported block size; ``cases``
+    picks a subset of ``DECODE_CASES``."""
+    if not (isinstance(backend_cls, type) and issubclass(backend_cls, MLADecodeBackend)):
+        raise TypeError(f"run_decode_conformance: expected an MLADecodeBackend subclass, "
+                        f"got {backend_cls!r}")
+    device = torch.device(device)
+    if dtype not in DEFAULT_TOLERANCES and tolerances is None:
+        raise ValueError(f"run_decode_conformance: no default tolerances for {dtype}; "
+                         f"pass tolerances")
+    names = list(cases) if cases is not None else list(DECODE_CASES)
+    unknown = sorted(set(names) - set(DECODE_CASES))
+    if unknown:
+        raise ValueError(f"run_decode_conformance: unknown case(s) {unknown}; known: "
+                         f"{list(DECODE_CASES)}")
+    sizes = list(backend_cls.supported_block_sizes)
+    bs = block_size if block_size is not None else (sizes[0] if sizes else 16)
+    reasons = backend_cls.validate_configuration(_capability(device), MLADecodeSelectorConfig(
+        dtype=dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+        num_heads=num_heads, block_size=bs, query_len=1))
+    name = backend_cls.get_name()
+    if reasons:
+        return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
+                                 cases=(), unsupported=tuple(reasons))
+    tol = dict(DEFAULT_TOLERANCES.get(dtype, {}))
+    tol.update(tolerances or {})
+    kit = _DecodeKit(backend_cls, device, dtype, num_heads, kv_lora_rank, qk_rope_head_dim,
+                     bs, seed, tol)
+    results = []
+    for case in names:
+        if case == "other_block_size" and len(sizes) == 1:
+            results.append(CaseResult(case, True, skipped="one block size supported"))
+            continue
+        errors: dict[str, float] = {}
+        runner: Callable[[dict[str, float]], None] = getattr(kit, case)
+        try:
+            runner(errors)
+        except _CaseFailure as exc:
+            results.append(CaseResult(case, False, message=str(exc)))
+            continue
+        except Exception as exc:  # a crashing backend is a failed case
+            results.append(CaseResult(case, False, message=f"raised {type(exc).__name__}: "
+                                      f"{exc}\n{traceback.format_exc(limit=3)}"))
+            continue
+        out_err, lse_err = errors.get("out"), errors.get("lse")
+        passed = (out_err is None or out_err <= tol["out"]) and \
+                 (lse_err is None or lse_err <= tol["lse"])
+        results.append(CaseResult(case, passed, out_error=out_err, lse_error=lse_err,
+                                  out_tolerance=tol["out"], lse_tolerance=tol["lse"]))
+    return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
+                             cases=tuple(results))
+
+
+def assert_decode_conformance(backend_cls: type[MLADecodeBackend], *,
+                              device: torch.device | str = "cpu",
+                              dtype: torch.dtype = torch.bfloat16, **kwargs: object) -> None:
+    """``run_decode_conformance`` that raises ``AssertionError`` with the report when a case
+    fails or the backend cannot run on this device/dtype (keyword arguments are passed on)."""
+    report = run_decode_conformance(backend_cls, device=device, dtype=dtype,
+                                    **kwargs)  # type: ignore[arg-type]
+    if not report.passed:
+        raise AssertionError(report.format())

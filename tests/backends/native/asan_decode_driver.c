@@ -1,0 +1,157 @@
+/* Runs mla_decode_cpu_run / _merge under AddressSanitizer + UBSan (built by
+ * test_cpu_mla_decode_asan.py) on shapes around every edge: block sizes 1..64, seq_len 1 and
+ * not a multiple of the block size, query_len 1..16, head counts whose query rows are not a
+ * multiple of 16, rope 0/32/64, every cache dtype, whole and split requests. Every buffer
+ * (cache, table, q, out, lse, partials, scratch) is allocated at exactly the size the kernel
+ * is told, the unused rows of each last block hold NaN (reading them would show), and the
+ * result is checked against a float64 reference. Prints "<cases> cases, <bad> bad". */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla_decode_cpu.h"
+
+static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.f - 1.f; }
+
+static uint16_t to_bf16(float x) { /* truncate: exact in both formats */
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return (uint16_t)(bits >> 16);
+}
+
+static void put(void* p, int64_t i, float x, int dt) {
+  if (dt == APP_DT_BF16) ((uint16_t*)p)[i] = to_bf16(x);
+  else if (dt == APP_DT_F16) ((uint16_t*)p)[i] = _cvtss_sh(x, 0);
+  else ((float*)p)[i] = x;
+}
+
+static double get(const void* p, int64_t i, int dt) {
+  if (dt == APP_DT_BF16) {
+    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
+  return ((const float*)p)[i];
+}
+
+static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t rank,
+                    int64_t rope, int64_t bs, const int64_t* lens, int split) {
+  const int64_t d = rank + rope, rows = qlen * heads, es = app_native_elem_size(dt);
+  int64_t width = 1, nblocks = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t need = (lens[b] + bs - 1) / bs;
+    width = need > width ? need : width;
+    nblocks += need;
+  }
+  void* cache = malloc((size_t)(nblocks * bs * d * es));
+  int32_t* table = malloc(sizeof(int32_t) * (size_t)(batch * width));
+  int32_t* seq = malloc(sizeof(int32_t) * (size_t)batch);
+  void* q = malloc((size_t)(batch * rows * d * es));
+  void* out = malloc((size_t)(batch * rows * rank * es));
+  float* lse = malloc(sizeof(float) * (size_t)(batch * rows));
+  /* blocks handed out in reverse, so that no request's pages are in order */
+  int64_t next = nblocks;
+  for (int64_t b = 0; b < batch; ++b) {
+    seq[b] = (int32_t)lens[b];
+    for (int64_t j = 0; j < width; ++j)
+      table[b * width + j] = j < (lens[b] + bs - 1) / bs ? (int32_t)--next : -7;
+  }
+  for (int64_t i = 0; i < nblocks * bs * d; ++i) put(cache, i, uniform(), dt);
+  for (int64_t b = 0; b < batch; ++b) /* NaN in the unused rows of the last block */
+    for (int64_t r = lens[b] % bs ? lens[b] % bs : bs; r < bs; ++r)
+      for (int64_t c = 0; c < d; ++c)
+        put(cache, (table[b * width + (lens[b] - 1) / bs] * bs + r) * d + c, NAN, dt);
+  for (int64_t i = 0; i < batch * rows * d; ++i) put(q, i, uniform(), dt);
+
+  /* items: split requests into `split` ranges (partials), or one item each */
+  int64_t n_items = 0, parts = 0;
+  int64_t* items = malloc(sizeof(int64_t) * 4 * (size_t)(batch * (split > 1 ? split : 1)));
+  int64_t* merge = malloc(sizeof(int64_t) * 3 * (size_t)batch);
+  int64_t n_merge = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pieces = split > 1 && lens[b] >= split ? split : 1;
+    if (pieces > 1) {
+      merge[3 * n_merge] = b, merge[3 * n_merge + 1] = parts, merge[3 * n_merge + 2] = pieces;
+      ++n_merge;
+    }
+    for (int64_t p = 0; p < pieces; ++p, ++n_items) {
+      items[4 * n_items] = b;
+      items[4 * n_items + 1] = lens[b] * p / pieces;
+      items[4 * n_items + 2] = lens[b] * (p + 1) / pieces;
+      items[4 * n_items + 3] = pieces > 1 ? parts + p : -1;
+    }
+    parts += pieces > 1 ? pieces : 0;
+  }
+  float* part_out = parts ? malloc(sizeof(float) * (size_t)(parts * rows * rank)) : NULL;
+  float* part_lse = parts ? malloc(sizeof(float) * (size_t)(parts * rows)) : NULL;
+  const int64_t floats = mla_decode_cpu_scratch_floats(qlen, heads, rank, rope);
+  float* scratch = malloc(sizeof(float) * (size_t)floats);
+  const float scale = 0.2f;
+  mla_decode_args a = {
+      .cache = cache, .q = q, .out = out, .lse = lse, .block_table = table, .seq_lens = seq,
+      .items = items, .merge = merge, .part_out = part_out, .part_lse = part_lse,
+      .scratch = scratch, .batch = batch, .qlen = qlen, .heads = heads, .rank = rank,
+      .rope = rope, .num_blocks = nblocks, .block_size = bs, .block_stride = bs * d,
+      .row_stride = d, .bt_stride = width, .q_sb = rows * d, .q_si = heads * d, .q_sh = d,
+      .n_items = n_items, .n_merge = n_merge, .cache_dt = dt, .q_dt = dt, .out_dt = dt,
+      .q_mult = scale * 1.4426950408889634f, .v_mult = 1.f};
+  int bad = mla_decode_cpu_run(&a) != 0 || mla_decode_cpu_merge(&a) != 0;
+  const double tol = dt == APP_DT_F32 ? 1e-4 : 3e-2;
+  double* s = malloc(sizeof(double) * (size_t)(lens[0] > 0 ? 4096 : 1));
+  for (int64_t b = 0; b < batch && !bad; ++b)
+    for (int64_t r = 0; r < rows && !bad; ++r) {
+      const int64_t i = r / heads, seen = lens[b] - qlen + i + 1;
+      const char* qr = (const char*)q + ((b * rows + r) * d) * es;
+      double mx = -INFINITY, sum = 0;
+      for (int64_t t = 0; t < seen; ++t) {
+        const int64_t row = table[b * width + t / bs] * bs + t % bs;
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) dot += get(qr, c, dt) * get(cache, row * d + c, dt);
+        s[t] = dot * scale;
+        mx = s[t] > mx ? s[t] : mx;
+      }
+      for (int64_t t = 0; t < seen; ++t) sum += exp(s[t] - mx);
+      const double ref_lse = mx + log(sum);
+      if (fabs(lse[b * rows + r] - ref_lse) > tol) bad = 1;
+      for (int64_t c = 0; c < rank && !bad; ++c) {
+        double o = 0;
+        for (int64_t t = 0; t < seen; ++t)
+          o += exp(s[t] - mx) / sum *
+               get(cache, (table[b * width + t / bs] * bs + t % bs) * d + c, dt);
+        if (!(fabs(get(out, (b * rows + r) * rank + c, dt) - o) <= tol)) bad = 1;
+      }
+      if (bad)
+        printf("BAD dt %d batch %ld qlen %ld heads %ld rank %ld rope %ld bs %ld split %d: "
+               "request %ld row %ld\n", dt, (long)batch, (long)qlen, (long)heads, (long)rank,
+               (long)rope, (long)bs, split, (long)b, (long)r);
+    }
+  free(s), free(scratch), free(part_lse), free(part_out), free(merge), free(items);
+  free(lse), free(out), free(q), free(seq), free(table), free(cache);
+  return bad;
+}
+
+int main(void) {
+  srand(1);
+  int cases = 0, bad = 0;
+  const int dts[3] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16};
+  const int64_t lens_a[3] = {1, 17, 70}, lens_b[2] = {16, 33}, lens_c[1] = {300};
+  for (int di = 0; di < 3; ++di) {
+    const int dt = dts[di];
+    const int64_t bss[4] = {1, 5, 16, 64};
+    for (int bi = 0; bi < 4; ++bi) {
+      bad += run_case(dt, 3, 1, 3, 64, 32, bss[bi], lens_a, 1), ++cases;
+      bad += run_case(dt, 2, 3, 7, 128, 0, bss[bi], lens_b, 1), ++cases;
+      bad += run_case(dt, 1, 16, 2, 64, 64, bss[bi], lens_b + 1, 1), ++cases;
+      bad += run_case(dt, 1, 2, 20, 64, 32, bss[bi], lens_c, 3), ++cases;
+      bad += run_case(dt, 2, 4, 1, 64, 32, bss[bi], lens_b, 2), ++cases;
+      bad += run_case(dt, 1, 16, 3, 64, 32, bss[bi], lens_b + 1, 3), ++cases; /* empty part */
+    }
+  }
+  printf("%d cases, %d bad\n", cases, bad);
+  return bad != 0;
+}

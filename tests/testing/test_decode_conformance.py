@@ -1,0 +1,111 @@
+"""The decode conformance kit itself: it passes a correct backend and catches broken ones."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+from app.backends.decode_base import DecodeMetadata
+from app.backends.torch_sdpa_decode import TorchSDPADecodeBackend, decode_one_request
+from app.testing import DECODE_CASES, reference_decode, run_decode_conformance
+
+
+class NoCausalMask(TorchSDPADecodeBackend):
+    """Lets every query row of the step see every new token."""
+
+    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        bs = kv_cache.shape[1]
+        for b, n in enumerate(metadata.seq_lens_list):
+            pos = torch.arange(n)
+            latent = kv_cache[metadata.block_table_cpu[b].long()[pos // bs], pos % bs]
+            for i in range(q.shape[1]):
+                o, lg = decode_one_request(q[b, i:i + 1], latent, self.kv_lora_rank,
+                                           softmax_scale * k_scale, k_scale)
+                out[b, i] = o[0]
+                if lse is not None:
+                    lse[b, i] = lg[0]
+
+
+class CachesScales(TorchSDPADecodeBackend):
+    """Keeps the first call's scales (the TokenSpeed review's defect)."""
+
+    cached: ClassVar[dict[int, tuple[float, float]]] = {}
+
+    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        scales = self.cached.setdefault(id(self), (softmax_scale, k_scale))
+        super()._run_decode(metadata, q, kv_cache, out, lse, *scales)
+
+
+class ReadsWholeBlocks(TorchSDPADecodeBackend):
+    """Attends every row of the last block, past seq_len."""
+
+    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        bs = kv_cache.shape[1]
+        for b, n in enumerate(metadata.seq_lens_list):
+            pos = torch.arange(-(-n // bs) * bs)
+            latent = kv_cache[metadata.block_table_cpu[b].long()[pos // bs], pos % bs]
+            o, lg = decode_one_request(q[b], latent, self.kv_lora_rank,
+                                       softmax_scale * k_scale, k_scale)
+            out[b].copy_(o)
+            if lse is not None:
+                lse[b].copy_(lg)
+
+
+class NoLse(TorchSDPADecodeBackend):
+    """Returns a base-2 LSE."""
+
+    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        super()._run_decode(metadata, q, kv_cache, out, lse, softmax_scale, k_scale)
+        if lse is not None:
+            lse.mul_(1.4426950408889634)
+
+
+def _failed(cls: type[TorchSDPADecodeBackend], cases: list[str]) -> set[str]:
+    report = run_decode_conformance(cls, dtype=torch.float32, num_heads=4, kv_lora_rank=32,
+                                    qk_rope_head_dim=8, cases=cases)
+    return {c.name for c in report.failures}
+
+
+def test_kit_passes_torch_sdpa_with_small_dims() -> None:
+    report = run_decode_conformance(TorchSDPADecodeBackend, dtype=torch.float32, num_heads=4,
+                                    kv_lora_rank=32, qk_rope_head_dim=8)
+    assert report.passed, report.format()
+    assert [c.name for c in report.cases] == list(DECODE_CASES)
+
+
+def test_kit_catches_broken_backends() -> None:
+    assert _failed(NoCausalMask, ["paged", "causal_query_len_4"]) == {"causal_query_len_4"}
+    assert _failed(CachesScales, ["paged", "scales_per_call"]) == {"scales_per_call"}
+    assert _failed(ReadsWholeBlocks, ["paged", "batch_33"]) == {"paged", "batch_33"}
+    assert _failed(NoLse, ["batch_1"]) == {"batch_1"}
+
+
+def test_kit_reports_unsupported_and_bad_arguments() -> None:
+    report = run_decode_conformance(TorchSDPADecodeBackend, dtype=torch.float64,
+                                    tolerances={"out": 1e-9, "lse": 1e-9})
+    assert not report.passed and "dtype torch.float64 not supported" in report.format()
+    with pytest.raises(TypeError, match="MLADecodeBackend subclass"):
+        run_decode_conformance(int)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown case"):
+        run_decode_conformance(TorchSDPADecodeBackend, cases=["nope"])
+
+
+def test_reference_decode_matches_a_dense_computation() -> None:
+    cache = torch.randn(3, 2, 6, dtype=torch.float64)
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    q = torch.randn(1, 2, 1, 6, dtype=torch.float64)
+    out, lse = reference_decode(q, cache, table, [5], 4, 0.5)
+    keys = torch.cat([cache[2], cache[0], cache[1]])[:5]
+    s0 = (q[0, 0, 0] @ keys[:4].t()) * 0.5            # row 0 sees keys 0..3
+    assert torch.allclose(lse[0, 0, 0], torch.logsumexp(s0, 0))
+    assert torch.allclose(out[0, 0, 0], torch.softmax(s0, 0) @ keys[:4, :4])
