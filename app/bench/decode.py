@@ -9,8 +9,11 @@ TORCH_SDPA (the baseline) so a slow spell of a shared machine hits both.
 Per case: ms (best and median), cache GB/s (the cache bytes the step reads:
 ``sum(seq_len) * (kv_lora_rank + rope) * element size``), GFLOP/s (``2 * (2 * kv_lora_rank +
 rope) * H`` per (query row, visible key): q.k over the whole row and p.v over the latent),
-and the **roofline fraction**: lower bound = max(cache bytes / stream bandwidth, FLOPs /
-compute rate), fraction = lower bound / best time. Both rates are measured in the same run:
+the fraction of the CPU's fp32 FMA peak measured beside every call (``fraction_of_peak``,
+``fraction_of_peak_paired``; ``app.bench._peaks``) and the roofline with that peak as the
+compute bound (``peak_roofline_fraction``), and the **roofline fraction**: lower bound =
+max(cache bytes / stream bandwidth, FLOPs / compute rate), fraction = lower bound / best
+time. Both rates are measured in the same run:
 the stream bandwidth is the best ``sum()`` over a float32 tensor of ``--stream-gib`` GiB
 (>= 1), the compute rate the float32 ``torch.mm`` 2048^3 rate the prefill benchmark uses; each
 is measured at the start, before every case and at the end, and the best of each is used (a
@@ -47,6 +50,7 @@ import torch
 from app._imports import import_object
 from app._types import DeviceCapability
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.bench._peaks import FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 
@@ -240,7 +244,8 @@ def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
 
 
 def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: torch.device,
-              repeat: int, baseline: type[MLADecodeBackend] | None) -> dict[str, Any]:
+              repeat: int, baseline: type[MLADecodeBackend] | None,
+              meter: PeakMeter | None = None) -> dict[str, Any]:
     step = _step(case, block_size, device)
     be = _backend(cls, case, step, device)
     fns: dict[str, Callable[[], object]] = {
@@ -249,6 +254,10 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: 
     if baseline is not None and baseline is not cls:
         base = _backend(baseline, case, step, device)
         fns["baseline"] = lambda: base.forward_decode(step.q, step.cache, return_lse=True)
+    # The CPU's fp32 FMA peak beside every call (the decode kernels compute in float32).
+    peak_s: list[float] = []
+    if meter is not None and meter.enabled:
+        fns["peak"] = meter.beside(FP32_FMA, peak_s)
     timed = time_interleaved(fns, repeat=repeat, sync=_sync(device))
     t = min(timed["backend"])
     row: dict[str, Any] = {
@@ -261,6 +270,8 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: 
         "cache_gbs": round(case.cache_bytes(torch.bfloat16) / t / 1e9, 2),
         "peak_extra_mb": _mb(peak_extra_bytes(fns["backend"], device)),
         "scratch_mb": _mb(_scratch_bytes(cls, case))}
+    if meter is not None and meter.enabled:
+        meter.annotate(row, FP32_FMA, case.flops(), timed["backend"], peak_s)
     if base is not None:
         tb = min(timed["baseline"])
         row.update({"baseline": baseline.get_name() if baseline else None,
@@ -322,6 +333,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base_classes, _ = _backend_classes(BASELINE, device)
         baseline = base_classes[0] if base_classes else None
     mm_n, mm_rep = (256, 3) if args.quick else (2048, 5)
+    meter = PeakMeter(device)
+    meter.sample(repeat=1 if args.quick else 3)
     mm_runs = [matmul_rate(device, mm_n, mm_rep)]
     bw_runs = [stream_bandwidth(device, gib)]
     rows: list[dict[str, Any]] = []
@@ -334,11 +347,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 mm_runs.append(matmul_rate(device, mm_n, 3))
                 bw_runs.append(stream_bandwidth(device, gib, 3))
             try:
-                rows.append(_run_case(cls, case, args.block_size, device, repeat, baseline))
+                rows.append(_run_case(cls, case, args.block_size, device, repeat, baseline,
+                                      meter))
             except (RuntimeError, ValueError) as exc:
                 errors.append(f"{cls.get_name()} {case.name}: {exc}")
     mm_runs.append(matmul_rate(device, mm_n, mm_rep))
     bw_runs.append(stream_bandwidth(device, gib))
+    meter.sample(repeat=1 if args.quick else 3)
+    meter.finish(rows)
     mm, bw = max(mm_runs), max(bw_runs)
     for row in rows:
         case_bytes, flops, t = row["cache_mb"] * 1e6, row["gflop"] * 1e9, row["ms"] / 1e3
@@ -348,6 +364,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["roofline_fraction"] = round(bound / t, 3)
         if "baseline_ms" in row:
             row["baseline_roofline_fraction"] = round(bound / (row["baseline_ms"] / 1e3), 4)
+        if row.get("peak_gflops"):  # the roofline with the measured FMA peak as compute bound
+            row["peak_roofline_fraction"] = round(max(
+                case_bytes / (bw * 1e9), flops / (row["peak_gflops"] * 1e9)) / t, 3)
     targets = _targets(rows) if device.type == "cpu" and not args.quick else []
     return {
         "benchmark": "decode", "device": str(device), "cpu": _cpu(), "torch": torch.__version__,
@@ -359,6 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
+        "peaks": meter.summary() if device.type == "cpu" else None,
         "results": rows, "skipped_backends": skipped, "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
         "errors": errors, "ok": not errors, "elapsed_s": round(time.perf_counter() - started, 1)}

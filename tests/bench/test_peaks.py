@@ -82,3 +82,23 @@ def test_meter_is_off_away_from_the_cpu() -> None:
     assert not meter.enabled
     meter.sample()
     assert meter.runs == {}
+
+
+def test_bench_decode_reads_the_fma_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from app.cli import main
+
+    if torch.cuda.is_available():  # pragma: no cover - a GPU machine benchmarks the GPU
+        pytest.skip("bench decode runs on the GPU here")
+    _probe()
+    assert main(["bench", "--json", "decode", "--quick", "--no-baseline",
+                 "--backends", "CPU_MLA"]) in (0, 1)
+    result = json.loads(capsys.readouterr().out)
+    peak = result["peaks"]["fp32_fma_gflops"]
+    assert peak > 0 and result["peaks"]["cpu_model"] == detect_cpu_features().model_name
+    for row in result["results"]:
+        assert row["bound_peak"] == FP32_FMA and row["peak_gflops"] == peak
+        assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=5e-3,
+                                                        abs=2e-3)
+        assert row["fraction_of_peak_paired"] > 0 and row["peak_roofline_fraction"] > 0
