@@ -57,6 +57,7 @@ def collect() -> dict[str, Any]:
     info["torch_cuda"] = torch.version.cuda
     info["python_version"] = _pyplatform.python_version()
     info["cpu_native_kernel"] = cpu_native_kernel()
+    info["cpu_bf16_kernel"] = cpu_bf16_kernel()
     info["kernel_packages"] = probe_kernel_packages()
     return info
 
@@ -72,6 +73,17 @@ def cpu_native_kernel() -> str:
     # A refused cache directory (not ours, or writable by others) is said even when a
     # fallback directory worked.
     return text + "".join(f"; note: {note}" for note in status.notes)
+
+
+def cpu_bf16_kernel() -> str:
+    """The native kernel's bf16-products build (bf16 inputs on AVX512-BF16 CPUs):
+    ``available (<library>)`` or ``unavailable: <why> (bf16 inputs use float32 math)``."""
+    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
+
+    status = native_bf16_kernel_status()
+    if status.available:
+        return f"available ({status.library})"
+    return f"unavailable: {'; '.join(status.reasons)} (bf16 inputs use float32 math)"
 
 
 def run(args: argparse.Namespace) -> int:
