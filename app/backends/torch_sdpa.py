@@ -67,6 +67,7 @@ from app.backends._cpu_native import (
     load_native_kernel,
 )
 from app.backends._cpu_native_bf16 import load_native_bf16_kernel
+from app.backends._dense import all_finite, attend_dense
 from app.backends.merge import merge_attn_states
 
 if TYPE_CHECKING:
@@ -264,6 +265,12 @@ class TorchSDPABackend(RaggedKernelBackend):
         if native is not None:
             self._run_cpu_native(native, layout, q, k, v, causal, result, lse)
             return
+        if not all_finite(k, v):
+            # A NaN or inf in a key or value: the aten kernel would leak it from masked keys
+            # (score + -inf, 0 * NaN) into every row; the dense path keeps to the rule (see
+            # app.backends._dense). Corrupt input is rare, so its speed does not matter.
+            self._run_dense(layout, q, k, v, causal, result, lse)
+            return
         dtype = cpu_compute_dtype(q.dtype)
         width = max(self.qk_head_dim, self.v_head_dim)
         head_major = self.cpu_head_major
@@ -392,7 +399,8 @@ class TorchSDPABackend(RaggedKernelBackend):
     def _run_dense(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
                    ) -> None:
-        """Per-request float32 matmul-softmax-matmul (lengths from the host layout)."""
+        """Per-request float32 matmul-softmax-matmul (lengths from the host layout), NaN
+        and inf handled by the rule of :mod:`app.backends._dense`."""
         for qs, ks, q_len, kv_len in zip(layout.q_starts, layout.kv_starts, layout.q_lens,
                                          layout.kv_lens, strict=True):
             if q_len == 0:
@@ -401,18 +409,8 @@ class TorchSDPABackend(RaggedKernelBackend):
                 result[qs:qs + q_len].zero_()
                 lse[:, qs:qs + q_len].fill_(_NEG_INF)
                 continue
-            qb = q[qs:qs + q_len].float().transpose(0, 1)
-            kb = k[ks:ks + kv_len].float().transpose(0, 1)
-            vb = v[ks:ks + kv_len].float().transpose(0, 1)
-            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(self.scale)
-            if causal:
-                hidden = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).triu(
-                    kv_len - q_len + 1)
-                scores.masked_fill_(hidden, _NEG_INF)
-            lg = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - lg.unsqueeze(-1)).nan_to_num_(nan=0.0)
-            result[qs:qs + q_len].copy_(torch.matmul(probs, vb).transpose(0, 1))
-            lse[:, qs:qs + q_len].copy_(lg)
+            attend_dense(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len], causal,
+                         self.scale, result[qs:qs + q_len], lse[:, qs:qs + q_len])
 
     # -- CUDA -----------------------------------------------------------------------------
 

@@ -63,10 +63,13 @@ static inline void store16(void* p, long i, __m512 x, int dt) {
   } else if (dt == APP_DT_F16) {
     _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {  /* bf16, round to nearest even */
+  } else {  /* bf16, round to nearest even; NaN as the quiet NaN 0x7FC0 (rounding a NaN's
+              * payload could carry into the sign bit and leave -0) */
     __m512i bits = _mm512_castps_si512(x);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                 _mm512_set1_epi32(0x7FC00000));
     _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
   }
@@ -209,18 +212,37 @@ static inline __attribute__((always_inline)) void qk_tile(
   }
 }
 
-/* acc[mr x 64] += p[mr x keys] . v[keys x 64] (mr <= PR). */
+/* acc[mr x 64] += p[mr x keys] . v[keys x 64] (mr <= PR), row i over its first vis[i] keys
+ * only: past them its p is 0, but 0 * inf and 0 * NaN are NaN, so a non-finite v in a key
+ * the row must not see (the causal diagonal) would leak into it. */
 static inline __attribute__((always_inline)) void pv_tile(
-    const float* p, const float* v, long ld_v, long keys, const int mr, float* acc, long ld_a) {
+    const float* p, const float* v, long ld_v, long keys, const long* vis, const int mr,
+    float* acc, long ld_a) {
   __m512 c[PR][4];
   _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i)
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
       c[i][u] = i < mr ? _mm512_loadu_ps(acc + i * ld_a + 16 * u) : _mm512_setzero_ps();
-  for (long j = 0; j < keys; ++j) {
+  long common = keys;  /* keys every row of the tile sees */
+  for (int i = 0; i < mr; ++i)
+    if (vis[i] < common) common = vis[i];
+  for (long j = 0; j < common; ++j) {
     const float* vr = v + j * ld_v;
     __m512 b0 = _mm512_loadu_ps(vr), b1 = _mm512_loadu_ps(vr + 16);
     __m512 b2 = _mm512_loadu_ps(vr + 32), b3 = _mm512_loadu_ps(vr + 48);
     _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i) {
+      __m512 a = _mm512_set1_ps(p[i * LDS + j]);
+      c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(a, b2, c[i][2]);
+      c[i][3] = _mm512_fmadd_ps(a, b3, c[i][3]);
+    }
+  }
+  for (long j = common; j < keys; ++j) {  /* the diagonal: at most MR + PR keys */
+    const float* vr = v + j * ld_v;
+    __m512 b0 = _mm512_loadu_ps(vr), b1 = _mm512_loadu_ps(vr + 16);
+    __m512 b2 = _mm512_loadu_ps(vr + 32), b3 = _mm512_loadu_ps(vr + 48);
+    _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i) {
+      if (i >= mr || j >= vis[i]) continue;
       __m512 a = _mm512_set1_ps(p[i * LDS + j]);
       c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
       c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
@@ -249,21 +271,32 @@ static inline __m512 exp2_nonpositive(__m512 x) {
 }
 
 /* One score row: keep the first `vis` of `width` scores (exponentiated against the new
- * running max), zero the rest; update the row's running max m, sum l and accumulator. */
+ * running max), zero the rest; update the row's running max m, sum l and accumulator.
+ * A non-finite score among the first `vis` (a NaN or inf in q or in a key the row sees)
+ * makes l NaN, and so the row's output and LSE: the max and the exp clamp below would
+ * otherwise drop a NaN, hiding the corruption. The rest of the row is never read. */
 static void softmax_row(float* row, long vis, long width, float* m, float* l, float* acc,
                         long dv) {
   for (long j = vis; j < width; ++j) row[j] = 0.f;
   if (vis <= 0) return;
   __m512 vmax = _mm512_set1_ps(-INFINITY);
+  __m512 nonfinite = _mm512_setzero_ps();  /* x - x: 0 for a finite x, NaN otherwise */
   long j = 0;
-  for (; j + 16 <= vis; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+  for (; j + 16 <= vis; j += 16) {
+    __m512 x = _mm512_loadu_ps(row + j);
+    vmax = _mm512_max_ps(vmax, x);
+    nonfinite = _mm512_add_ps(nonfinite, _mm512_sub_ps(x, x));
+  }
   __mmask16 tail = (__mmask16)((1u << (vis - j)) - 1);
-  if (j < vis)
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + j));
+  if (j < vis) {
+    __m512 x = _mm512_maskz_loadu_ps(tail, row + j);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_blend_ps(tail, _mm512_set1_ps(-INFINITY), x));
+    nonfinite = _mm512_add_ps(nonfinite, _mm512_sub_ps(x, x));
+  }
   float row_max = _mm512_reduce_max_ps(vmax);
   float m_new = *m > row_max ? *m : row_max;
   float alpha = exp2f(*m - m_new);  /* 0 on the first block (m = -inf) */
-  __m512 vm = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+  __m512 vm = _mm512_set1_ps(m_new), sum = nonfinite;
   for (j = 0; j + 16 <= vis; j += 16) {
     __m512 e = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
     _mm512_storeu_ps(row + j, e);
@@ -324,6 +357,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
     for (long ks = 0; ks < kv_end; ks += BK) {
       const long kn = kv_end - ks < BK ? kv_end - ks : BK;
       long tile_keys[BQ / MR];  /* keys of this block the tile's last row sees */
+      long row_vis[BQ];         /* keys of this block each row sees */
       for (long i0 = 0; i0 < qn; i0 += MR) {
         const long mr = qn - i0 < MR ? qn - i0 : MR;
         long end = causal ? qs + i0 + mr + off : kv_end;
@@ -351,6 +385,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
         long vis = causal ? qs + i + off + 1 - ks : kn;
         if (vis > tile_keys[i / MR]) vis = tile_keys[i / MR];
         if (vis < 0) vis = 0;
+        row_vis[i] = vis;
         softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, acc + i * dv, dv);
       }
       for (long i0 = 0; i0 < qn; i0 += PR) {
@@ -359,8 +394,10 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
         const int pr = qn - i0 < PR ? (int)(qn - i0) : PR;
         for (long c0 = 0; c0 < dv; c0 += 64) {
           const float* vb = vbuf + ks * dv + c0;
-          if (pr == PR) pv_tile(S + i0 * LDS, vb, dv, tk, PR, acc + i0 * dv + c0, dv);
-          else pv_tile(S + i0 * LDS, vb, dv, tk, pr, acc + i0 * dv + c0, dv);
+          if (pr == PR)
+            pv_tile(S + i0 * LDS, vb, dv, tk, row_vis + i0, PR, acc + i0 * dv + c0, dv);
+          else
+            pv_tile(S + i0 * LDS, vb, dv, tk, row_vis + i0, pr, acc + i0 * dv + c0, dv);
         }
       }
     }

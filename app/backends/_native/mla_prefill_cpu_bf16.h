@@ -86,15 +86,21 @@ static inline __attribute__((always_inline)) void qk_tile_bf16(
 }
 
 /* acc[mr x 64] += p[mr x 2 pairs] . v[pairs x 64] (mr <= PR): p rows are bf16 with a row
- * stride of 2 LDS elements (LDS words), v pair rows dv words apart. */
+ * stride of 2 LDS elements (LDS words), v pair rows dv words apart. Row i takes only its
+ * first vis[i] keys, as pv_tile: its p is 0 past them, but 0 * NaN is NaN, so a non-finite v
+ * in a key the row must not see would leak in; a pair half seen takes v with the second key's
+ * elements zeroed. */
 static inline __attribute__((always_inline)) void pv_tile_bf16(
-    const uint32_t* p, const uint32_t* v, long ld_v, long pairs, const int mr, float* acc,
-    long ld_a) {
+    const uint32_t* p, const uint32_t* v, long ld_v, long pairs, const long* vis,
+    const int mr, float* acc, long ld_a) {
   __m512 c[PR][4];
   _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i)
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
       c[i][u] = i < mr ? _mm512_loadu_ps(acc + i * ld_a + 16 * u) : _mm512_setzero_ps();
-  for (long j = 0; j < pairs; ++j) {
+  long common = 2 * pairs;  /* keys every row of the tile sees */
+  for (int i = 0; i < mr; ++i)
+    if (vis[i] < common) common = vis[i];
+  for (long j = 0; j < common / 2; ++j) {
     const uint32_t* vr = v + j * ld_v;
     __m512bh b0 = (__m512bh)_mm512_loadu_si512(vr);
     __m512bh b1 = (__m512bh)_mm512_loadu_si512(vr + 16);
@@ -106,6 +112,21 @@ static inline __attribute__((always_inline)) void pv_tile_bf16(
       c[i][1] = _mm512_dpbf16_ps(c[i][1], a, b1);
       c[i][2] = _mm512_dpbf16_ps(c[i][2], a, b2);
       c[i][3] = _mm512_dpbf16_ps(c[i][3], a, b3);
+    }
+  }
+  const __mmask32 even = 0x55555555u;  /* the first key of each pair */
+  for (long j = common / 2; j < pairs; ++j) {  /* the diagonal: at most (MR + PR) / 2 pairs */
+    const uint32_t* vr = v + j * ld_v;
+    const __m512i w0 = _mm512_loadu_si512(vr), w1 = _mm512_loadu_si512(vr + 16);
+    const __m512i w2 = _mm512_loadu_si512(vr + 32), w3 = _mm512_loadu_si512(vr + 48);
+    _Pragma("GCC unroll 8") for (int i = 0; i < PR; ++i) {
+      if (i >= mr || 2 * j >= vis[i]) continue;
+      const __mmask32 keep = 2 * j + 1 < vis[i] ? 0xFFFFFFFFu : even;
+      __m512bh a = (__m512bh)_mm512_set1_epi32((int)p[i * LDS + j]);
+      c[i][0] = _mm512_dpbf16_ps(c[i][0], a, (__m512bh)_mm512_maskz_mov_epi16(keep, w0));
+      c[i][1] = _mm512_dpbf16_ps(c[i][1], a, (__m512bh)_mm512_maskz_mov_epi16(keep, w1));
+      c[i][2] = _mm512_dpbf16_ps(c[i][2], a, (__m512bh)_mm512_maskz_mov_epi16(keep, w2));
+      c[i][3] = _mm512_dpbf16_ps(c[i][3], a, (__m512bh)_mm512_maskz_mov_epi16(keep, w3));
     }
   }
   _Pragma("GCC unroll 8") for (int i = 0; i < mr; ++i)
@@ -168,6 +189,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
     for (long ks = 0; ks < kv_end; ks += BK) {
       const long kn = kv_end - ks < BK ? kv_end - ks : BK;
       long tile_keys[BQ / MR];  /* keys of this block the tile's last row sees */
+      long row_vis[BQ];         /* keys of this block each row sees */
       for (long i0 = 0; i0 < qn; i0 += MR) {
         const long mr = qn - i0 < MR ? qn - i0 : MR;
         long end = causal ? qs + i0 + mr + off : kv_end;
@@ -191,6 +213,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
         long vis = causal ? qs + i + off + 1 - ks : kn;
         if (vis > tile_keys[i / MR]) vis = tile_keys[i / MR];
         if (vis < 0) vis = 0;
+        row_vis[i] = vis;
         softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, acc + i * dv, dv);
         probabilities_to_bf16(S + i * LDS, pv_keys[i / PR]);
       }
@@ -201,8 +224,10 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
         const uint32_t* pt = (const uint32_t*)(S + i0 * LDS);
         for (long c0 = 0; c0 < dv; c0 += 64) {
           const uint32_t* vb = (const uint32_t*)(vbuf + ks * dv) + c0;
-          if (pr == PR) pv_tile_bf16(pt, vb, dv, (tk + 1) / 2, PR, acc + i0 * dv + c0, dv);
-          else pv_tile_bf16(pt, vb, dv, (tk + 1) / 2, pr, acc + i0 * dv + c0, dv);
+          if (pr == PR)
+            pv_tile_bf16(pt, vb, dv, (tk + 1) / 2, row_vis + i0, PR, acc + i0 * dv + c0, dv);
+          else
+            pv_tile_bf16(pt, vb, dv, (tk + 1) / 2, row_vis + i0, pr, acc + i0 * dv + c0, dv);
         }
       }
     }

@@ -1,6 +1,7 @@
-/* Runs mla_prefill_cpu_attend under AddressSanitizer (built by test_cpu_native_asan.py) on shapes
- * around every tile, block and head-dim edge, with each tensor and the scratch allocated at
- * exactly the size the kernel is told, and checks the result against a float64 reference.
+/* Runs mla_prefill_cpu_attend under AddressSanitizer (built by test_cpu_native_asan.py) on
+ * shapes around every tile, block and head-dim edge, with each tensor and the scratch
+ * allocated at exactly the size the kernel is told, and checks the result against a float64
+ * reference, also with a NaN planted in one key or value (the NaN rule of app/backends/_dense.py).
  * Prints "<cases> cases, <bad> bad"; exits 1 if any case is off. */
 #include <math.h>
 #include <stdint.h>
@@ -48,10 +49,19 @@ static float read_out(const void* out, long i, int dt) {
   return x;
 }
 
-/* Worst error of head h's output and LSE against float64. */
+/* Element i of a tensor of type dt set to NaN. */
+static void set_nan(void* buf, long i, int dt) {
+  if (dt == F32) ((float*)buf)[i] = NAN;
+  else ((uint16_t*)buf)[i] = 0x7FC0;
+}
+
+/* Worst error of head h's output and LSE against float64. bad_key >= 0: head 0 of that key
+ * holds a NaN in k (bad_in_v 0: rows that see it must be NaN throughout, LSE too) or in
+ * column 0 of v (bad_in_v 1: that column of the rows that see it must be NaN); the
+ * reference (f32 copies) keeps the finite value, which no other row may depend on. */
 static double check_head(const float* q, const float* k, const float* v, const void* out,
                          const float* lse, long ql, long kl, long d, long dv, int causal,
-                         float scale, int out_dt, long h) {
+                         float scale, int out_dt, long h, long bad_key, int bad_in_v) {
   double worst = 0.0, *s = malloc(sizeof(double) * (size_t)(kl + 1));
   for (long i = 0; i < ql; ++i) {
     long end = causal ? i + kl - ql + 1 : kl;
@@ -66,7 +76,18 @@ static double check_head(const float* q, const float* k, const float* v, const v
       if (s[j] > mx) mx = s[j];
     }
     for (long j = 0; j < end; ++j) sum += (s[j] = exp(s[j] - mx));
+    const int sees_bad = h == 0 && bad_key >= 0 && bad_key < end;
+    if (sees_bad && !bad_in_v) {
+      for (long c = 0; c < dv; ++c)
+        if (!isnan(read_out(out, (i * HEADS + h) * dv + c, out_dt))) worst = INFINITY;
+      if (!isnan(lse[h * ql + i])) worst = INFINITY;
+      continue;
+    }
     for (long c = 0; c < dv; ++c) {
+      if (sees_bad && c == 0) {
+        if (isfinite(read_out(out, (i * HEADS + h) * dv + c, out_dt))) worst = INFINITY;
+        continue;
+      }
       double o = 0.0;
       for (long j = 0; j < end; ++j) o += s[j] * v[(j * HEADS + h) * dv + c];
       o = end ? o / sum : 0.0;
@@ -81,13 +102,16 @@ static double check_head(const float* q, const float* k, const float* v, const v
   return worst;
 }
 
-static int run_case(long ql, long kl, long d, long dv, int causal, int in_dt, int out_dt) {
+static int run_case(long ql, long kl, long d, long dv, int causal, int in_dt, int out_dt,
+                    long bad_key, int bad_in_v) {
   float* qf = malloc(sizeof(float) * (size_t)(ql * HEADS * d + 1));
   float* kf = malloc(sizeof(float) * (size_t)(kl * HEADS * d + 1));
   float* vf = malloc(sizeof(float) * (size_t)(kl * HEADS * dv + 1));
   void* q = random_tensor(ql * HEADS * d, 2.f, in_dt, qf);
   void* k = random_tensor(kl * HEADS * d, 2.f, in_dt, kf);
   void* v = random_tensor(kl * HEADS * dv, 1.f, in_dt, vf);
+  if (bad_key >= 0 && !bad_in_v) set_nan(k, bad_key * HEADS * d + 5 % d, in_dt);
+  if (bad_key >= 0 && bad_in_v) set_nan(v, bad_key * HEADS * dv, in_dt);
   void* out = malloc((size_t)(ql * HEADS * dv) * (out_dt == F32 ? 4 : 2) + 1);
   float* lse = malloc(sizeof(float) * (size_t)(HEADS * ql) + 1);
   float* scratch =
@@ -107,7 +131,8 @@ static int run_case(long ql, long kl, long d, long dv, int causal, int in_dt, in
   }
   double worst = 0.0;
   for (long h = 0; h < HEADS; ++h) {
-    double err = check_head(qf, kf, vf, out, lse, ql, kl, d, dv, causal, scale, out_dt, h);
+    double err = check_head(qf, kf, vf, out, lse, ql, kl, d, dv, causal, scale, out_dt, h,
+                            bad_key, bad_in_v);
     if (!(err <= worst)) worst = err;
   }
 #ifdef MLA_PREFILL_BF16  /* bf16 products: probabilities rounded to bf16 before p.v */
@@ -116,8 +141,8 @@ static int run_case(long ql, long kl, long d, long dv, int causal, int in_dt, in
   const double tol = out_dt == F32 ? 1e-4 : 1e-2;
 #endif
   if (!(worst <= tol))
-    printf("off: q %ld kv %ld d %ld dv %ld causal %d in %d out %d: error %g\n", ql, kl, d, dv,
-           causal, in_dt, out_dt, worst);
+    printf("off: q %ld kv %ld d %ld dv %ld causal %d in %d out %d NaN key %ld%s: error %g\n",
+           ql, kl, d, dv, causal, in_dt, out_dt, bad_key, bad_in_v ? " (v)" : "", worst);
   free(qf), free(kf), free(vf), free(q), free(k), free(v), free(out), free(lse), free(scratch);
   return !(worst <= tol);
 }
@@ -133,12 +158,20 @@ int main(void) {
         const long ql = q_lens[a];
         const long kl = a % 3 == 0 ? ql : a % 3 == 1 ? ql + 37 : ql / 2 + 1;
         const int in_dt = (a + b) % 2 ? BF16 : F32, out_dt = (a + causal) % 2 ? BF16 : F32;
-        bad += run_case(ql, kl, dims[b][0], dims[b][1], causal, in_dt, out_dt);
-        ++cases;
+        bad += run_case(ql, kl, dims[b][0], dims[b][1], causal, in_dt, out_dt, -1, 0);
+        /* a NaN in a key, then in a value, near the middle (on a tile diagonal) */
+        bad += run_case(ql, kl, dims[b][0], dims[b][1], causal, in_dt, out_dt, kl / 2, 0);
+        bad += run_case(ql, kl, dims[b][0], dims[b][1], causal, in_dt, out_dt, kl / 2, 1);
+        cases += 3;
       }
-  bad += run_case(600, 600, 192, 128, 1, F32, F32);  /* past one 512-key block */
-  bad += run_case(601, 601, 193, 128, 1, BF16, F32);  /* odd d and keys past a block */
-  cases += 2;
+  /* past one 512-key block */
+  bad += run_case(600, 600, 192, 128, 1, F32, F32, -1, 0);
+  bad += run_case(600, 600, 192, 128, 1, F32, F32, 555, 1);
+  /* odd d and keys past a block, bf16 in (the bf16-products build's pairs) */
+  bad += run_case(601, 601, 193, 128, 1, BF16, F32, -1, 0);
+  bad += run_case(601, 601, 193, 128, 1, BF16, F32, 555, 1);
+  bad += run_case(601, 601, 193, 128, 1, BF16, F32, 556, 1);
+  cases += 5;
   printf("%d cases, %d bad\n", cases, bad);
   return bad != 0;
 }
