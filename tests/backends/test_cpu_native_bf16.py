@@ -129,3 +129,20 @@ def test_unavailable_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch,
     status = bf16.native_bf16_kernel_status()
     assert not status.available
     assert any("AVX512-BF16" in r for r in status.reasons)
+
+
+@pytest.mark.parametrize("bad", [10, 11])   # the first and the second key of a pair
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_reaches_exactly_the_rows_that_see_it(kernel: bf16.NativeMLAPrefillKernel,
+                                                  bad: int, where: str) -> None:
+    q, k, v = _ragged([30], [30], 1, 192, 64, seed=5)
+    (k if where == "k" else v)[bad, 0, 3] = float("nan")
+    out, lse = torch.empty(30, 1, 64), torch.empty(1, 30)
+    kernel.attend(q, k, v, [0], [30], [0], [30], True, 0.07, out, lse)
+    assert torch.isfinite(out[:bad]).all() and torch.isfinite(lse[:, :bad]).all()
+    if where == "k":  # the score is NaN: the whole row and its LSE
+        assert torch.isnan(out[bad:]).all() and torch.isnan(lse[:, bad:]).all()
+    else:  # one value column: that column only
+        assert torch.isnan(out[bad:, 0, 3]).all() and torch.isfinite(lse).all()
+        others = torch.cat([out[bad:, 0, :3], out[bad:, 0, 4:]], dim=-1)
+        assert torch.isfinite(others).all()
