@@ -115,6 +115,19 @@ def test_platform_command_lists_the_features(
     assert "Intel Xeon Fake" in out
 
 
+def test_platform_command_says_whether_bf16_products_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
+
+    assert main(["platform", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    status = native_bf16_kernel_status()
+    assert data["cpu_bf16_kernel"].startswith("available" if status.available
+                                              else "unavailable: ")
+    if not status.available:
+        assert "; ".join(status.reasons) in data["cpu_bf16_kernel"]
+
+
 def test_this_machine_reads_consistently() -> None:
     features = detect_cpu_features()
     assert features == read_cpu_features()
