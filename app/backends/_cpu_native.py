@@ -14,9 +14,11 @@ cached and what is trusted). Arguments go to C as one ``mla_prefill_args`` struc
 (:class:`MlaPrefillArgs`). ctypes releases the GIL during the call: the (request, head) items
 are split into ``torch.get_num_threads()`` shares run by
 :func:`app.backends._native_pool.run_shares`, which is safe for any number of concurrent
-callers and returns only when every share is done. ``APP_CPU_NATIVE_KERNEL=0`` turns the
-kernel off. A kernel that cannot be built or loaded is not an error:
-:func:`native_kernel_status` says why, and callers fall back.
+callers and returns only when every share is done. NaN and inf follow the rule of
+:mod:`app.backends._dense` (a non-finite score poisons its row; keys a row does not see never
+reach it, not even as ``0 * NaN``). ``APP_CPU_NATIVE_KERNEL=0`` turns the kernel off. A
+kernel that cannot be built or loaded is not an error: :func:`native_kernel_status` says why,
+and callers fall back.
 """
 
 from __future__ import annotations

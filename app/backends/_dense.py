@@ -25,13 +25,20 @@ _BLOCK_ELEMENTS = 1 << 24
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every element of every tensor is finite (one min/max pass over each: NaN
-    propagates through both, an inf shows in one)."""
+    """Whether every element of every tensor is finite: one reduction pass over each, in which
+    a NaN or inf always shows. float32 / bfloat16 use a sum (the cheapest pass; a sum that
+    overflows from finite values says "not finite" too, and the caller takes its exact,
+    slower path); other dtypes (float16's sum would overflow at 65504) a min/max pass."""
     for t in tensors:
-        if t.numel():
+        if not t.numel():
+            continue
+        if t.dtype in (torch.float32, torch.bfloat16):
+            values = [t.sum().item()]
+        else:
             lo, hi = torch.aminmax(t)
-            if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
-                return False
+            values = [lo.item(), hi.item()]
+        if not all(math.isfinite(x) for x in values):
+            return False
     return True
 
 

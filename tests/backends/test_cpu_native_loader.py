@@ -323,3 +323,62 @@ def test_the_prefill_kernel_checks_its_struct_and_codes_from_the_library() -> No
 
     assert set(kernel.dtype_codes) == {torch.float32, torch.bfloat16, torch.float16}
     assert len(set(kernel.dtype_codes.values())) == 3
+
+
+def test_processes_building_at_once_leave_one_library_and_no_temp_files(env: Path) -> None:
+    """Builds go to private temp directories and are renamed into place: processes racing
+    on an empty cache all load a whole library."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ctypes, sys, tempfile\n"
+        "from app.backends import _native_loader as loader\n"
+        "tempfile.tempdir = sys.argv[2]\n"
+        "class A(ctypes.Structure):\n"
+        "    _fields_ = [('x', ctypes.c_void_p), ('out', ctypes.c_void_p),"
+        " ('n', ctypes.c_int64), ('scale', ctypes.c_float)]\n"
+        "s = loader.NativeLibrarySpec(name='tiny3', sources=(sys.argv[1],), abi_version=3,"
+        " flags=('-O1', '-DTINY_ABI=3'), structs=(('tiny_args', A),))\n"
+        "st = loader.load_native_library(s)\n"
+        "print(st.available, st.path, st.reasons)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(env / "tiny.c"),
+                               str(env / "tmp")], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert all(o.startswith("True ") for o in outputs), outputs
+    assert len({o.split()[1] for o in outputs}) == 1
+    assert len(list(cache_dir(env).iterdir())) == 1  # one library, no build directories
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_loader_lock_is_held_can_load(env: Path) -> None:
+    import faulthandler
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with loader._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 3
+            try:
+                faulthandler.dump_traceback_later(20, exit=True)  # a deadlock fails, not hangs
+                code = 0 if loader.load_native_library(spec(env)).available else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -142,3 +142,15 @@ def test_native_bf16_output_keeps_nan_whatever_its_payload() -> None:
     out = torch.empty(4, 1, 64, dtype=torch.bfloat16)
     kernel.attend(q, k, v, [0], [4], [0], [4], True, 0.1, out, torch.empty(1, 4))
     assert out[2:, 0, 9].float().isnan().all() and out[:2].float().isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_sees_every_nan_and_inf_and_nothing_else(dtype: torch.dtype) -> None:
+    from app.backends._dense import all_finite
+
+    big = torch.full((4096, 4), 60000.0).to(dtype)  # a float16 sum would overflow
+    assert all_finite(big, big[:, :2])
+    for value in (NAN, INF, -INF):
+        x = big.clone()
+        x[4000, 3] = value
+        assert not all_finite(big, x[:, 2:])

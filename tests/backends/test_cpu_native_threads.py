@@ -146,3 +146,38 @@ def test_an_interrupted_caller_still_waits_for_its_shares() -> None:
     with pytest.raises(KeyboardInterrupt):
         _native_pool.run_shares([interrupted, slow])
     assert done == ["slow"]
+
+
+def test_a_child_forked_while_the_pool_lock_is_held_runs_shares() -> None:
+    import faulthandler
+    import os
+
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    _native_pool.run_shares([lambda: None, lambda: None])  # the parent's pool exists
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _native_pool._pool._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 3
+            try:
+                faulthandler.dump_traceback_later(20, exit=True)  # a deadlock fails, not hangs
+                done: list[int] = []
+                _native_pool.run_shares([lambda: done.append(0), lambda: done.append(1)])
+                code = 0 if sorted(done) == [0, 1] else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0
