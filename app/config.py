@@ -1,19 +1,21 @@
 """Frozen, validated engine configuration.
 
-``EngineConfig`` holds a ``ModelConfig`` (dtype and MLA dimensions), an ``AttentionConfig``
-(which prefill backend, if forced) and a ``CacheConfig`` (block size, number of blocks, prefix
-caching). Every field is checked when the object is built: a bad value raises ``ValueError``
-(``TypeError`` for a value of the wrong type) naming the field, the value and what is allowed.
-Build one in code, from a plain dict (``EngineConfig.from_dict``) or from a TOML file
+``EngineConfig`` holds a ``ModelConfig`` (dtype and MLA dimensions), an ``AttentionConfig`` (which
+prefill / decode backend, if forced, by name) and a ``CacheConfig`` (block size, number of blocks,
+prefix caching). Every field is checked when the object is built: a bad value raises ``ValueError``
+(``TypeError`` for a value of the wrong type) naming the field, the value and what is allowed. Build
+one in code, from a plain dict (``EngineConfig.from_dict``) or from a TOML file
 (``EngineConfig.from_toml``).
 """
 
 from __future__ import annotations
 
+import enum
+import keyword
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -21,9 +23,6 @@ import torch
 from app._toml import load_toml
 from app._types import MLADimensions
 from app._validation import is_int
-
-if TYPE_CHECKING:
-    from app.backends.registry import MLAPrefillBackendEnum
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -151,37 +150,48 @@ class ModelConfig:
                              v_head_dim=self.v_head_dim)
 
 
-def _coerce_backend(value: object) -> MLAPrefillBackendEnum | None:
+def _backend_name(kind: str, value: object) -> str | None:
+    """``AttentionConfig.mla_<kind>_backend`` as a backend's name (a string) or None.
+
+    The config sits below the registry and knows no backend: it checks the form of the name
+    (an identifier not starting with ``_``; an enum member gives its name; ``"auto"``, ``""``
+    and None mean automatic selection) and selection checks that the backend exists.
+    """
+    field = f"AttentionConfig.mla_{kind}_backend"
     if value is None:
         return None
-    # Imported here: the registry reads the active container, which imports this module.
-    from app.backends.registry import MLAPrefillBackendEnum
+    if isinstance(value, enum.Enum):
+        value = value.name
+    if not isinstance(value, str):
+        raise TypeError(f"{field}: expected a backend name, 'auto' or None, got {value!r} "
+                        f"({type(value).__name__})")
+    name = value.strip()
+    if name.lower() in ("", "auto"):
+        return None
+    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
+        raise ValueError(f"{field}: expected 'auto' or a backend name (an identifier like "
+                         f"'FLASHINFER', not starting with '_'), got {value!r}")
+    return name
 
-    if isinstance(value, MLAPrefillBackendEnum):
-        return value
-    if isinstance(value, str):
-        if value.strip().lower() in ("", "auto"):
-            return None
-        name = value.strip()
-        members = MLAPrefillBackendEnum.__members__
-        # Exact name first (run-time members may be lower case), then upper case.
-        if name not in members:
-            name = name.upper()
-        try:
-            return MLAPrefillBackendEnum[name]
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"AttentionConfig.mla_prefill_backend: {exc}") from None
-    raise TypeError("AttentionConfig.mla_prefill_backend: expected a backend name, an "
-                    f"MLAPrefillBackendEnum member or None, got {value!r} "
-                    f"({type(value).__name__})")
+
+def _prefill_backend_name(value: object) -> str | None:
+    return _backend_name("prefill", value)
+
+
+def _decode_backend_name(value: object) -> str | None:
+    return _backend_name("decode", value)
 
 
 @attrs.frozen(kw_only=True)
 class AttentionConfig:
-    """How attention runs: ``mla_prefill_backend`` forces a backend (None or "auto" = select)."""
+    """How attention runs: ``mla_prefill_backend`` / ``mla_decode_backend`` force a backend by
+    name (None or "auto" = select; an unknown name fails at selection, listing the valid ones).
+    """
 
-    mla_prefill_backend: MLAPrefillBackendEnum | None = attrs.field(
-        default=None, converter=_coerce_backend)
+    mla_prefill_backend: str | None = attrs.field(default=None,
+                                                  converter=_prefill_backend_name)
+    mla_decode_backend: str | None = attrs.field(default=None,
+                                                 converter=_decode_backend_name)
     #: Most context tokens gathered and up-projected at once in chunked prefill.
     context_chunk_tokens: int = attrs.field(default=65536, validator=_int_at_least(1))
 
@@ -254,6 +264,4 @@ class EngineConfig:
         model = attrs.asdict(self.model)
         model["dtype"] = dtype_name(self.model.dtype)
         attention = attrs.asdict(self.attention)
-        backend = self.attention.mla_prefill_backend
-        attention["mla_prefill_backend"] = None if backend is None else backend.name
         return {"model": model, "attention": attention, "cache": attrs.asdict(self.cache)}

@@ -1,36 +1,47 @@
 """The composition root: the dependency-injection containers and the active container.
 
-Data flows one way: config -> container -> (platform, backend classes, spec bindings) ->
-selector -> backend instance -> executor. This module imports only the config and the
-platforms; everything else it provides is named by dotted path and imported on first use, so
-the facades (``MLAPrefillBackendEnum``, ``KVCacheSpecRegistry``) can import this module without
-a cycle.
+Data flows one way: config -> container -> (platform, backend classes, spec bindings,
+workspaces) -> selector -> backend instance -> executor. This is the one module that wires
+concrete classes: the backend providers come from the kinds' tables
+(``app.backends.table``), and every service gets what it needs passed in by a provider (the
+spec bindings their platform and config, the selection its config, platform, backends and
+cache, a backend its device capability and workspaces). No state is kept on a container
+instance: it lives in providers, so overriding any provider at any time takes effect.
 
 A process has one default container (``get_container()``); ``use_container(c)`` makes another
-one active for a ``with`` block, per thread and per asyncio task (a ``ContextVar``). A deployment
-is config plus overrides on a fresh container (``create_container``), never a subclass of
-``Application``: dependents of a subclassed provider are not rewired.
+one active for a ``with`` block, per thread and per asyncio task (a ``ContextVar``). A
+deployment is config plus overrides on a fresh container (``create_container``), never a
+subclass of ``Application``: dependents of a subclassed provider are not rewired.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dependency_injector import containers, providers
 
+from app._active import activate, active
 from app._imports import import_object
+from app.backends.kernel_base import KernelWorkspaces
+from app.backends.kinds import DECODE, PREFILL, BackendKind
+from app.backends.selection import SelectionCache, select_backend
+from app.backends.table import CUSTOM, PREFILL_BACKENDS
 from app.config import EngineConfig
-from app.platforms import Platform, detect_platform
+from app.kvcache.bindings import KVCacheSpecBindings
+from app.platforms.base import Platform
+from app.platforms.detect import detect_platform
 from app.plugins import apply_general_plugins
 
 __all__ = [
     "BUILTIN_MLA_PREFILL_BACKENDS",
     "Application",
+    "MLADecodeBackendClasses",
     "MLAPrefillBackendClasses",
+    "build_backend",
     "create_container",
     "get_container",
     "reset_default_container",
@@ -38,71 +49,82 @@ __all__ = [
     "use_container",
 ]
 
-#: Built-in backend names and the classes their providers import by default.
-BUILTIN_MLA_PREFILL_BACKENDS: dict[str, str] = {
-    "TORCH_SDPA": "app.backends.torch_sdpa.TorchSDPABackend",
-    "FLASH_ATTN": "app.backends.flash_attn.FlashAttnBackend",
-    "FLASHINFER": "app.backends.flashinfer.FlashInferBackend",
-    "TRTLLM_RAGGED": "app.backends.trtllm_ragged.TrtllmRaggedBackend",
-    "TOKENSPEED_MLA": "app.backends.tokenspeed_mla.TokenSpeedMLABackend",
-}
+logger = logging.getLogger(__name__)
+
+#: Built-in prefill backend names and the classes their providers import by default (the
+#: prefill table as a dict).
+BUILTIN_MLA_PREFILL_BACKENDS: dict[str, str] = PREFILL_BACKENDS.as_dict()
 
 
-_imported: dict[str, Any] = {}
+def _backend_classes(kind: BackendKind, class_name: str) -> type[containers.DeclarativeContainer]:
+    """A container class with one provider per backend in ``kind``'s table (calling it
+    imports and returns the class) and a ``CUSTOM`` provider that gives None until something
+    is registered."""
+    attributes: dict[str, Any] = {
+        entry.name: providers.Callable(import_object, entry.class_path) for entry in kind.table}
+    attributes[CUSTOM] = providers.Object(None)
+    attributes["__doc__"] = (
+        f"One provider per {kind.label} backend; calling one returns the backend *class*. "
+        f"Override one to replace that backend in this container only: "
+        f"``c.{kind.container_attr}.NAME.override(providers.Object(MyBackend))``.")
+    attributes["__module__"] = __name__
+    cls: type[containers.DeclarativeContainer] = type(
+        class_name, (containers.DeclarativeContainer,), attributes)
+    return cls
 
 
-def _call_by_path(path: str, *args: Any, **kwargs: Any) -> Any:
-    """Import ``path`` when a provider first needs it (then keep it), and call it."""
-    target = _imported.get(path)
-    if target is None:
-        target = _imported[path] = import_object(path)
-    return target(*args, **kwargs)
+MLAPrefillBackendClasses = _backend_classes(PREFILL, "MLAPrefillBackendClasses")
+MLADecodeBackendClasses = _backend_classes(DECODE, "MLADecodeBackendClasses")
 
 
-class MLAPrefillBackendClasses(containers.DeclarativeContainer):
-    """One provider per MLA prefill backend; calling one returns the backend *class*.
-
-    Override one to replace that backend: ``c.mla_prefill_backends.FLASHINFER.override(
-    providers.Object(MyBackend))``. ``CUSTOM`` provides None until something is registered.
-    """
-
-    TORCH_SDPA = providers.Callable(import_object, BUILTIN_MLA_PREFILL_BACKENDS["TORCH_SDPA"])
-    FLASH_ATTN = providers.Callable(import_object, BUILTIN_MLA_PREFILL_BACKENDS["FLASH_ATTN"])
-    FLASHINFER = providers.Callable(import_object, BUILTIN_MLA_PREFILL_BACKENDS["FLASHINFER"])
-    TRTLLM_RAGGED = providers.Callable(import_object,
-                                       BUILTIN_MLA_PREFILL_BACKENDS["TRTLLM_RAGGED"])
-    TOKENSPEED_MLA = providers.Callable(import_object,
-                                        BUILTIN_MLA_PREFILL_BACKENDS["TOKENSPEED_MLA"])
-    CUSTOM: providers.Object[None] = providers.Object(None)
+def build_backend(cls: type[Any], config: EngineConfig, platform: Platform,
+                  workspaces: KernelWorkspaces) -> Any:
+    """An instance of backend class ``cls`` for ``config``'s model, given the platform's
+    device capability (and, for prefill, the container's kernel workspaces)."""
+    capability = platform.get_device_capability()
+    if issubclass(cls, PREFILL.base):
+        return cls.from_config(config, device_capability=capability, workspaces=workspaces)
+    return cls.from_config(config, device_capability=capability)
 
 
 class Application(containers.DeclarativeContainer):
-    """The application container: config, platform, backend classes, spec bindings, selection.
+    """The application container.
 
-    Providers:
+    Providers (each can be overridden at any time, and the override takes effect at once):
       - ``config``: the ``EngineConfig`` (override with ``providers.Object(cfg)``).
       - ``platform``: the ``Platform`` singleton (detected; override to pretend to be any GPU).
-      - ``mla_prefill_backends``: one provider per backend class (``MLAPrefillBackendClasses``).
-      - ``registry_lock``: this container's lock for registration and selection bookkeeping.
+      - ``mla_prefill_backends`` / ``mla_decode_backends``: one provider per backend class.
+      - ``selection_cache``: this container's ``SelectionCache``.
+      - ``kernel_workspaces``: this container's kernel workspaces (one buffer per kernel and
+        device, shared by every backend the container builds).
+      - ``kv_cache_spec_bindings``: the KV-cache spec -> manager bindings, given the platform
+        and config (read on first use).
+      - ``mla_prefill_backend_class`` / ``mla_decode_backend_class``: the selected class for
+        ``config`` on ``platform`` (decode with ``query_len`` 1).
+      - ``mla_prefill_backend`` / ``mla_decode_backend``: a new instance of the selected
+        class, built with the platform's device capability and the workspaces.
       - ``applied_general_plugins``: which general plugins ran on this container.
-      - ``registry_state``: the mutable per-container registry bookkeeping (override
-        generation, selection cache).
-      - ``kv_cache_spec_bindings``: this container's KV-cache spec -> manager bindings.
-      - ``mla_prefill_backend_class``: the selected backend class for ``config`` on ``platform``.
     """
-
-    __self__ = providers.Self()
 
     config = providers.Object(EngineConfig())
     platform = providers.Singleton(detect_platform)
     mla_prefill_backends = providers.Container(MLAPrefillBackendClasses)
-    registry_lock = providers.Singleton(threading.RLock)
-    applied_general_plugins: providers.Singleton[dict[str, bool]] = providers.Singleton(dict)
-    registry_state = providers.Singleton(_call_by_path, "app.backends.registry.RegistryState")
+    mla_decode_backends = providers.Container(MLADecodeBackendClasses)
+    selection_cache = providers.Singleton(SelectionCache)
+    kernel_workspaces = providers.Singleton(KernelWorkspaces)
     kv_cache_spec_bindings = providers.Singleton(
-        _call_by_path, "app.kvcache.registry.KVCacheSpecBindings")
+        KVCacheSpecBindings, platform=platform.provider, config=config.provider)
     mla_prefill_backend_class = providers.Callable(
-        _call_by_path, "app.backends.selector.select_for_container", __self__)
+        select_backend, providers.Object(PREFILL), config, platform, mla_prefill_backends,
+        selection_cache)
+    mla_decode_backend_class = providers.Callable(
+        select_backend, providers.Object(DECODE), config, platform, mla_decode_backends,
+        selection_cache)
+    mla_prefill_backend = providers.Factory(
+        build_backend, mla_prefill_backend_class, config, platform, kernel_workspaces)
+    mla_decode_backend = providers.Factory(
+        build_backend, mla_decode_backend_class, config, platform, kernel_workspaces)
+    applied_general_plugins: providers.Singleton[dict[str, bool]] = providers.Singleton(dict)
 
 
 def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
@@ -133,8 +155,6 @@ def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
 
 _default_lock = threading.Lock()
 _default_container: Application | None = None
-_active_container: contextvars.ContextVar[Application | None] = contextvars.ContextVar(
-    "app_active_container", default=None)
 
 
 def _check_container(container: object, where: str) -> Application:
@@ -148,9 +168,9 @@ def _check_container(container: object, where: str) -> Application:
 
 def get_container() -> Application:
     """The active container: the innermost ``use_container``, else the process default."""
-    active = _active_container.get()
-    if active is not None:
-        return active
+    current: Application | None = active()
+    if current is not None:
+        return current
     global _default_container
     if _default_container is None:
         with _default_lock:
@@ -178,8 +198,5 @@ def reset_default_container() -> None:
 def use_container(container: Application) -> Iterator[Application]:
     """Make ``container`` the active one inside the ``with`` block (this thread / task only)."""
     checked = _check_container(container, "use_container")
-    token = _active_container.set(checked)
-    try:
+    with activate(checked):
         yield checked
-    finally:
-        _active_container.reset(token)

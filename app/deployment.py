@@ -6,10 +6,14 @@ A deployment is config plus overrides, never a subclass of ``Application``. The 
     name = "h100-prod"                 # optional, shown by the CLI
     platform = "auto"                  # auto | cpu | cuda | cuda:9.0 (emulated) | pkg.mod.Platform
     prefill_backend = "auto"           # auto | a backend name (built-in or from [backends])
+    decode_backend = "auto"            # auto | a name (built-in or from [decode_backends])
 
-    [backends]                         # backend class overrides, by dotted path
+    [backends]                         # prefill backend class overrides, by dotted path
     FLASHINFER = "my_pkg.prefill.MyFlashInfer"
     MY_KERNEL = "my_pkg.prefill.MyKernel"      # a new name adds a backend
+
+    [decode_backends]                  # decode backend class overrides, likewise
+    MY_DECODE = "my_pkg.decode.MyDecode"
 
     [[kv_cache_specs]]                 # extra KV-cache spec registrations
     spec = "my_pkg.kv.MySpec"
@@ -34,19 +38,23 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from dependency_injector import providers
 
 from app._imports import import_object
 from app._toml import load_toml
 from app._types import DeviceCapability
+from app.backends._providers import check_backend_class
+from app.backends.kinds import DECODE, PREFILL, BackendKind
+from app.backends.registry import enum_for, register_backend
 from app.config import EngineConfig
-from app.containers import Application, create_container, use_container
+from app.containers import Application, create_container
+from app.kvcache.specs import KVCacheSpec
 from app.platforms import CpuPlatform, CudaPlatform, Platform
 
 __all__ = ["Deployment", "load", "parse", "parse_dict"]
 
-_TOP_LEVEL = {"deployment", "backends", "kv_cache_specs", "model", "attention", "cache"}
-_DEPLOYMENT_KEYS = {"name", "platform", "prefill_backend"}
+_TOP_LEVEL = {"deployment", "backends", "decode_backends", "kv_cache_specs", "model",
+              "attention", "cache"}
+_DEPLOYMENT_KEYS = {"name", "platform", "prefill_backend", "decode_backend"}
 _SPEC_KEYS = {"spec", "manager", "uniform_base"}
 _CUDA_EMULATED = re.compile(r"^cuda:(\d+)\.(\d+)$")
 _PLATFORM_ALLOWED = "'auto', 'cpu', 'cuda', 'cuda:<major>.<minor>' or a Platform class path"
@@ -69,24 +77,25 @@ class Deployment:
     prefill_backend: str | None
     backend_overrides: dict[str, type[Any]]
     kv_cache_specs: tuple[_SpecBinding, ...]
-    config_sections: dict[str, dict[str, Any]]
+    #: The validated ``[model]``/``[attention]``/``[cache]`` config (built once, at parse).
+    config: EngineConfig
+    decode_backend: str | None = None
+    decode_backend_overrides: dict[str, type[Any]] = attrs.field(factory=dict)
 
     def build(self) -> Application:
         """A fresh container with this deployment's platform, backends, specs and config."""
-        from app.backends.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
-        from app.kvcache import KVCacheSpecRegistry
-
-        container = create_container(platform=self.platform)
-        with use_container(container):
-            for name, cls in self.backend_overrides.items():
+        container = create_container(self.config, platform=self.platform)
+        for kind, overrides in ((PREFILL, self.backend_overrides),
+                                (DECODE, self.decode_backend_overrides)):
+            backends = getattr(container, kind.container_attr)()
+            for name, cls in overrides.items():
                 # An existing member is overridden; a new name adds a member.
-                existing = MLAPrefillBackendEnum.__members__.get(name)
-                register_mla_prefill_backend(name if existing is None else existing, cls)
-            config = _engine_config(self.source, self.config_sections, self.prefill_backend)
-            container.config.override(providers.Object(config))
-            for binding in self.kv_cache_specs:
-                KVCacheSpecRegistry.register(binding.spec, binding.manager,
-                                             uniform_type_base_spec=binding.uniform_base)
+                existing = enum_for(kind).__members__.get(name)
+                register_backend(kind, backends, name if existing is None else existing, cls)
+        bindings = container.kv_cache_spec_bindings()
+        for binding in self.kv_cache_specs:
+            bindings.register(binding.spec, binding.manager,
+                              uniform_type_base_spec=binding.uniform_base)
         return container
 
 
@@ -109,19 +118,25 @@ def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deploymen
     name = section.get("name", "")
     if not isinstance(name, str):
         raise TypeError(f"{source}: deployment.name = {name!r}: expected a string")
-    overrides = _backend_overrides(source, _table(source, "backends", data.get("backends", {})))
-    prefill_backend = _prefill_backend(source, section.get("prefill_backend", "auto"), overrides)
+    overrides = _backend_overrides(source, PREFILL,
+                                   _table(source, "backends", data.get("backends", {})))
+    decode_overrides = _backend_overrides(
+        source, DECODE, _table(source, "decode_backends", data.get("decode_backends", {})))
+    prefill_backend = _backend_name(source, PREFILL, section.get("prefill_backend", "auto"),
+                                    overrides)
+    decode_backend = _backend_name(source, DECODE, section.get("decode_backend", "auto"),
+                                   decode_overrides)
     sections = {key: dict(_table(source, key, data[key]))
                 for key in ("model", "attention", "cache") if key in data}
-    # Validate the config now (new backend names are not members yet: check them without).
-    _engine_config(source, sections, None if prefill_backend in overrides else prefill_backend,
-                   skip_backend=prefill_backend in overrides)
+    config = _engine_config(source, sections, {PREFILL: prefill_backend,
+                                               DECODE: decode_backend})
     return Deployment(
         name=name, source=source,
         platform=_platform(source, section.get("platform", "auto")),
         prefill_backend=prefill_backend, backend_overrides=overrides,
         kv_cache_specs=_kv_cache_specs(source, data.get("kv_cache_specs", [])),
-        config_sections=sections)
+        config=config, decode_backend=decode_backend,
+        decode_backend_overrides=decode_overrides)
 
 
 def _check_keys(source: str, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
@@ -163,33 +178,30 @@ def _platform(source: str, value: object) -> Platform | None:
     return platform
 
 
-def _backend_overrides(source: str, table: Mapping[str, Any]) -> dict[str, type[Any]]:
-    from app.backends.base import MLAPrefillBackend
-
+def _backend_overrides(source: str, kind: BackendKind, table: Mapping[str, Any]
+                       ) -> dict[str, type[Any]]:
+    key = "backends" if kind is PREFILL else f"{kind.name}_backends"
     result: dict[str, type[Any]] = {}
     for name, path in table.items():
-        where = f"{source}: backends.{name} = {path!r}"
+        where = f"{source}: {key}.{name} = {path!r}"
         if not name.isidentifier() or name != name.upper():
             raise ValueError(f"{where}: a backend name must be an upper-case identifier")
         if not isinstance(path, str):
             raise TypeError(f"{where}: expected a dotted class path string")
-        cls = _import(source, f"backends.{name}", path)
-        if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
-            raise TypeError(f"{where}: {cls!r} is not an MLAPrefillBackend subclass")
-        result[name] = cls
+        result[name] = check_backend_class(kind, _import(source, f"{key}.{name}", path), where)
     return result
 
 
-def _prefill_backend(source: str, value: object, overrides: Mapping[str, Any]) -> str | None:
-    from app.backends.registry import MLAPrefillBackendEnum
-
-    where = f"{source}: deployment.prefill_backend = {value!r}"
+def _backend_name(source: str, kind: BackendKind, value: object,
+                  overrides: Mapping[str, Any]) -> str | None:
+    key = f"deployment.{kind.name}_backend"
+    where = f"{source}: {key} = {value!r}"
     if not isinstance(value, str):
         raise TypeError(f"{where}: expected 'auto' or a backend name")
     if value.lower() == "auto":
         return None
     name = value.upper()
-    known = [m.name for m in MLAPrefillBackendEnum]
+    known = list(enum_for(kind).__members__)
     if name not in known and name not in overrides:
         raise ValueError(f"{where}: unknown backend; allowed: 'auto', "
                          f"{', '.join(known + sorted(set(overrides) - set(known)))}")
@@ -197,8 +209,6 @@ def _prefill_backend(source: str, value: object, overrides: Mapping[str, Any]) -
 
 
 def _kv_cache_specs(source: str, entries: object) -> tuple[_SpecBinding, ...]:
-    from app.kvcache import KVCacheSpec
-
     if not isinstance(entries, list):
         raise TypeError(f"{source}: kv_cache_specs = {entries!r}: expected an array of tables "
                         "([[kv_cache_specs]])")
@@ -242,18 +252,17 @@ def _import(source: str, key: str, path: str) -> Any:
 
 
 def _engine_config(source: str, sections: dict[str, dict[str, Any]],
-                   prefill_backend: str | None, skip_backend: bool = False) -> EngineConfig:
+                   forced: Mapping[BackendKind, str | None]) -> EngineConfig:
     sections = {k: dict(v) for k, v in sections.items()}
     attention = sections.setdefault("attention", {})
-    if skip_backend:
-        attention.pop("mla_prefill_backend", None)
-    elif prefill_backend is not None:
-        given = attention.get("mla_prefill_backend")
-        if given is not None and str(given).upper() != prefill_backend:
-            raise ValueError(f"{source}: deployment.prefill_backend = {prefill_backend!r} "
-                             f"conflicts with attention.mla_prefill_backend = {given!r}; "
-                             "give one")
-        attention["mla_prefill_backend"] = prefill_backend
+    for kind, name in forced.items():
+        if name is None:
+            continue
+        given = attention.get(kind.config_attr)
+        if given is not None and str(given).upper() != name:
+            raise ValueError(f"{source}: deployment.{kind.name}_backend = {name!r} conflicts "
+                             f"with attention.{kind.config_attr} = {given!r}; give one")
+        attention[kind.config_attr] = name
     try:
         return EngineConfig.from_dict(sections)
     except (ValueError, TypeError) as exc:

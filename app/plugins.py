@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from app._active import activate
 from app._imports import import_object
 from app.platforms.base import Platform
 
@@ -129,15 +130,13 @@ def apply_general_plugins(container: Any) -> dict[str, bool]:
     Returns ``{name: succeeded}`` for this container. Idempotent: a plugin already applied to
     the container is not run again. A plugin that raises is logged with its name and skipped.
     """
-    from app.containers import use_container
-
     applied: dict[str, bool] = container.applied_general_plugins()
     with _lock:
         for name, func in _load_entry_points(GENERAL_PLUGINS_GROUP).items():
             if name in applied:
                 continue
             try:
-                with use_container(container):
+                with activate(container):
                     func()
             except Exception:
                 logger.exception("general plugin %s raised; skipped", name)

@@ -71,20 +71,28 @@ def test_dtype_error_lists_what_is_allowed() -> None:
 def test_attention_backend_by_name_member_or_none() -> None:
     from app.backends.registry import MLAPrefillBackendEnum
 
+    # The config stores validated names (strings), never enum members.
     assert AttentionConfig().mla_prefill_backend is None
     assert AttentionConfig(mla_prefill_backend="auto").mla_prefill_backend is None
-    assert (AttentionConfig(mla_prefill_backend="flashinfer").mla_prefill_backend
-            is MLAPrefillBackendEnum.FLASHINFER)
+    assert AttentionConfig(mla_prefill_backend="FLASHINFER").mla_prefill_backend == "FLASHINFER"
     member = MLAPrefillBackendEnum.TORCH_SDPA
-    assert AttentionConfig(mla_prefill_backend=member).mla_prefill_backend is member
+    assert AttentionConfig(mla_prefill_backend=member).mla_prefill_backend == "TORCH_SDPA"
+    assert AttentionConfig(mla_decode_backend="CPU_MLA").mla_decode_backend == "CPU_MLA"
 
 
 def test_attention_unknown_backend_names_field_and_value() -> None:
+    from app.backends import get_mla_prefill_backend
+    from app.containers import create_container
+
     with pytest.raises(ValueError) as info:
-        AttentionConfig(mla_prefill_backend="NOPE")
+        AttentionConfig(mla_prefill_backend="NOT A NAME")
     message = str(info.value)
-    assert "mla_prefill_backend" in message and "NOPE" in message
-    assert "TORCH_SDPA" in message  # what is allowed
+    assert "mla_prefill_backend" in message and "NOT A NAME" in message
+    # A well-formed but unknown name fails at selection, listing what is allowed.
+    config = EngineConfig.from_dict({"attention": {"mla_prefill_backend": "NOPE"}})
+    with pytest.raises(ValueError, match="Unknown MLA prefill backend: 'NOPE'") as info:
+        get_mla_prefill_backend(config, container=create_container(config))
+    assert "TORCH_SDPA" in str(info.value)  # what is allowed
     with pytest.raises(TypeError, match="mla_prefill_backend"):
         AttentionConfig(mla_prefill_backend=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="context_chunk_tokens"):

@@ -123,8 +123,9 @@ def test_backend_providers_are_named_and_lazy() -> None:
 
 def test_singletons_are_per_container() -> None:
     a, b = create_container(), create_container()
-    assert a.registry_lock() is a.registry_lock()
-    assert a.registry_lock() is not b.registry_lock()
+    assert a.selection_cache() is a.selection_cache()
+    assert a.selection_cache() is not b.selection_cache()
+    assert a.kernel_workspaces() is not b.kernel_workspaces()
 
 
 def test_set_and_reset_default_container() -> None:

@@ -90,8 +90,8 @@ spec = "{HERE}.DeployedSpec"
 manager = "app.kvcache.FullAttentionManager"
 uniform_base = "app.kvcache.FullAttentionSpec"
 """))
-    assert container.config().attention.mla_prefill_backend is MLAPrefillBackendEnum[
-        "DEPLOYED_NEW"]
+    assert container.config().attention.mla_prefill_backend == MLAPrefillBackendEnum[
+        "DEPLOYED_NEW"].name
     with use_container(container):
         spec = DeployedSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float16)
         assert KVCacheSpecRegistry.get_uniform_type_base_spec(spec) is FullAttentionSpec

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from app.backends import (
+    MLAPrefillBackend,
     MLAPrefillBackendEnum,
     MLAPrefillMetadata,
     get_mla_prefill_backend,
@@ -131,8 +132,13 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("config", "`ModelConfig(softmax_scale=-1.0)`", lambda: ModelConfig(softmax_scale=-1.0)),
     ("config", "`CacheConfig(block_size=24)`", lambda: CacheConfig(block_size=24)),
     ("config", "`CacheConfig(num_blocks=1)`", lambda: CacheConfig(num_blocks=1)),
-    ("config", "`AttentionConfig(mla_prefill_backend=\"NOPE\")`",
-     lambda: AttentionConfig(mla_prefill_backend="NOPE")),
+    ("config", "`AttentionConfig(mla_prefill_backend=\"NOT A NAME\")`",
+     lambda: AttentionConfig(mla_prefill_backend="NOT A NAME")),
+    ("selection", "`mla_prefill_backend = \"NOPE\"` (selected)",
+     _in_fresh_container(lambda: get_mla_prefill_backend(EngineConfig.from_dict(
+         {"attention": {"mla_prefill_backend": "NOPE"}})))),
+    ("registry", "registering an abstract class",
+     _in_fresh_container(lambda: register_mla_prefill_backend("ABSTRACT", MLAPrefillBackend))),
     ("config", "`EngineConfig.from_dict({\"modle\": {}})`",
      lambda: EngineConfig.from_dict({"modle": {}})),
     ("config", "`EngineConfig.from_dict({\"cache\": {\"blocksize\": 16}})`",

@@ -94,3 +94,130 @@ print("ok")
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+# -- no import cycles, deferred imports included ----------------------------------------------
+
+def _module_names(root: Path) -> dict[str, Path]:
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.with_suffix("").relative_to(root.parent).parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports: every import statement anywhere in the file
+    (inside functions, classes, ``try`` and ``if`` included: a deferred import hides a cycle,
+    it does not remove it) except the body of an ``if TYPE_CHECKING:`` block."""
+    base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if "TYPE_CHECKING" in ast.unparse(node.test):
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            module = node.module or ""
+            if node.level:
+                package = base
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                module = f"{package}.{module}" if node.module else package
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    targets = set()
+    for target in found:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            targets.add(target)
+    return targets
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """The strongly connected components (more than one module) of ``root``'s import graph."""
+    modules = _module_names(root)
+    graph = {name: _imports_of(name, path, modules) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def test_no_import_cycles_deferred_imports_included() -> None:
+    assert import_cycles(APP) == []
+
+
+def test_the_cycle_check_sees_deferred_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from pkg.d import y\n")
+    (pkg / "d.py").write_text("from . import c\n")
+    assert import_cycles(pkg) == [["pkg.a", "pkg.b"]]
+
+
+@pytest.mark.parametrize("bottom", ["app.config", "app.kvcache.specs"])
+def test_config_and_specs_sit_at_the_bottom(bottom: str) -> None:
+    """Config and specs import nothing above them (only small leaf helpers)."""
+    modules = _module_names(APP)
+    seen, todo = set(), [bottom]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(_imports_of(name, modules[name], modules))
+    assert seen - {bottom} <= {"app._toml", "app._types", "app._validation",
+                               "app.config"}, sorted(seen)
+
+
+def test_only_the_table_names_built_in_backend_classes() -> None:
+    """No module but the kinds' table (which the container reads) names a concrete backend
+    class for wiring."""
+    from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+
+    paths = [e.class_path for e in (*PREFILL_BACKENDS, *DECODE_BACKENDS)]
+    offenders = [f"{p.relative_to(APP)}: {path}" for p in _sources()
+                 if p.name != "table.py" for path in paths if path in p.read_text()]
+    assert offenders == []

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from app._cpu import detect_cpu_features
 from app.backends._cpu_native import (
     ABI_VERSION,
     SPEC,
@@ -36,7 +37,6 @@ from app.backends._native_loader import (
     read_switch,
     reset_native_libraries,
 )
-from app.platforms.cpu_features import detect_cpu_features
 
 __all__ = ["BF16_DISABLE_ENV", "SPEC_BF16", "load_native_bf16_kernel",
            "native_bf16_kernel_status"]

@@ -26,6 +26,7 @@ from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least, is_int
 
 if TYPE_CHECKING:
+    from app.backends.kernel_base import KernelWorkspaces
     from app.config import EngineConfig
 
 __all__ = [
@@ -204,8 +205,16 @@ class MLAPrefillBackend(ABC):
         return reasons
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None
-                 ) -> None:
+                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
+                 *, device_capability: DeviceCapability | None = None,
+                 workspaces: KernelWorkspaces | None = None) -> None:
+        """``device_capability``: the GPU's compute capability, passed in by whoever builds the
+        backend (the container, from its platform; None on a CPU): a backend never asks
+        ``torch.cuda`` for it at launch. ``workspaces``: the container's kernel workspaces
+        (None: the backend makes its own when a kernel needs one)."""
+        if device_capability is not None and not isinstance(device_capability, DeviceCapability):
+            raise TypeError(f"{type(self).__name__}: device_capability must be a "
+                            f"DeviceCapability or None, got {device_capability!r}")
         for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_nope_head_dim", qk_nope_head_dim),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
@@ -225,15 +234,26 @@ class MLAPrefillBackend(ABC):
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.config = config
+        self.device_capability = device_capability
+        self.workspaces = workspaces
         self._metadata: MLAPrefillMetadata | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> MLAPrefillBackend:
-        """An instance for ``config.model``'s shape."""
+    def from_config(cls, config: EngineConfig, *,
+                    device_capability: DeviceCapability | None = None,
+                    workspaces: KernelWorkspaces | None = None) -> MLAPrefillBackend:
+        """An instance for ``config.model``'s shape (``device_capability`` and ``workspaces``
+        as in the constructor; passed only when given, so a third-party constructor without
+        them still works)."""
         m = config.model
+        extra: dict[str, Any] = {}
+        if device_capability is not None:
+            extra["device_capability"] = device_capability
+        if workspaces is not None:
+            extra["workspaces"] = workspaces
         return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
-                   v_head_dim=m.v_head_dim, config=config)
+                   v_head_dim=m.v_head_dim, config=config, **extra)
 
     def prepare_metadata(self, prefill_metadata: MLAPrefillMetadata) -> None:
         """Take the step's layout; backends plan their kernels here (once per step)."""

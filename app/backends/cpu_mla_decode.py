@@ -2,8 +2,12 @@
 
 The kernel reads the paged latent cache in place through the block table (no gather copy of
 the context), loads each cache row once for all the query rows of its request (the latent
-cache has one KV head: ``query_len * num_heads`` rows share it), computes in float32 and
-writes the output and the natural-log LSE. bf16 / fp16 / fp32 caches, any block size,
+cache has one KV head: ``query_len * num_heads`` rows share it), accumulates in float32 and
+writes the output and the natural-log LSE. On a CPU with AVX512-BF16, a bf16 cache with a
+bf16 q runs on its bf16 dot products (bf16 products summed in float32, p rounded to bf16 for
+p.v, as GPU kernels do): twice the multiply-adds per instruction of float32 FMAs
+(``APP_CPU_DECODE_BF16_DOT=0`` keeps the float32 path). bf16 /
+fp16 / fp32 caches, any block size,
 ``query_len`` 1..16 (causal inside the step), ``kv_lora_rank`` a multiple of 64 and
 ``qk_rope_head_dim`` a multiple of 32 (DeepSeek: 512 and 64). vLLM's CPU decode kernel handles
 only head size 576, block size 16 and returns no LSE.
@@ -36,16 +40,20 @@ from app.backends._cpu_native import _requirements
 from app.backends._native_loader import (
     NativeLibrary,
     NativeLibrarySpec,
+    cpu_flags,
     load_native_library,
+    read_switch,
 )
 from app.backends._native_pool import run_shares
 from app.backends.decode_base import DecodeMetadata, MLADecodeBackend
 
-__all__ = ["SPEC", "CpuMLADecodeBackend", "DecodePlan", "MlaDecodeArgs", "NativeMLADecodeKernel",
-           "load_decode_kernel"]
+__all__ = ["BF16_DOT_ENV", "SPEC", "CpuMLADecodeBackend", "DecodePlan", "MlaDecodeArgs",
+           "NativeMLADecodeKernel", "has_bf16_dot", "load_decode_kernel", "plan_decode"]
 
+#: Set to ``0`` to keep bf16 caches on the float32 FMA path (to compare the two).
+BF16_DOT_ENV = "APP_CPU_DECODE_BF16_DOT"
 #: ``MLA_DECODE_CPU_ABI`` in ``_native/mla_decode_cpu.h``.
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: The most partial results the kernel merges per request (``MAX_PARTS`` in the C source).
 MAX_PARTS = 64
 #: A request is split only into pieces of at least this many keys (a piece re-packs q).
@@ -65,7 +73,8 @@ class MlaDecodeArgs(ctypes.Structure):
         ("num_blocks", _i64), ("block_size", _i64), ("block_stride", _i64),
         ("row_stride", _i64), ("bt_stride", _i64), ("q_sb", _i64), ("q_si", _i64),
         ("q_sh", _i64), ("n_items", _i64), ("n_merge", _i64), ("cache_dt", _i32),
-        ("q_dt", _i32), ("out_dt", _i32), ("q_mult", _f32), ("v_mult", _f32)]
+        ("q_dt", _i32), ("out_dt", _i32), ("bf16_dot", _i32), ("q_mult", _f32),
+        ("v_mult", _f32)]
 
 
 @attrs.frozen(eq=False)
@@ -135,13 +144,18 @@ class NativeMLADecodeKernel:
     def run(self, plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int,
             out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
-            k_scale: float) -> None:
+            k_scale: float, bf16_dot: bool | None = None) -> None:
         """Decode every request of ``plan``: ``q [B, Q, H, D]`` (unit last stride),
         ``kv_cache [num_blocks, block_size, D]`` (unit last stride), ``block_table`` int32
         ``[B, W]`` and ``seq_lens`` int32 ``[B]`` (contiguous, already checked against the
         cache), ``out [B, Q, H, kv_lora_rank]`` contiguous in q's dtype, ``lse [B, Q, H]``
-        float32 contiguous or None. All on the CPU."""
+        float32 contiguous or None. All on the CPU. ``bf16_dot`` (default: wherever it
+        can) runs a bf16 cache with a bf16 q on the CPU's AVX512-BF16 dot products."""
         batch, qlen, heads, dim = q.shape
+        can_dot = kv_cache.dtype == q.dtype == torch.bfloat16 and has_bf16_dot()
+        if bf16_dot and not can_dot:
+            raise ValueError("native CPU decode kernel: bf16_dot needs a bf16 cache and q on a "
+                             "CPU with AVX512-BF16 and AVX512BW")
         rows = qlen * heads
         codes = self.library.dtype_code
         part_out = torch.empty(plan.parts, rows, kv_lora_rank) if plan.parts else None
@@ -158,6 +172,7 @@ class NativeMLADecodeKernel:
             bt_stride=block_table.stride(0), q_sb=q.stride(0), q_si=q.stride(1),
             q_sh=q.stride(2), n_merge=plan.merge.shape[0], cache_dt=codes(kv_cache.dtype),
             q_dt=codes(q.dtype), out_dt=codes(out.dtype),
+            bf16_dot=int(can_dot if bf16_dot is None else bf16_dot),
             q_mult=softmax_scale * k_scale * _LOG2E, v_mult=k_scale)
         floats = int(self._scratch_floats(qlen, heads, kv_lora_rank, dim - kv_lora_rank))
         failures: list[int] = []
@@ -182,6 +197,13 @@ class NativeMLADecodeKernel:
                              f"head dim {dim}): expected rank % 64 == 0 and rope % 32 == 0")
 
 
+def has_bf16_dot() -> bool:
+    """Whether the kernel uses AVX512-BF16 dot products for bf16: the CPU has them (and
+    AVX512BW) and ``$APP_CPU_DECODE_BF16_DOT`` does not turn them off."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags and "avx512bw" in flags and read_switch(BF16_DOT_ENV)
+
+
 def _self_test(library: NativeLibrary) -> str | None:
     """A small paged problem (bf16 and fp32 caches, causal, split and whole requests)
     against float64; the error text if it disagrees."""
@@ -196,7 +218,10 @@ def _self_test(library: NativeLibrary) -> str | None:
     perm = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
     for b, start in enumerate([0, blocks[0], blocks[0] + blocks[1]]):
         table[b, :blocks[b]] = perm[start:start + blocks[b]]
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+    paths = [(torch.float32, 1e-4, False), (torch.bfloat16, 3e-2, False)]
+    if has_bf16_dot():
+        paths.append((torch.bfloat16, 3e-2, True))
+    for dtype, tol, dot in paths:
         cache = torch.randn(sum(blocks), bs, rank + rope, generator=gen).to(dtype)
         q = torch.randn(3, qlen, heads, rank + rope, generator=gen).to(dtype)
         for min_keys in (MIN_KEYS_PER_PART, 64):
@@ -204,7 +229,7 @@ def _self_test(library: NativeLibrary) -> str | None:
             out = torch.empty(3, qlen, heads, rank, dtype=dtype)
             lse = torch.empty(3, qlen, heads)
             kernel.run(plan, q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), rank,
-                       out, lse, 0.1, 1.0)
+                       out, lse, 0.1, 1.0, bf16_dot=dot)
             for b, n in enumerate(seq_lens):
                 pos = torch.arange(n)
                 latent = cache[table[b].long()[pos // bs], pos % bs].double()
@@ -213,7 +238,8 @@ def _self_test(library: NativeLibrary) -> str | None:
                           (lse[b].double() - ref_lse).abs().max().item())
                 if not err < tol:
                     return (f"self-test against float64 failed: max error {err:.3g} "
-                            f"({dtype}, request {b}, {plan.parts} partial results)")
+                            f"({dtype}{', bf16 dot' if dot else ''}, request {b}, "
+                            f"{plan.parts} partial results)")
     return None
 
 

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 
 from app._types import DeviceCapability
-from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends.base import MLAPrefillSelectorConfig
+from app.backends.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
 __all__ = ["FlashAttnBackend", "flash_attn_variant_for"]
 
@@ -129,8 +129,8 @@ class FlashAttnBackend(RaggedKernelBackend):
     def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
                 ) -> None:
-        major, minor = torch.cuda.get_device_capability(q.device)
-        variant = flash_attn_variant_for(DeviceCapability(major, minor))
+        capability = self._require_capability()
+        variant = flash_attn_variant_for(capability)
         if variant == "fa4":
             fa4 = _probe_fa4()
             if fa4 is None:  # pragma: no cover - checked by flash_attn_variant_for
@@ -151,7 +151,7 @@ class FlashAttnBackend(RaggedKernelBackend):
             o = o[..., :dv]
         else:
             raise RuntimeError(f"{self.get_name()}: no installed FlashAttention runs on "
-                               f"SM{major}{minor}")
+                               f"SM{capability.to_int()}")
         out.copy_(o)
         if lse is not None:
             if lg is None:

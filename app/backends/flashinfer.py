@@ -1,14 +1,14 @@
 """FLASHINFER: flashinfer's ``BatchPrefillWithRaggedKVCacheWrapper`` (SM80+).
 
-The wrapper's kernel backend follows the GPU: ``fa3`` on SM90 (Hopper; it takes 192/128 and
-equal head dims of 64/128/256), ``cutlass`` on the SM100 family (192/128 and 128/128), ``fa2``
-everywhere else on SM80+. A wrapper holds one plan, so the backend keeps one wrapper per call
-of a step (the causal new-token call and one per context chunk), re-planned in
-``prepare_metadata`` from the host ``cu_seqlens`` (``plan`` copies them to the GPU; it needs the
-input dtype, taken from the engine config, else planned again at the first run). All wrappers
-share one 128 MiB float workspace per device. ``run`` writes ``out`` in place and the LSE
-straight into the contract's ``[H, T]`` natural-log buffer (``lse_base="ln"``,
-``lse_layout="HN"``; the kernels themselves write base 2, which flashinfer converts).
+The wrapper's kernel backend follows the GPU: ``fa3`` on SM90 (Hopper; it takes 192/128 and equal
+head dims of 64/128/256), ``cutlass`` on the SM100 family (192/128 and 128/128), ``fa2`` everywhere
+else on SM80+. A wrapper holds one plan, so the backend keeps one wrapper per call of a step (the
+causal new-token call and one per context chunk), re-planned in ``prepare_metadata`` from the host
+``cu_seqlens`` (``plan`` copies them to the GPU; it needs the input dtype, taken from the engine
+config, else planned again at the first run). All wrappers share one 128 MiB float workspace per
+device (the container's ``kernel_workspaces``). ``run`` writes ``out`` in place and the LSE straight
+into the contract's ``[H, T]`` natural-log buffer (``lse_base="ln"``, ``lse_layout="HN"``; the
+kernels themselves write base 2, which flashinfer converts).
 
 flashinfer-python is imported only when availability is asked or at first use. The argument
 construction is kept apart from the launch (``plan_kwargs``, ``run_kwargs``) so that contract
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from app._types import DeviceCapability
-from app.backends._checks import (
-    DeviceWorkspaces,
+from app.backends.kernel_base import (
+    KernelWorkspaces,
     RaggedKernelBackend,
     RaggedLayout,
     StepLayouts,
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["INSTALL_HINT", "FlashInferBackend", "wrapper_backend_for"]
 
-_WORKSPACE_BYTES = 128 * 1024 * 1024
-_workspaces = DeviceWorkspaces(_WORKSPACE_BYTES, zeroed=False)
+#: The float workspace every wrapper of a container shares, per device.
+WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 #: Why FLASHINFER (and TRTLLM_RAGGED, whose kernel is flashinfer's) cannot run without it.
@@ -98,10 +98,12 @@ class FlashInferBackend(RaggedKernelBackend):
         return INSTALL_HINT
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None
-                 ) -> None:
+                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
+                 *, device_capability: DeviceCapability | None = None,
+                 workspaces: KernelWorkspaces | None = None) -> None:
         super().__init__(num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-                         v_head_dim, config)
+                         v_head_dim, config, device_capability=device_capability,
+                         workspaces=workspaces)
         self._wrappers: dict[int, Any] = {}
         self._planned: dict[int, torch.dtype] = {}
 
@@ -149,9 +151,9 @@ class FlashInferBackend(RaggedKernelBackend):
             module = _probe()
             if module is None:
                 raise RuntimeError(self.unavailable_reason())
-            major, minor = torch.cuda.get_device_capability(device)
-            kwargs = self.wrapper_kwargs(DeviceCapability(major, minor))
-            wrapper = module.BatchPrefillWithRaggedKVCacheWrapper(_workspaces.get(device), **kwargs)
+            kwargs = self.wrapper_kwargs(self._require_capability())
+            workspace = self._workspace("flashinfer-float", WORKSPACE_BYTES, device)
+            wrapper = module.BatchPrefillWithRaggedKVCacheWrapper(workspace, **kwargs)
             self._wrappers[call] = wrapper
         return wrapper
 

@@ -11,21 +11,17 @@ outputs are finite (backends write 0 on rows that see no key).
 from __future__ import annotations
 
 import functools
-import logging
 from types import ModuleType
 
 import torch
 
-from app.backends._checks import LN2, LOG2E
+from app.backends.lse import LN2, LOG2E
 
 __all__ = ["merge_attn_states"]
-
-logger = logging.getLogger(__name__)
 
 #: Base-2 LSE floor handed to flashinfer instead of -inf (its kernel would compute -inf - -inf).
 _FLOOR = -1.0e30
 _FLASHINFER_HEAD_DIMS = (64, 128, 256)
-_flashinfer_failed = False
 
 
 @functools.cache
@@ -136,22 +132,15 @@ def merge_attn_states(prefix_out: torch.Tensor, prefix_lse: torch.Tensor,
     either input) receives the result when given, else a new tensor of the inputs' dtype.
 
     ``use_flashinfer``: None (default) uses ``flashinfer.merge_state_in_place`` for fp16/bf16
-    CUDA tensors when flashinfer imports (falling back to torch if its kernel fails to load);
-    False always uses the torch implementation; True requires flashinfer.
+    CUDA tensors with a head dim it supports when flashinfer imports, decided from those facts
+    alone (a kernel error, out of memory included, propagates: nothing switches paths for
+    good); False always uses the torch implementation; True requires flashinfer.
     """
-    global _flashinfer_failed
     _check(prefix_out, prefix_lse, suffix_out, suffix_lse, out)
-    if use_flashinfer is True and not _can_use_flashinfer(prefix_out, suffix_out, out):
+    usable = _can_use_flashinfer(prefix_out, suffix_out, out)
+    if use_flashinfer is True and not usable:
         raise ValueError("merge_attn_states: use_flashinfer=True needs flashinfer and fp16/bf16 "
                          f"CUDA tensors with head dim in {_FLASHINFER_HEAD_DIMS}")
-    if use_flashinfer is True or (use_flashinfer is None and not _flashinfer_failed
-                                  and _can_use_flashinfer(prefix_out, suffix_out, out)):
-        try:
-            return _merge_flashinfer(prefix_out, prefix_lse, suffix_out, suffix_lse, out)
-        except (RuntimeError, ImportError, OSError) as exc:
-            if use_flashinfer:
-                raise
-            _flashinfer_failed = True
-            logger.warning("flashinfer.merge_state_in_place failed (%s); merging with torch "
-                           "from now on", exc)
+    if use_flashinfer is not False and usable:
+        return _merge_flashinfer(prefix_out, prefix_lse, suffix_out, suffix_lse, out)
     return _merge_torch(prefix_out, prefix_lse, suffix_out, suffix_lse, out)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
 __all__ = ["TokenSpeedMLABackend"]
 

@@ -42,8 +42,10 @@ short calls run well below the kernel's large-block rate.
 
 **CUDA**: torch's varlen flash kernel (``aten::_flash_attention_forward``, v padded to the
 q/k head dim, fp16/bf16, head dim <= 256), else the varlen memory-efficient kernel
-(``aten::_efficient_attention_forward``, bottom-right causal mask type), else a per-request
-float32 matmul-softmax-matmul. Not run on a GPU in this project's CI; see docs/gpu-results.md.
+(``aten::_efficient_attention_forward``, bottom-right causal mask type), else a per-request float32
+matmul-softmax-matmul: ``cuda_kernel`` decides from the device capability passed in at construction
+and the head dims; a kernel's run-time error (out of memory included) propagates. Not run on a GPU
+in this project's CI; see docs/gpu-results.md.
 
 No path syncs with the device per request: lengths come from the host copies of the
 ``cu_seqlens`` read once in ``prepare_metadata``.
@@ -51,7 +53,6 @@ No path syncs with the device per request: lengths come from the host copies of 
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -59,7 +60,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from app.backends._checks import RaggedKernelBackend, RaggedLayout, unit_stride
+from app._cpu import cpu_has_native_bf16
+from app._types import DeviceCapability
 from app.backends._cpu_native import (
     V_HEAD_DIM_MULTIPLE,
     NativeMLAPrefillKernel,
@@ -68,9 +70,11 @@ from app.backends._cpu_native import (
 )
 from app.backends._cpu_native_bf16 import load_native_bf16_kernel
 from app.backends._dense import all_finite, attend_dense
+from app.backends.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends.merge import merge_attn_states
 
 if TYPE_CHECKING:
+    from app.backends.kernel_base import KernelWorkspaces
     from app.config import EngineConfig
 
 __all__ = ["TorchSDPABackend", "cpu_compute_dtype"]
@@ -82,17 +86,10 @@ _MASK_CACHE_SIZE = 256
 _EXP_FLOOR = -80.0
 
 
-@functools.cache
-def _cpu_has_fast_bf16() -> bool:
-    from app.platforms.cpu import CpuPlatform
-
-    return CpuPlatform().has_fast_bfloat16()
-
-
 def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the CPU kernel computes in for ``dtype`` inputs: bf16 only where the CPU has
     fast bf16 matmuls (AMX / AVX512-BF16), float32 otherwise (and always for fp16)."""
-    if dtype == torch.bfloat16 and _cpu_has_fast_bf16():
+    if dtype == torch.bfloat16 and cpu_has_native_bf16():
         return torch.bfloat16
     if dtype == torch.float64:
         return torch.float64
@@ -149,10 +146,12 @@ class TorchSDPABackend(RaggedKernelBackend):
         return "TORCH_SDPA"
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None
-                 ) -> None:
+                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
+                 *, device_capability: DeviceCapability | None = None,
+                 workspaces: KernelWorkspaces | None = None) -> None:
         super().__init__(num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-                         v_head_dim, config)
+                         v_head_dim, config, device_capability=device_capability,
+                         workspaces=workspaces)
         self._masks: OrderedDict[tuple[int, int, int, torch.dtype], torch.Tensor] = OrderedDict()
         self._keeps: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         # Calls may run on several threads at once (layers of one step): the mask caches
@@ -160,10 +159,8 @@ class TorchSDPABackend(RaggedKernelBackend):
         # so each thread keeps its own.
         self._cache_lock = threading.Lock()
         self._v_buffers = threading.local()
-        self._cuda_flash_failed = False
         self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
         self._native_bf16: NativeMLAPrefillKernel | bool | None = False
-        self._cuda_efficient_failed = False
 
     def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
@@ -412,41 +409,44 @@ class TorchSDPABackend(RaggedKernelBackend):
             attend_dense(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len], causal,
                          self.scale, result[qs:qs + q_len], lse[:, qs:qs + q_len])
 
-    # -- CUDA -----------------------------------------------------------------------------
+    # -- CUDA ---------------------------------------------------------------------------
+
+    def cuda_kernel(self, dtype: torch.dtype) -> str:
+        """Which CUDA path runs ``dtype`` inputs, decided from the device capability passed in
+        and the head dims (never by trying a kernel and catching its error): ``"flash"``
+        (SM80+, fp16/bf16, q/k head dim <= 256 and a multiple of 8, v <= q/k), else
+        ``"efficient"`` (SM50+, head dims multiples of 8), else ``"dense"``.
+        ``ValueError`` when the backend was built without a capability."""
+        cap = self._require_capability()
+        dqk, dv = self.qk_head_dim, self.v_head_dim
+        half = dtype in (torch.float16, torch.bfloat16)
+        if cap.major >= 8 and half and dv <= dqk <= 256 and dqk % 8 == 0:
+            return "flash"
+        if cap.major >= 5 and dqk % 8 == 0 and dv % 8 == 0:
+            return "efficient"
+        return "dense"
 
     def _run_cuda(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
                   ) -> None:
+        """The path ``cuda_kernel`` picks; a kernel's error (out of memory included)
+        propagates to the caller."""
         dqk, dv = self.qk_head_dim, self.v_head_dim
         q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-        done = False
-        major, _ = torch.cuda.get_device_capability(q.device)
-        if (not self._cuda_flash_failed and major >= 8 and dv <= dqk <= 256 and dqk % 8 == 0
-                and q.dtype in (torch.float16, torch.bfloat16)):
+        kernel = self.cuda_kernel(q.dtype)
+        if kernel == "flash":
             vp = v if dv == dqk else torch.nn.functional.pad(v, (0, dqk - dv))
-            try:
-                o, lg, *_ = torch.ops.aten._flash_attention_forward(
-                    q, k, vp, layout.cu_q, layout.cu_kv, layout.max_q, layout.max_kv, 0.0,
-                    causal, False, scale=self.scale)
-                result.copy_(o[..., :dv])
-                self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
-                done = True
-            except RuntimeError as exc:
-                self._cuda_flash_failed = True
-                logger.warning("TORCH_SDPA: torch's flash kernel failed (%s); using the "
-                               "memory-efficient kernel", exc)
-        if not done and not self._cuda_efficient_failed:
-            try:
-                o, lg, *_ = torch.ops.aten._efficient_attention_forward(
-                    q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, layout.cu_q,
-                    layout.cu_kv, layout.max_q, layout.max_kv, 0.0, 2 if causal else 0, True,
-                    scale=self.scale)
-                result.copy_(o[0])
-                self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
-                done = True
-            except RuntimeError as exc:
-                self._cuda_efficient_failed = True
-                logger.warning("TORCH_SDPA: torch's memory-efficient kernel failed (%s); "
-                               "using per-request matmul-softmax-matmul", exc)
-        if not done:
+            o, lg, *_ = torch.ops.aten._flash_attention_forward(
+                q, k, vp, layout.cu_q, layout.cu_kv, layout.max_q, layout.max_kv, 0.0,
+                causal, False, scale=self.scale)
+            result.copy_(o[..., :dv])
+            self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+        elif kernel == "efficient":
+            o, lg, *_ = torch.ops.aten._efficient_attention_forward(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, layout.cu_q,
+                layout.cu_kv, layout.max_q, layout.max_kv, 0.0, 2 if causal else 0, True,
+                scale=self.scale)
+            result.copy_(o[0])
+            self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+        else:
             self._run_dense(layout, q, k, v, causal, result, lse)

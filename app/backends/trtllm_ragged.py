@@ -23,13 +23,13 @@ from typing import Any, ClassVar
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app.backends._checks import DeviceWorkspaces, RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends.flashinfer import INSTALL_HINT
+from app.backends.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
 __all__ = ["TrtllmRaggedBackend"]
 
-_WORKSPACE_BYTES = 256 * 1024 * 1024
-_workspaces = DeviceWorkspaces(_WORKSPACE_BYTES, zeroed=True)
+#: The zeroed workspace the kernel needs, one per device in each container.
+WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 @functools.cache
@@ -101,7 +101,9 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
         lse_nh = torch.empty(layout.total_q, self.num_heads, dtype=torch.float32,
                              device=q.device)
         kernel(**self.run_kwargs(layout, unit_stride(q), unit_stride(k), v.contiguous(),
-                                 causal, out, lse_nh, _workspaces.get(q.device),
+                                 causal, out, lse_nh,
+                                 self._workspace("trtllm-ragged", WORKSPACE_BYTES, q.device,
+                                                 zeroed=True),
                                  self._kv_lens(layout, q.device)))
         if lse is not None:
             self._copy_kernel_lse(lse_nh, layout, lse, tokens_first=True, base2=True)

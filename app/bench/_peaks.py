@@ -30,13 +30,13 @@ from typing import Any
 import attrs
 import torch
 
+from app._cpu import detect_cpu_features
 from app.backends._native_loader import (
     NativeLibrary,
     NativeLibrarySpec,
     NativeLibraryStatus,
     load_native_library,
 )
-from app.platforms.cpu_features import detect_cpu_features
 
 __all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
            "load_peak_probe", "peak_kinds", "peak_probe_status"]

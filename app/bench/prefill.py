@@ -508,7 +508,7 @@ def _cpu_kernel() -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from app.platforms.cpu_features import detect_cpu_features
+    from app._cpu import detect_cpu_features
 
     features = detect_cpu_features()
     return f"{features.model_name or _pyplatform.machine()} [{' '.join(features.present())}] " \

@@ -2,8 +2,8 @@
 
 - **cached**: ``get_mla_prefill_backend(config)`` once the selection is cached (the path an
   engine takes when it asks again); target <= 2 us.
-- **uncached**: the registry state is bumped before every call, so every call walks the whole
-  priority list; target <= 200 us with all five classes validated.
+- **uncached**: ``app.backends.selection.select_backend`` without a cache, so every call walks
+  the whole priority list; target <= 200 us with all five classes validated.
 
 It runs on a fresh container that pretends to be an SM100 GPU (so all five backends are in the
 priority list). ``--backends stub`` (default) overrides the five backends with small stand-in
@@ -92,11 +92,9 @@ def _us(timing: dict[str, float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time the cached and the uncached selection; the JSON result."""
-    from app.backends.registry import (
-        MLAPrefillBackendEnum,
-        get_registry_state,
-        override_mla_prefill_backend,
-    )
+    from app.backends.kinds import PREFILL
+    from app.backends.registry import MLAPrefillBackendEnum, override_mla_prefill_backend
+    from app.backends.selection import explain_selection, select_backend
     from app.backends.selector import get_mla_prefill_backend
     from app.config import EngineConfig
     from app.containers import create_container, use_container
@@ -108,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     platform = CudaPlatform(device_capability=DeviceCapability(10, 0))
     config = EngineConfig()
     container = create_container(config, platform)
-    state = get_registry_state(container)
+    backends = container.mla_prefill_backends()
     result: dict[str, Any] = {
         "benchmark": "selection",
         "backends": args.backends,
@@ -127,9 +125,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as exc:
             result.update(ok=False, error=str(exc))
             return result
-        entry = state.by_config[id(config)]
-        result["chosen"] = entry.name
-        result["validated_classes"] = len(entry.tokens)
+        explanation = explain_selection(PREFILL, config, platform, backends)
+        chosen_name = explanation["chosen"]
+        result["chosen"] = chosen_name
+        result["validated_classes"] = (explanation["priorities"].index(chosen_name) + 1
+                                       if chosen_name is not None else 0)
         result["priorities"] = platform.mla_prefill_backend_priorities(
             _selector_config(config))
 
@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return get_mla_prefill_backend(config)
 
         def uncached() -> object:
-            state.bump()
-            return get_mla_prefill_backend(config)
+            return select_backend(PREFILL, config, platform, backends, None)
 
         cached_us = _us(time_loop(cached, number=number, repeat=repeat))
         uncached_us = _us(time_loop(uncached, number=uncached_number, repeat=repeat))
@@ -146,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("the selection changed while it was being timed")
 
         explicit_config = EngineConfig.from_dict(
-            {"attention": {"mla_prefill_backend": entry.name}})
+            {"attention": {"mla_prefill_backend": chosen_name}})
         get_mla_prefill_backend(explicit_config)
         extras = {
             "cached_explicit_backend": _us(time_loop(

@@ -1,11 +1,14 @@
-"""``python -m app backends``: every MLA prefill backend, whether it is valid here, and why not.
+"""``python -m app backends``: every MLA backend, whether it is valid here, and why not.
 
-Prints ``explain_mla_prefill_selection`` for the active container's config and platform as a
-table (``--json``: the full explanation). ``--backend NAME`` shows an explicit choice instead of
-the automatic one, ``--dtype`` changes the model dtype, ``--capability 10.0`` pretends to run on
-a CUDA GPU of that compute capability (``cpu`` on a CPU), ``--mla-dimensions 192,64,256``
-changes the model's MLA dimensions, ``--deployment FILE`` explains a deployment's container.
-Exit status 0 when a backend is chosen, 1 when none is.
+Prints ``explain_mla_prefill_selection`` (``--kind decode``: ``explain_mla_decode_selection``;
+``--kind all``: both) for the active container's config and platform as a table (``--json``:
+the full explanation; with ``--kind all`` an object keyed by kind). ``--backend NAME`` shows an
+explicit choice instead of the automatic one (of every kind shown), ``--query-len N`` the decode
+selection for N tokens per request per step, ``--dtype`` changes the model dtype,
+``--capability 10.0`` pretends to run on a CUDA GPU of that compute capability (``cpu`` on a
+CPU), ``--mla-dimensions 192,64,256`` changes the model's MLA dimensions, ``--deployment FILE``
+explains a deployment's container.
+Exit status 0 when a backend is chosen (for every kind shown), 1 when none is.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ from typing import Any
 from app._types import DeviceCapability
 from app.commands._output import format_mapping, format_table, print_json, print_text
 
-HELP = "show which MLA prefill backends are valid here, why not, and which one is chosen"
+HELP = "show which MLA backends are valid here, why not, and which one is chosen"
+
+KINDS = ("prefill", "decode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--backend``, ``--dtype``, ``--capability``, ``--deployment``, ``--mla-dimensions``."""
+    """``--kind``, ``--backend``, ``--dtype``, ``--capability``, ``--deployment``,
+    ``--mla-dimensions``, ``--query-len``."""
+    parser.add_argument("--kind", choices=(*KINDS, "all"), default="prefill",
+                        help="which backends: prefill (default), decode or all")
+    parser.add_argument("--query-len", type=int, default=1, metavar="N",
+                        help="decode: tokens per request per step (1..16; default 1)")
     parser.add_argument("--backend", metavar="NAME", default=None,
                         help="an explicit backend (e.g. FLASHINFER) instead of auto selection")
     parser.add_argument("--dtype", default=None,
@@ -56,8 +66,15 @@ def _parse_dimensions(text: str) -> dict[str, int]:
     return {"qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v}
 
 
+def _kinds(args: argparse.Namespace) -> list[str]:
+    kind = getattr(args, "kind", "prefill")
+    return list(KINDS) if kind == "all" else [kind]
+
+
 def build_config(args: argparse.Namespace, base: Any) -> Any:
-    """``base`` (an ``EngineConfig``) with the command-line changes applied."""
+    """``base`` (an ``EngineConfig``) with the command-line changes applied. ``--backend`` must
+    name a backend of every kind shown (``ValueError`` listing the valid names)."""
+    from app.backends.kinds import KINDS as BACKEND_KINDS
     from app.config import EngineConfig
 
     data = base.to_dict()
@@ -66,7 +83,9 @@ def build_config(args: argparse.Namespace, base: Any) -> Any:
     if args.mla_dimensions is not None:
         data["model"].update(_parse_dimensions(args.mla_dimensions))
     if args.backend is not None:
-        data["attention"]["mla_prefill_backend"] = args.backend
+        for name in _kinds(args):
+            kind = BACKEND_KINDS[name]
+            data["attention"][kind.config_attr] = kind.names.resolve(args.backend)
     return EngineConfig.from_dict(data)
 
 
@@ -88,25 +107,43 @@ def build_container(args: argparse.Namespace) -> Any:
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """The explanation ``backends`` prints."""
-    from app.backends.selector import explain_mla_prefill_selection
+    """The explanation ``backends`` prints (``--kind all``: keyed by kind)."""
+    from app.backends.selector import explain_mla_decode_selection, explain_mla_prefill_selection
 
     container = build_container(args)
     config = build_config(args, container.config())
-    return dict(explain_mla_prefill_selection(config, container=container))
+    out: dict[str, Any] = {}
+    for kind in _kinds(args):
+        if kind == "prefill":
+            out[kind] = dict(explain_mla_prefill_selection(config, container=container))
+        else:
+            out[kind] = dict(explain_mla_decode_selection(
+                config, query_len=args.query_len, container=container))
+    return out if len(out) > 1 else next(iter(out.values()))
 
 
 def render(info: dict[str, Any]) -> str:
-    """The explanation as a header, a table and the outcome."""
+    """The explanation as a header, a table and the outcome (``--kind all``: one per kind)."""
+    if "backends" not in info:
+        return "\n\n".join(f"[{kind}]\n{render(part)}" for kind, part in info.items())
     header = {
+        "kind": info.get("kind", "prefill"),
         "platform": info["platform"],
         "device capability": info["device_capability"] or "-",
         "dtype": info["dtype"],
-        "mla dimensions": "({qk_nope_head_dim}, {qk_rope_head_dim}, {v_head_dim})".format(
-            **info["mla_dimensions"]),
+    }
+    if "mla_dimensions" in info:
+        header["mla dimensions"] = (
+            "({qk_nope_head_dim}, {qk_rope_head_dim}, {v_head_dim})".format(
+                **info["mla_dimensions"]))
+    else:
+        header.update({key.replace("_", " "): str(value)
+                       for key, value in info.get("selector_config", {}).items()
+                       if key != "dtype"})
+    header.update({
         "requested": info["requested"] or "auto",
         "priorities": ", ".join(info["priorities"]) or "-",
-    }
+    })
     rows = []
     for verdict in info["backends"].values():
         priority = verdict["priority"]
@@ -134,4 +171,5 @@ def run(args: argparse.Namespace) -> int:
         print_json(info)
     else:
         print_text(render(info))
-    return 0 if info["chosen"] is not None else 1
+    parts = [info] if "backends" in info else list(info.values())
+    return 0 if all(part["chosen"] is not None for part in parts) else 1

@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from app.kvcache.bindings import KVCacheSpecBindings
 from app.kvcache.specs import KVCacheSpec, MambaSpec, cdiv, spec_summary
 
 __all__ = ["KVCacheGroupSpec", "get_kv_cache_bytes_per_block", "get_kv_cache_groups",
@@ -108,34 +109,38 @@ def unify_kv_cache_spec_page_size(kv_cache_specs: Mapping[str, KVCacheSpec]
     return out
 
 
-def _uniform(a: KVCacheSpec, b: KVCacheSpec) -> bool:
-    return (a.block_size == b.block_size and a.is_uniform_with_collection([a, b])
-            and b.is_uniform_with_collection([b, a]))
+def _uniform(a: KVCacheSpec, b: KVCacheSpec, bindings: KVCacheSpecBindings) -> bool:
+    return (a.block_size == b.block_size and a.is_uniform_with_collection([a, b], bindings)
+            and b.is_uniform_with_collection([b, a], bindings))
 
 
-def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec],
+                        bindings: KVCacheSpecBindings | None = None) -> list[KVCacheGroupSpec]:
     """Split ``{layer_name: spec}`` into KV-cache groups (see the module docstring).
 
-    Uses the active container's registry; ``ValueError`` for unregistered spec types and for
-    page sizes that cannot be unified.
+    ``bindings``: the container's ``KVCacheSpecBindings`` (an engine passes
+    ``container.kv_cache_spec_bindings()``); None asks the active container, the seed API's
+    way. ``ValueError`` for unregistered spec types and for page sizes that cannot be unified.
     """
-    from app.kvcache.registry import KVCacheSpecRegistry
-
     if not kv_cache_specs:
         return []
-    KVCacheSpecRegistry.check_kv_cache_spec_registry(kv_cache_specs)
+    if bindings is None:
+        from app.kvcache.registry import KVCacheSpecRegistry
+
+        bindings = KVCacheSpecRegistry.bindings()
+    bindings.check_kv_cache_spec_registry(kv_cache_specs)
     names = list(kv_cache_specs)
     values = list(kv_cache_specs.values())
     first = values[0]
     if (len({spec.block_size for spec in values}) == 1
-            and first.is_uniform_with_collection(values)):
+            and first.is_uniform_with_collection(values, bindings)):
         return [KVCacheGroupSpec(tuple(names), first, tuple(values))]
 
     unified = unify_kv_cache_spec_page_size(kv_cache_specs)
     buckets: list[list[str]] = []
     for name, spec in unified.items():
         for bucket in buckets:
-            if _uniform(unified[bucket[0]], spec):
+            if _uniform(unified[bucket[0]], spec, bindings):
                 bucket.append(name)
                 break
         else:

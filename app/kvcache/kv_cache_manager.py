@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from app.config import CacheConfig
+from app.kvcache.bindings import KVCacheSpecBindings
 from app.kvcache.block_pool import BlockPool, KVCacheBlock
 from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
 from app.kvcache.managers import SingleTypeKVCacheManager, group_block_hashes
@@ -56,17 +57,17 @@ class CacheHit:
 class KVCacheManager:
     """Allocates a model's paged KV cache for requests, with prefix caching.
 
-    ``KVCacheManager(groups, cache_config)`` or ``KVCacheManager.from_specs({layer: spec},
-    cache_config)``. ``cache_config.num_blocks`` sizes the pool (block 0 is the null block)
-    and ``cache_config.enable_prefix_caching`` turns caching on. Requests must hash their
-    tokens at ``hash_block_size`` (``new_request`` does that).
+    ``KVCacheManager(groups, cache_config, bindings=...)`` or ``KVCacheManager.from_specs({layer:
+    spec}, cache_config, bindings=...)``; ``bindings`` is the container's ``KVCacheSpecBindings``
+    (None asks the active container, the seed API's way). ``cache_config.num_blocks`` sizes the pool
+    (block 0 is the null block) and ``cache_config.enable_prefix_caching`` turns caching on.
+    Requests must hash their tokens at ``hash_block_size`` (``new_request`` does that).
     """
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec],
                  cache_config: CacheConfig | None = None, *,
-                 num_blocks: int | None = None, enable_caching: bool | None = None) -> None:
-        from app.kvcache.registry import KVCacheSpecRegistry
-
+                 num_blocks: int | None = None, enable_caching: bool | None = None,
+                 bindings: KVCacheSpecBindings | None = None) -> None:
         if not kv_cache_groups:
             raise ValueError("KVCacheManager: no KV-cache groups (the model has no KV cache)")
         config = CacheConfig() if cache_config is None else cache_config
@@ -76,7 +77,10 @@ class KVCacheManager:
                                else bool(enable_caching))
         self.block_pool = BlockPool(config.num_blocks if num_blocks is None else num_blocks,
                                     enable_caching=self.enable_caching)
-        bindings = KVCacheSpecRegistry.bindings()
+        if bindings is None:
+            from app.kvcache.registry import KVCacheSpecRegistry
+
+            bindings = KVCacheSpecRegistry.bindings()
         self.managers: list[SingleTypeKVCacheManager] = []
         for group_id, group in enumerate(self.kv_cache_groups):
             manager_class = bindings.get_manager_class(group.kv_cache_spec)
@@ -97,10 +101,11 @@ class KVCacheManager:
     @classmethod
     def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec],
                    cache_config: CacheConfig | None = None, *, num_blocks: int | None = None,
-                   enable_caching: bool | None = None) -> KVCacheManager:
+                   enable_caching: bool | None = None,
+                   bindings: KVCacheSpecBindings | None = None) -> KVCacheManager:
         """Group ``{layer_name: spec}`` (``get_kv_cache_groups``) and manage those groups."""
-        return cls(get_kv_cache_groups(kv_cache_specs), cache_config, num_blocks=num_blocks,
-                   enable_caching=enable_caching)
+        return cls(get_kv_cache_groups(kv_cache_specs, bindings), cache_config,
+                   num_blocks=num_blocks, enable_caching=enable_caching, bindings=bindings)
 
     def new_request(self, request_id: str, prompt_token_ids: Sequence[int], *,
                     cache_salt: str | bytes | None = None,

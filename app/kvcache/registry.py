@@ -1,330 +1,56 @@
-"""The KV-cache spec registry: spec type -> (manager class, uniform base spec), per container.
+"""``KVCacheSpecRegistry``: vLLM's classmethod facade over the *active* container's
+``KVCacheSpecBindings`` (``app.kvcache.bindings``), and the ``register_kv_cache_spec`` decorator.
 
-``KVCacheSpecBindings`` holds one container's bindings; the container builds it (provider
-``kv_cache_spec_bindings``) by this module's dotted path. ``KVCacheSpecRegistry`` is the
-classmethod facade of vLLM's API: every call acts on the *active* container's bindings
-(``app.containers.get_container()``), so ``use_container`` isolates tests and deployments.
-
-On first use, a bindings object registers the built-in specs, then runs the platform hook
-``Platform.register_custom_kv_cache_specs(bindings, config)`` once, with the container's
-platform and config. Lookups walk the spec's MRO (an unregistered subclass inherits its parent's
-binding) and are cached per type; any registration clears the cache.
-
-Hot paths: resolve the bindings once (``KVCacheSpecRegistry.bindings()`` or
-``get_container().kv_cache_spec_bindings()``) and call ``bindings.get_manager_class(spec)``:
-a dict lookup on ``type(spec)``. The facade also costs a container resolution per call.
+The seed API lives here, at the edge: every call resolves the active container
+(``app.containers.get_container()``; ``use_container`` isolates tests and deployments). The
+library's own services never call it: the container passes them its bindings.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
-import attrs
-
-from app.containers import get_container
+from app.kvcache.bindings import (
+    KVCacheSpecBindings,
+    KVCacheSpecMetadata,
+    iter_bindings,
+    register_builtin_kv_cache_specs,
+)
 from app.kvcache.specs import KVCacheSpec
 
 if TYPE_CHECKING:
-    from app.config import EngineConfig
     from app.kvcache.managers import SingleTypeKVCacheManager
-    from app.platforms import Platform
 
 __all__ = [
     "KVCacheSpecBindings",
     "KVCacheSpecMetadata",
     "KVCacheSpecRegistry",
+    "iter_bindings",
     "register_builtin_kv_cache_specs",
     "register_kv_cache_spec",
 ]
 
-logger = logging.getLogger(__name__)
-
 SpecT = TypeVar("SpecT", bound=type[KVCacheSpec])
-
-_REGISTER_HINT = ("Register it with @register_kv_cache_spec(manager_class=...) or "
-                  "KVCacheSpecRegistry.register(spec_cls, manager_class).")
-
-
-class _Unset:
-    """Marks bindings built without a platform argument (the container's provider)."""
-
-
-_UNSET = _Unset()
-
-
-def _name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-@attrs.frozen
-class KVCacheSpecMetadata:
-    """What a spec type is bound to: its manager class and its uniform base spec.
-
-    Layers whose specs share a uniform base spec can form one KV-cache group.
-    """
-
-    kv_cache_spec_cls: type[KVCacheSpec]
-    manager_class: type[SingleTypeKVCacheManager]
-    uniform_type_base_spec: type[KVCacheSpec]
-
-
-class KVCacheSpecBindings:
-    """One container's spec -> manager bindings (build one per container, or standalone).
-
-    ``platform`` and ``config`` (values or zero-argument callables) feed the platform hook.
-    The container builds its bindings without arguments; they find the container's platform
-    and config on first use. ``KVCacheSpecBindings(platform=None)`` is standalone: built-ins
-    only, no hook.
-    """
-
-    def __init__(self, *,
-                 platform: Platform | Callable[[], Platform] | _Unset | None = _UNSET,
-                 config: EngineConfig | Callable[[], EngineConfig | None] | None = None) -> None:
-        self._lock = threading.RLock()
-        self._entries: dict[type[KVCacheSpec], KVCacheSpecMetadata] = {}
-        self._manager_cache: dict[type, type[SingleTypeKVCacheManager] | None] = {}
-        self._base_cache: dict[type, type[KVCacheSpec] | None] = {}
-        self._platform = platform
-        self._config = config
-        self._builtins_registered = False
-        self._hook_ran = False
-        self._initializing = False
-        #: Built-ins registered and the platform hook run (or explicitly none): lookups cache.
-        self._ready = False
-        #: Counts registrations; a lookup computed under an older generation is not cached.
-        self._generation = 0
-
-    # -- setup -------------------------------------------------------------------------------
-
-    def attach(self, platform: Platform | Callable[[], Platform] | None,
-               config: EngineConfig | Callable[[], EngineConfig | None] | None) -> None:
-        """Give bindings built without arguments their container's platform and config."""
-        with self._lock:
-            if isinstance(self._platform, _Unset):
-                self._platform = platform
-                self._config = config
-
-    @property
-    def hook_ran(self) -> bool:
-        """Whether the platform hook has run on these bindings."""
-        return self._hook_ran
-
-    def ensure_ready(self) -> None:
-        """Register the built-ins, then run the platform hook once (idempotent, re-entrant).
-
-        Bindings built without arguments (as the container does) find their container's
-        platform and config when first used in it; until then they serve the built-ins without
-        caching lookups.
-        """
-        if self._ready:
-            return
-        with self._lock:
-            if self._ready or self._initializing:
-                return
-            self._initializing = True
-            try:
-                if not self._builtins_registered:
-                    self._builtins_registered = True
-                    register_builtin_kv_cache_specs(self)
-                if not self._hook_ran:
-                    resolved = self._resolve_platform()
-                    if resolved is None:
-                        return  # container not known yet: try again on the next use
-                    platform, config = resolved
-                    if platform is not None:
-                        self._hook_ran = True
-                        logger.debug("running %r.register_custom_kv_cache_specs", platform)
-                        platform.register_custom_kv_cache_specs(self, config)
-                self._ready = True
-            finally:
-                self._initializing = False
-
-    def _resolve_platform(self) -> tuple[Platform | None, EngineConfig | None] | None:
-        if isinstance(self._platform, _Unset):
-            # Built by a container's provider without arguments: find that container.
-            container = get_container()
-            if container.kv_cache_spec_bindings() is not self:
-                return None
-            self._platform = container.platform
-            self._config = container.config
-        platform_src, config_src = self._platform, self._config
-        platform = platform_src() if callable(platform_src) else platform_src
-        config = config_src() if callable(config_src) else config_src
-        return platform, config
-
-    # -- registration --------------------------------------------------------------------
-
-    def register(self, kv_cache_spec_cls: type[KVCacheSpec],
-                 manager_class: type[SingleTypeKVCacheManager] | None = None,
-                 uniform_type_base_spec: type[KVCacheSpec] | None = None) -> None:
-        """Bind ``kv_cache_spec_cls`` to ``manager_class`` and its uniform base spec.
-
-        The base defaults to the spec itself and must be a superclass of it. Registering the
-        same binding again is a no-op; a different manager or base is a conflict. Missing
-        manager, wrong base and conflicts raise ``ValueError``; non-classes ``TypeError``.
-        """
-        from app.kvcache.managers import SingleTypeKVCacheManager
-
-        if not isinstance(kv_cache_spec_cls, type) or not issubclass(kv_cache_spec_cls,
-                                                                      KVCacheSpec):
-            raise TypeError(f"register: expected a KVCacheSpec subclass, "
-                            f"got {kv_cache_spec_cls!r}")
-        spec_name = kv_cache_spec_cls.__name__
-        if manager_class is None:
-            raise ValueError(f"register: manager_class is required for KV cache spec "
-                             f"{spec_name}")
-        if not isinstance(manager_class, type) or not issubclass(manager_class,
-                                                                 SingleTypeKVCacheManager):
-            raise TypeError(f"register: manager_class for {spec_name} must be a "
-                            f"SingleTypeKVCacheManager subclass, got {manager_class!r}")
-        if uniform_type_base_spec is None:
-            uniform_type_base_spec = kv_cache_spec_cls
-        if not isinstance(uniform_type_base_spec, type) or not issubclass(
-                kv_cache_spec_cls, uniform_type_base_spec):
-            raise ValueError(f"register: {spec_name} must inherit from its declared "
-                             f"uniform_type_base_spec {uniform_type_base_spec!r}")
-        self.ensure_ready()
-        with self._lock:
-            current = self._entries.get(kv_cache_spec_cls)
-            if current is not None:
-                if (current.manager_class is manager_class
-                        and current.uniform_type_base_spec is uniform_type_base_spec):
-                    return
-                raise ValueError(
-                    f"Conflicting registration for KV cache spec {spec_name}: it is bound to "
-                    f"manager {current.manager_class.__name__} with uniform base "
-                    f"{current.uniform_type_base_spec.__name__}, not manager "
-                    f"{manager_class.__name__} with uniform base "
-                    f"{uniform_type_base_spec.__name__}")
-            self._entries[kv_cache_spec_cls] = KVCacheSpecMetadata(
-                kv_cache_spec_cls=kv_cache_spec_cls, manager_class=manager_class,
-                uniform_type_base_spec=uniform_type_base_spec)
-            self._generation += 1
-            self._manager_cache.clear()
-            self._base_cache.clear()
-
-    # -- lookups -------------------------------------------------------------------------
-
-    def get_metadata(self, kv_cache_spec: KVCacheSpec | type[KVCacheSpec]
-                     ) -> KVCacheSpecMetadata | None:
-        """The binding that applies to a spec (or spec type): the first registered type in
-        its MRO, or None."""
-        self.ensure_ready()
-        cls = kv_cache_spec if isinstance(kv_cache_spec, type) else type(kv_cache_spec)
-        entries = self._entries
-        for base in cls.__mro__:
-            meta = entries.get(base)
-            if meta is not None:
-                return meta
-        return None
-
-    def get_manager_class(self, kv_cache_spec: KVCacheSpec
-                          ) -> type[SingleTypeKVCacheManager] | None:
-        """The manager class for ``kv_cache_spec`` (MRO walk, cached per type), or None."""
-        try:
-            return self._manager_cache[type(kv_cache_spec)]
-        except KeyError:
-            manager: type[SingleTypeKVCacheManager] | None = self._lookup(
-                kv_cache_spec, self._manager_cache, "manager_class")
-            return manager
-
-    def get_uniform_type_base_spec(self, kv_cache_spec: KVCacheSpec
-                                   ) -> type[KVCacheSpec] | None:
-        """The uniform base spec for ``kv_cache_spec`` (MRO walk, cached per type), or None."""
-        try:
-            return self._base_cache[type(kv_cache_spec)]
-        except KeyError:
-            base: type[KVCacheSpec] | None = self._lookup(
-                kv_cache_spec, self._base_cache, "uniform_type_base_spec")
-            return base
-
-    def _lookup(self, spec: Any, cache: dict[type, Any], field: str) -> Any:
-        if isinstance(spec, type):  # a class rather than an instance: answer, do not cache
-            meta = self.get_metadata(spec)
-            return None if meta is None else getattr(meta, field)
-        self.ensure_ready()
-        with self._lock:
-            generation = self._generation
-            meta = self.get_metadata(spec)
-            value = None if meta is None else getattr(meta, field)
-            if self._ready and generation == self._generation:
-                cache[type(spec)] = value
-            return value
-
-    def check_kv_cache_spec_registry(self, kv_cache_specs: Mapping[str, KVCacheSpec]) -> None:
-        """``ValueError`` naming every layer whose spec type has no binding."""
-        problems = []
-        for layer_name, spec in kv_cache_specs.items():
-            if self.get_metadata(spec) is None:
-                problems.append(f"Unsupported KV cache spec type for layer {layer_name}: "
-                                f"{_name(type(spec))}.")
-        if problems:
-            raise ValueError("\n".join([*problems, _REGISTER_HINT]))
-
-    def registered_specs(self) -> dict[type[KVCacheSpec], KVCacheSpecMetadata]:
-        """A copy of the registered bindings (spec type -> metadata), in registration order."""
-        self.ensure_ready()
-        with self._lock:
-            return dict(self._entries)
-
-    def __contains__(self, kv_cache_spec_cls: object) -> bool:
-        self.ensure_ready()
-        return kv_cache_spec_cls in self._entries
-
-    def __repr__(self) -> str:
-        return f"KVCacheSpecBindings({len(self._entries)} specs, hook_ran={self._hook_ran})"
-
-
-def register_builtin_kv_cache_specs(registry: KVCacheSpecBindings) -> None:
-    """The built-in bindings: Full, MLA, TQFull, HiddenState and SinkFull share the full
-    attention base; every other built-in is its own base."""
-    from app.kvcache import managers as m
-    from app.kvcache import specs as s
-
-    registry.register(s.FullAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.MLAAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.TQFullAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.HiddenStateCacheSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.SinkFullAttentionSpec, m.SinkFullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.SlidingWindowSpec, m.SlidingWindowManager, s.SlidingWindowSpec)
-    registry.register(s.SlidingWindowMLASpec, m.SlidingWindowManager, s.SlidingWindowMLASpec)
-    registry.register(s.ChunkedLocalAttentionSpec, m.ChunkedLocalAttentionManager,
-                      s.ChunkedLocalAttentionSpec)
-    registry.register(s.CrossAttentionSpec, m.CrossAttentionManager, s.CrossAttentionSpec)
-    registry.register(s.MambaSpec, m.MambaManager, s.MambaSpec)
-
-
-#: The container attribute that holds its resolved bindings: the facade's hot path reads a
-#: plain reference instead of calling the provider (~0.5 us) on every lookup.
-_BINDINGS_ATTR = "_app_kv_cache_spec_bindings"
-
-
-def _container_bindings(container: Any) -> KVCacheSpecBindings:
-    bindings: KVCacheSpecBindings | None = getattr(container, _BINDINGS_ATTR, None)
-    if bindings is None:
-        bindings = container.kv_cache_spec_bindings()
-        if not isinstance(bindings, KVCacheSpecBindings):
-            raise TypeError("the container's kv_cache_spec_bindings provider must provide "
-                            f"KVCacheSpecBindings, got {bindings!r}")
-        setattr(container, _BINDINGS_ATTR, bindings)
-    return bindings
 
 
 def _active_bindings() -> KVCacheSpecBindings:
-    container = get_container()
-    bindings = _container_bindings(container)
-    if isinstance(bindings._platform, _Unset):
-        bindings.attach(container.platform, container.config)
+    """The active container's bindings (its ``kv_cache_spec_bindings`` provider, called)."""
+    from app.containers import get_container
+
+    bindings = get_container().kv_cache_spec_bindings()
+    if not isinstance(bindings, KVCacheSpecBindings):
+        raise TypeError("the container's kv_cache_spec_bindings provider must provide "
+                        f"KVCacheSpecBindings, got {bindings!r}")
     return bindings
 
 
 class KVCacheSpecRegistry:
     """The facade over the active container's ``KVCacheSpecBindings`` (vLLM's API).
 
-    Every classmethod resolves the active container (``use_container`` picks another one).
+    Every classmethod resolves the active container (``use_container`` picks another one) and
+    calls its ``kv_cache_spec_bindings`` provider, so an override of that provider takes
+    effect at once. Nothing inside the library calls it: services get their bindings passed in.
     """
 
     @classmethod
@@ -345,19 +71,13 @@ class KVCacheSpecRegistry:
     def get_manager_class(cls, kv_cache_spec: KVCacheSpec
                           ) -> type[SingleTypeKVCacheManager] | None:
         """The manager class bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
-        try:
-            return _container_bindings(get_container())._manager_cache[type(kv_cache_spec)]
-        except KeyError:
-            return _active_bindings().get_manager_class(kv_cache_spec)
+        return _active_bindings().get_manager_class(kv_cache_spec)
 
     @classmethod
     def get_uniform_type_base_spec(cls, kv_cache_spec: KVCacheSpec
                                    ) -> type[KVCacheSpec] | None:
         """The uniform base spec bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
-        try:
-            return _container_bindings(get_container())._base_cache[type(kv_cache_spec)]
-        except KeyError:
-            return _active_bindings().get_uniform_type_base_spec(kv_cache_spec)
+        return _active_bindings().get_uniform_type_base_spec(kv_cache_spec)
 
     @classmethod
     def get_metadata(cls, kv_cache_spec: KVCacheSpec | type[KVCacheSpec]
@@ -400,8 +120,3 @@ def register_kv_cache_spec(
         return kv_cache_spec_cls
 
     return decorator
-
-
-def iter_bindings(bindings: KVCacheSpecBindings) -> Iterable[KVCacheSpecMetadata]:
-    """The metadata of every binding, in registration order."""
-    return bindings.registered_specs().values()

@@ -1,9 +1,9 @@
 """KV-cache specs: what one attention layer needs from the paged KV cache.
 
-Every spec is an ``attrs`` class: frozen, keyword-only and hashable, so equal layers compare
-equal and specs can key dicts. ``page_size_bytes`` is the memory of one block of ``block_size``
-tokens for one layer; ``max_memory_usage_bytes(max_model_len)`` is the most one request can hold
-for that layer. ``is_uniform_with_collection(specs)`` says whether a set of layers can share one
+Every spec is an ``attrs`` class: frozen, keyword-only and hashable, so equal layers compare equal
+and specs can key dicts. ``page_size_bytes`` is the memory of one block of ``block_size`` tokens for
+one layer; ``max_memory_usage_bytes(max_model_len)`` is the most one request can hold for that
+layer. ``is_uniform_with_collection(specs, bindings)`` says whether a set of layers can share one
 KV-cache group under this spec's rule (the first spec's rule applies).
 
 Page sizes:
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "TQFullAttentionSpec",
+    "UniformBaseLookup",
     "cdiv",
     "to_kv_dtype",
 ]
@@ -126,6 +127,14 @@ def _values(specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> list[KV
     return list(specs)
 
 
+class UniformBaseLookup(Protocol):
+    """What the uniformity check needs: the uniform base spec bound to a spec's type
+    (``KVCacheSpecBindings`` provides it)."""
+
+    def get_uniform_type_base_spec(self, kv_cache_spec: KVCacheSpec
+                                   ) -> type[KVCacheSpec] | None: ...
+
+
 @attrs.frozen(kw_only=True)
 class KVCacheSpec:
     """The KV-cache format of one layer: ``block_size`` tokens per block.
@@ -158,15 +167,15 @@ class KVCacheSpec:
             max_model_len, max_num_batched_tokens=max_num_batched_tokens), self.page_size_bytes)
 
     def is_uniform_with_collection(
-            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
+            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
+            bindings: UniformBaseLookup) -> bool:
         """Whether every spec in ``kv_cache_specs`` can share a KV-cache group under my rule.
 
-        The base rule: each spec is an instance of my registered uniform base spec (looked up in
-        the active container's registry). ``ValueError`` when my type is not registered.
+        The base rule: each spec is an instance of my uniform base spec as ``bindings`` (the
+        container's ``KVCacheSpecBindings``) registers it. ``ValueError`` when my type is not
+        registered there.
         """
-        from app.kvcache.registry import KVCacheSpecRegistry
-
-        base = KVCacheSpecRegistry.get_uniform_type_base_spec(self)
+        base = bindings.get_uniform_type_base_spec(self)
         if base is None:
             raise ValueError(
                 f"Unsupported KV cache spec type: {type(self).__module__}."
@@ -309,10 +318,11 @@ class SlidingWindowSpec(AttentionSpec):
         return blocks * self.page_size_bytes
 
     def is_uniform_with_collection(
-            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
+            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
+            bindings: UniformBaseLookup) -> bool:
         """The base rule, plus an equal ``sliding_window`` and an equal block size."""
         specs = _values(kv_cache_specs)
-        return (super().is_uniform_with_collection(specs)
+        return (super().is_uniform_with_collection(specs, bindings)
                 and self._same_block_size_and(specs, "sliding_window"))
 
 
@@ -345,10 +355,11 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return cdiv(tokens, self.block_size) * self.page_size_bytes
 
     def is_uniform_with_collection(
-            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
+            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
+            bindings: UniformBaseLookup) -> bool:
         """The base rule, plus an equal ``attention_chunk_size`` and an equal block size."""
         specs = _values(kv_cache_specs)
-        return (super().is_uniform_with_collection(specs)
+        return (super().is_uniform_with_collection(specs, bindings)
                 and self._same_block_size_and(specs, "attention_chunk_size"))
 
 
@@ -407,10 +418,11 @@ class MambaSpec(KVCacheSpec):
         return 2 * self.page_size_bytes
 
     def is_uniform_with_collection(
-            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> bool:
+            self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
+            bindings: UniformBaseLookup) -> bool:
         """The base rule, plus equal state ``shapes`` and an equal block size."""
         specs = _values(kv_cache_specs)
-        return (super().is_uniform_with_collection(specs)
+        return (super().is_uniform_with_collection(specs, bindings)
                 and self._same_block_size_and(specs, "shapes"))
 
 

@@ -35,7 +35,7 @@ from app._validation import check_int_at_least
 from app.backends.base import MLAPrefillBackend
 from app.backends.selector import get_mla_prefill_backend
 from app.config import EngineConfig
-from app.containers import get_container, use_container
+from app.containers import get_container
 from app.kvcache import KVCacheGroupSpec, KVCacheManager, MLAAttentionSpec, get_kv_cache_groups
 from app.kvcache.request import KVCacheRequest
 from app.mla.cache import PagedLatentCache
@@ -174,9 +174,10 @@ class MLAPrefillEngine:
             config, container=container)
         spec = MLAAttentionSpec.from_model_config(config.model,
                                                   block_size=config.cache.block_size)
-        with use_container(container):
-            self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups({LAYER_NAME: spec})
-            self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache)
+        bindings = container.kv_cache_spec_bindings()
+        self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups({LAYER_NAME: spec},
+                                                                            bindings)
+        self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache, bindings=bindings)
         if len(self.kv_cache_groups) != 1:  # pragma: no cover - one layer, one group
             raise ValueError(f"expected one KV-cache group, got {len(self.kv_cache_groups)}")
         #: Tokens per block of the (single) group's block table.
@@ -195,7 +196,9 @@ class MLAPrefillEngine:
         self._embedding_rows = self.embedding.table.to(device=device, dtype=model.dtype)
         self.cache = PagedLatentCache(self.kv_manager.block_pool.num_blocks, self.block_size,
                                       self.layer.latent_dim, model.dtype, device)
-        self.backend = self.backend_class.from_config(config)
+        self.backend = self.backend_class.from_config(
+            config, device_capability=self.platform.get_device_capability(),
+            workspaces=container.kernel_workspaces())
         self.timer = timer if timer is not None else NULL_TIMER
         self.executor = MLAPrefillExecutor(self.layer, self.cache, self.backend,
                                            config.attention.context_chunk_tokens, self.timer)

@@ -27,9 +27,9 @@ import math
 import attrs
 import torch
 
+from app._cpu import detect_cpu_features
 from app._validation import check_int_at_least, is_int
 from app.config import ModelConfig
-from app.platforms.cpu_features import detect_cpu_features
 
 __all__ = [
     "MLALayer",

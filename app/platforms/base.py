@@ -42,6 +42,12 @@ class Platform(ABC):
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
         """Backend names in the order the selector should try them for this model."""
 
+    def mla_decode_backend_priorities(self, selector_config: Any) -> list[str]:
+        """Decode backend names in the order the selector should try them for this model
+        (``selector_config``: an ``MLADecodeSelectorConfig``; its ``query_len`` matters).
+        Default: ``TORCH_SDPA``, which runs on any device."""
+        return ["TORCH_SDPA"]
+
     def register_custom_kv_cache_specs(  # noqa: B027 - a hook, deliberately a no-op
             self, registry: Any, config: EngineConfig | None) -> None:
         """Hook: register this platform's own KV-cache spec kinds on ``registry``.

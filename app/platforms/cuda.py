@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
+from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
 
 #: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.
@@ -49,15 +52,28 @@ class CudaPlatform(Platform):
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
         """Fastest first: SM100 family, SM90, then everything older or newer."""
         cap = self._capability
+        names = PREFILL_BACKENDS.names
         if cap.is_family(10):
-            order = ["FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER", "TOKENSPEED_MLA", "TORCH_SDPA"]
+            order = names("FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER", "TOKENSPEED_MLA",
+                          "TORCH_SDPA")
             if selector_config.mla_dimensions == TRTLLM_PREFERRED_DIMENSIONS:
                 order.remove("TRTLLM_RAGGED")
                 order.insert(0, "TRTLLM_RAGGED")
             return order
         if cap.is_family(9):
-            return ["FLASH_ATTN", "FLASHINFER", "TORCH_SDPA"]
-        return ["FLASH_ATTN", "TORCH_SDPA"]
+            return names("FLASH_ATTN", "FLASHINFER", "TORCH_SDPA")
+        return names("FLASH_ATTN", "TORCH_SDPA")
+
+    def mla_decode_backend_priorities(self, selector_config: Any) -> list[str]:
+        """SM100 family: FLASHINFER_MLA, TOKENSPEED_MLA, TORCH_SDPA, except that TOKENSPEED_MLA
+        goes first when ``selector_config.query_len > 1`` (its gains grow with multi-token
+        prediction); SM90 and others: FLASHINFER_MLA, TORCH_SDPA."""
+        names = DECODE_BACKENDS.names
+        if self._capability.is_family(10):
+            if getattr(selector_config, "query_len", 1) > 1:
+                return names("TOKENSPEED_MLA", "FLASHINFER_MLA", "TORCH_SDPA")
+            return names("FLASHINFER_MLA", "TOKENSPEED_MLA", "TORCH_SDPA")
+        return names("FLASHINFER_MLA", "TORCH_SDPA")
 
     @property
     def device(self) -> torch.device:

@@ -178,8 +178,9 @@ class _Kit:
 
     def __init__(self, backend_cls: type[MLAPrefillBackend], device: torch.device,
                  dtype: torch.dtype, dims: MLADimensions, num_heads: int, seed: int,
-                 tolerances: dict[str, float]) -> None:
+                 tolerances: dict[str, float], capability: DeviceCapability | None) -> None:
         self.backend_cls, self.device, self.dtype = backend_cls, device, dtype
+        self.capability = capability
         self.dims, self.heads, self.tol = dims, num_heads, tolerances
         self.scale = 1.0 / math.sqrt(dims.qk_head_dim)
         self.gen = torch.Generator().manual_seed(seed)
@@ -188,7 +189,8 @@ class _Kit:
         d = self.dims
         return self.backend_cls(num_heads=self.heads, scale=self.scale, kv_lora_rank=512,
                                 qk_nope_head_dim=d.qk_nope_head_dim,
-                                qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim)
+                                qk_rope_head_dim=d.qk_rope_head_dim, v_head_dim=d.v_head_dim,
+                                device_capability=self.capability)
 
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.device, self.dtype)
@@ -381,9 +383,12 @@ def _capability(device: torch.device) -> DeviceCapability | None:
 def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, dims: MLADimensions | None = None,
                     num_heads: int = 8, seed: int = 0, cases: Sequence[str] | None = None,
-                    long_case: bool = False, tolerances: dict[str, float] | None = None
-                    ) -> ConformanceReport:
+                    long_case: bool = False, tolerances: dict[str, float] | None = None,
+                    device_capability: DeviceCapability | None = None) -> ConformanceReport:
     """Run the kit on ``backend_cls`` and return the report (never raises for a failing case).
+
+    ``device_capability`` is handed to every backend the kit builds (as the container does);
+    default: the capability of ``device`` (None on a CPU).
 
     ``dims`` defaults to DeepSeek's (128, 64, 128), or the backend's first supported dims;
     ``cases`` picks a subset of ``CASES``; ``long_case`` adds the 1100-token causal case.
@@ -401,14 +406,15 @@ def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.devic
         raise ValueError(f"run_conformance: unknown case(s) {unknown}; known: {list(CASES)}")
     chosen = _pick_dims(backend_cls, dims)
     name = backend_cls.get_name()
+    capability = _capability(device) if device_capability is None else device_capability
     reasons = backend_cls.validate_configuration(
-        _capability(device), MLAPrefillSelectorConfig(dtype=dtype, mla_dimensions=chosen))
+        capability, MLAPrefillSelectorConfig(dtype=dtype, mla_dimensions=chosen))
     if reasons:
         return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
                                  cases=(), unsupported=tuple(reasons))
     tol = dict(DEFAULT_TOLERANCES.get(dtype, {}))
     tol.update(tolerances or {})
-    kit = _Kit(backend_cls, device, dtype, chosen, num_heads, seed, tol)
+    kit = _Kit(backend_cls, device, dtype, chosen, num_heads, seed, tol, capability)
     results = []
     for case in names:
         if case == "out_buffer" and not backend_cls.supports_out:

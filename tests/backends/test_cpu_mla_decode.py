@@ -119,3 +119,25 @@ def test_switched_off_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv("APP_CPU_NATIVE_KERNEL")
         reset_native_libraries(cpu_mla_decode.SPEC.name)
+
+
+@needs_kernel
+def test_bf16_float32_path_conforms_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the bf16 dot products switched off (or absent), bf16 runs the float32 path."""
+    monkeypatch.setenv(cpu_mla_decode.BF16_DOT_ENV, "0")
+    assert not cpu_mla_decode.has_bf16_dot()
+    assert_decode_conformance(CpuMLADecodeBackend, device="cpu", dtype=torch.bfloat16,
+                              cases=["paged", "causal_query_len_4", "batch_1",
+                                     "nonfinite_keys"])
+
+
+@needs_kernel
+def test_bf16_dot_needs_bf16_q_and_cache() -> None:
+    kernel = cpu_mla_decode.load_decode_kernel()
+    assert kernel is not None
+    q = torch.randn(1, 1, 2, 576)
+    cache = torch.randn(2, 16, 576).bfloat16()
+    with pytest.raises(ValueError, match="bf16_dot needs"):
+        kernel.run(plan_decode([5], 1), q, cache, torch.zeros(1, 1, dtype=torch.int32),
+                   torch.tensor([5], dtype=torch.int32), 512, torch.empty(1, 1, 2, 512),
+                   None, 0.1, 1.0, bf16_dot=True)

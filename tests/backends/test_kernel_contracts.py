@@ -26,7 +26,6 @@ from app.backends import flash_attn as fa_mod
 from app.backends import flashinfer as fi_mod
 from app.backends import tokenspeed_mla as ts_mod
 from app.backends import trtllm_ragged as trt_mod
-from app.backends._checks import DeviceWorkspaces
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
 from app.backends.flash_attn import FlashAttnBackend
 from app.backends.flashinfer import FlashInferBackend, wrapper_backend_for
@@ -58,14 +57,6 @@ def on_cpu(cls: type[MLAPrefillBackend]) -> type[MLAPrefillBackend]:
     """The backend with its CUDA requirements lifted, to run a stand-in kernel on CPU."""
     return type(f"Cpu{cls.__name__}", (cls,), {"requires_cuda": False,
                                                "requires_device_capability": False})
-
-
-@pytest.fixture
-def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
-    def set_capability(cap: DeviceCapability) -> None:
-        monkeypatch.setattr(torch.cuda, "get_device_capability",
-                            lambda device=None: (cap.major, cap.minor))
-    return set_capability
 
 
 # -- nothing imported at module import ----------------------------------------------------
@@ -304,31 +295,29 @@ def test_gpu_backends_refuse_cpu_tensors() -> None:
 
 @pytest.mark.parametrize("natural_lse", [True, False])
 @pytest.mark.parametrize("cap", [SM80, SM90, SM100])
-def test_flashinfer_plumbing_conforms(monkeypatch: pytest.MonkeyPatch, pretend_gpu: Any,
+def test_flashinfer_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
                                       cap: DeviceCapability, natural_lse: bool) -> None:
     flashinfer = pytest.importorskip("flashinfer")
     fake = fakes.FakeFlashInfer(flashinfer.BatchPrefillWithRaggedKVCacheWrapper, natural_lse)
     monkeypatch.setattr(fi_mod, "_probe", lambda: fake)
-    pretend_gpu(cap)
-    assert_conformance(on_cpu(FlashInferBackend), dtype=torch.bfloat16)
+    assert_conformance(on_cpu(FlashInferBackend), dtype=torch.bfloat16, device_capability=cap)
     assert {c["backend"] for c in fake.created} == {wrapper_backend_for(cap, 192, 128)}
     assert all(p["causal"] in (True, False) for p in fake.plans)
 
 
-def test_trtllm_plumbing_conforms(monkeypatch: pytest.MonkeyPatch, pretend_gpu: Any) -> None:
+def test_trtllm_plumbing_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     prefill = pytest.importorskip("flashinfer.prefill")
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(trt_mod, "_probe",
                         lambda: fakes.make_trtllm(prefill.trtllm_ragged_attention_deepseek,
                                                   calls))
-    monkeypatch.setattr(trt_mod, "_workspaces", DeviceWorkspaces(1024, zeroed=True))
-    pretend_gpu(SM100)
-    assert_conformance(on_cpu(TrtllmRaggedBackend), dtype=torch.bfloat16)
+    monkeypatch.setattr(trt_mod, "WORKSPACE_BYTES", 1024)
+    assert_conformance(on_cpu(TrtllmRaggedBackend), dtype=torch.bfloat16,
+                       device_capability=SM100)
     assert calls and all(c["return_lse"] for c in calls)
 
 
-def test_tokenspeed_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
-                                      pretend_gpu: Any) -> None:
+def test_tokenspeed_plumbing_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     tokenspeed = pytest.importorskip("tokenspeed_mla")
     calls: list[dict[str, Any]] = []
     warmups: list[tuple[Any, ...]] = []
@@ -339,15 +328,15 @@ def test_tokenspeed_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
                   .arguments.values())))
     monkeypatch.setattr(ts_mod, "_probe", lambda: module)
     monkeypatch.setattr(ts_mod, "_warmed", set())
-    pretend_gpu(SM100)
-    assert_conformance(on_cpu(TokenSpeedMLABackend), dtype=torch.bfloat16)
+    assert_conformance(on_cpu(TokenSpeedMLABackend), dtype=torch.bfloat16,
+                       device_capability=SM100)
     assert warmups == [(torch.bfloat16, 192, 128)]  # once per process, before the first use
     assert len(calls) > 5 and all(c["return_lse"] for c in calls)
 
 
 @pytest.mark.parametrize(("variant", "cap"), [("fa4", SM90), ("fa4", SM100), ("fa2", SM80),
                                               ("fa2", SM90)])
-def test_flash_attn_plumbing_conforms(monkeypatch: pytest.MonkeyPatch, pretend_gpu: Any,
+def test_flash_attn_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
                                       variant: str, cap: DeviceCapability) -> None:
     calls: list[dict[str, Any]] = []
     if variant == "fa4":
@@ -356,8 +345,7 @@ def test_flash_attn_plumbing_conforms(monkeypatch: pytest.MonkeyPatch, pretend_g
     else:
         monkeypatch.setattr(fa_mod, "_probe_fa4", lambda: None)
         monkeypatch.setattr(fa_mod, "_probe_fa2", lambda: fakes.make_fa2(calls))
-    pretend_gpu(cap)
-    assert_conformance(on_cpu(FlashAttnBackend), dtype=torch.float16)
+    assert_conformance(on_cpu(FlashAttnBackend), dtype=torch.float16, device_capability=cap)
     assert calls
     if variant == "fa2":  # v zero-padded to the q/k head dim
         assert all(c["v"].shape[-1] == 192 for c in calls)

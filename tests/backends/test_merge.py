@@ -135,3 +135,20 @@ def test_never_nan_and_weights_are_convex(pairs: list[tuple[float, float]]) -> N
     finite = ~both_empty
     expected = torch.logaddexp(lse_a, lse_b)
     torch.testing.assert_close(lse[finite], expected[finite])
+
+
+def test_flashinfer_merge_errors_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12 item 9: a failing flashinfer merge (out of memory is a RuntimeError) reaches
+    the caller every time instead of switching to torch for good."""
+    import app.backends.merge as merge_mod
+
+    def boom(*args: object, **kwargs: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
+
+    monkeypatch.setattr(merge_mod, "_can_use_flashinfer", lambda *args: True)
+    monkeypatch.setattr(merge_mod, "_merge_flashinfer", boom)
+    out = torch.randn(4, 2, 64, dtype=torch.float16)
+    lse = torch.randn(2, 4)
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError):
+            merge_attn_states(out, lse, out.clone(), lse.clone())

@@ -11,12 +11,13 @@ import pytest
 from dependency_injector import providers
 
 from app.backends import (
+    MLAPrefillBackend,
     MLAPrefillBackendEnum,
+    explain_mla_prefill_selection,
     get_mla_prefill_backend,
     override_mla_prefill_backend,
     register_mla_prefill_backend,
 )
-from app.backends.registry import RegistryState, get_registry_state
 from app.config import AttentionConfig, EngineConfig
 from app.containers import (
     BUILTIN_MLA_PREFILL_BACKENDS,
@@ -97,12 +98,14 @@ def test_members_pickle_by_name(app_container: Application) -> None:
         assert pickle.loads(pickle.dumps(member)) is member
 
 
-def test_config_coerces_names() -> None:
-    assert AttentionConfig(mla_prefill_backend="flashinfer").mla_prefill_backend is \
-        MLAPrefillBackendEnum.FLASHINFER
+def test_config_stores_names_and_selection_resolves_them(app_container: Application) -> None:
+    assert AttentionConfig(mla_prefill_backend="flashinfer").mla_prefill_backend == "flashinfer"
     assert AttentionConfig(mla_prefill_backend="auto").mla_prefill_backend is None
-    with pytest.raises(ValueError, match="Unknown MLA prefill backend: 'NOPE'"):
-        AttentionConfig(mla_prefill_backend="nope")
+    config = EngineConfig.from_dict({"attention": {"mla_prefill_backend": "torch_sdpa"}})
+    assert get_mla_prefill_backend(config).get_name() == "TORCH_SDPA"  # upper case matches
+    with pytest.raises(ValueError, match="Unknown MLA prefill backend: 'nope'"):
+        get_mla_prefill_backend(EngineConfig.from_dict(
+            {"attention": {"mla_prefill_backend": "nope"}}))
 
 
 # --- get_path / get_class / is_overridden / clear_override ---------------------------------
@@ -215,7 +218,7 @@ def test_new_name_by_path(app_container: Application) -> None:
     assert member.get_class() is StubBackend and member.get_path() == STUB_PATH
     assert MLAPrefillBackendEnum(None) is MLAPrefillBackendEnum.CUSTOM  # still no alias
     config = AttentionConfig(mla_prefill_backend=name)
-    assert config.mla_prefill_backend is member
+    assert config.mla_prefill_backend == member.name
 
 
 def test_new_name_as_decorator(app_container: Application) -> None:
@@ -301,19 +304,15 @@ def test_override_in_one_container_is_invisible_in_another() -> None:
     assert not get_container().mla_prefill_backends.FLASHINFER.overridden
 
 
-def test_registry_state_is_per_container() -> None:
+def test_registrations_live_in_the_container_providers() -> None:
     a, b = create_container(), create_container()
-    state_a, state_b = get_registry_state(a), get_registry_state(b)
-    assert isinstance(state_a, RegistryState)
-    assert state_a is not state_b
-    assert state_a is a.registry_state() and state_a is get_registry_state(a)
-    assert state_a.lock is a.registry_lock()
     with use_container(a):
-        assert get_registry_state() is state_a
-        generation = state_a.generation
         register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, StubBackend)
-        assert state_a.generation > generation
-    assert state_b.generation == 0
+    assert a.mla_prefill_backends.CUSTOM() is StubBackend
+    assert b.mla_prefill_backends.CUSTOM() is None
+    assert not hasattr(a, "registry_state") and not hasattr(a, "registry_lock")
+    # nothing stashed on the container instance: only its providers
+    assert not [name for name in vars(a) if name.startswith("_app_")]
 
 
 # --- the scoped override -------------------------------------------------------------------
@@ -368,7 +367,7 @@ def test_scoped_override_of_a_member_registered_elsewhere() -> None:
         with override_mla_prefill_backend(member, OtherBackend):
             assert member.get_class() is OtherBackend
         assert not member.is_registered()
-        assert get_registry_state(other).provider(name) is None
+        assert other.mla_prefill_backends().providers.get(name) is None
 
 
 def test_scoped_override_restores_the_container_it_was_entered_in() -> None:
@@ -444,3 +443,49 @@ def test_eight_threads_registering_and_selecting_end_consistent() -> None:
         assert final in classes
         assert get_mla_prefill_backend(config) is final
     assert seen <= set(classes)
+
+
+# --- abstract classes are refused (issue 12 item 7) ----------------------------------------
+
+
+class HalfBackend(MLAPrefillBackend):
+    """Abstract: implements nothing of the run interface."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "HALF"
+
+
+def test_abstract_classes_are_refused_at_registration(app_container: Application) -> None:
+    from app.backends import MLADecodeBackend, register_mla_decode_backend
+
+    for target in (MLAPrefillBackend, HalfBackend):
+        with pytest.raises(TypeError, match="abstract"):
+            register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, target)
+        with pytest.raises(TypeError, match="abstract"):
+            register_mla_prefill_backend(unique("ABS"), target)
+        with pytest.raises(TypeError, match="abstract"):
+            register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM)(target)
+        with pytest.raises(TypeError, match="abstract"), \
+                override_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, target):
+            pass
+    with pytest.raises(TypeError, match="abstract"):
+        register_mla_decode_backend("ABS_DECODE", MLADecodeBackend)
+    assert not MLAPrefillBackendEnum.CUSTOM.is_registered()
+    # A path is imported on first use: the abstract class is refused there, with the reason.
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM,
+                                 "app.backends.base.MLAPrefillBackend")
+    with pytest.raises(TypeError, match="abstract"):
+        MLAPrefillBackendEnum.CUSTOM.get_class()
+    explanation = explain_mla_prefill_selection()
+    assert not explanation["backends"]["CUSTOM"]["valid"]
+    assert "abstract" in explanation["backends"]["CUSTOM"]["reasons"][0]
+
+
+def test_deployment_refuses_an_abstract_backend(tmp_path: Any) -> None:
+    from app import deployment
+
+    path = tmp_path / "d.toml"
+    path.write_text('[backends]\nMYABS = "app.backends.base.MLAPrefillBackend"\n')
+    with pytest.raises(TypeError, match="abstract"):
+        deployment.load(path)

@@ -21,10 +21,9 @@ from app.backends import (
     override_mla_prefill_backend,
     register_mla_prefill_backend,
 )
-from app.backends.registry import get_registry_state
 from app.backends.selector import select_for_container
 from app.config import EngineConfig
-from app.containers import Application, create_container, use_container
+from app.containers import Application, create_container, get_container, use_container
 from app.platforms import TRTLLM_PREFERRED_DIMENSIONS, CpuPlatform, CudaPlatform, Platform
 from app.testing import SelectionOnlyBackend
 
@@ -297,7 +296,7 @@ def test_cached_selection_does_not_validate_again(stubbed: Callable[..., None]) 
         assert get_mla_prefill_backend(config) is Valid
     assert get_mla_prefill_backend(engine_config()) is Valid  # equal, not identical
     assert Stub.validations == before
-    assert get_registry_state().selections == 1
+    assert get_container().selection_cache().misses == 1
 
 
 def test_cache_sees_a_new_override(stubbed: Callable[..., None]) -> None:

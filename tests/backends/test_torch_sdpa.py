@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from app._types import DeviceCapability
 from app.backends.base import ContextChunkMetadata, MLAPrefillMetadata
 from app.backends.torch_sdpa import TorchSDPABackend, cpu_compute_dtype
 from app.testing import assert_conformance, reference_attention
@@ -274,13 +275,45 @@ class CudaPathOnCpu(TorchSDPABackend):
         self._run_cuda(layout, q, k, v, causal, out, lse)
 
 
-@pytest.mark.parametrize("kernels", ["flash", "efficient", "dense"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_path_logic_conforms(monkeypatch: pytest.MonkeyPatch, kernels: str,
-                                  dtype: torch.dtype) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+@pytest.mark.parametrize(("kernel", "cap", "dtype"), [
+    ("flash", DeviceCapability(9, 0), torch.bfloat16),
+    ("efficient", DeviceCapability(9, 0), torch.float32),
+    ("efficient", DeviceCapability(7, 5), torch.bfloat16),
+    ("dense", DeviceCapability(3, 7), torch.bfloat16),
+    ("dense", DeviceCapability(3, 7), torch.float32),
+])
+def test_cuda_path_logic_conforms(monkeypatch: pytest.MonkeyPatch, kernel: str,
+                                  cap: DeviceCapability, dtype: torch.dtype) -> None:
+    # The path is decided from the capability passed in; the kernels not chosen must not run.
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward",
-                        _fake_flash if kernels == "flash" else _failing)
+                        _fake_flash if kernel == "flash" else _failing)
     monkeypatch.setattr(torch.ops.aten, "_efficient_attention_forward",
-                        _fake_efficient if kernels != "dense" else _failing)
-    assert_conformance(CudaPathOnCpu, dtype=dtype)
+                        _fake_efficient if kernel == "efficient" else _failing)
+    backend = CudaPathOnCpu(num_heads=2, scale=0.1, kv_lora_rank=512, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128, device_capability=cap)
+    assert backend.cuda_kernel(dtype) == kernel
+    assert_conformance(CudaPathOnCpu, dtype=dtype, device_capability=cap)
+
+
+def _out_of_memory(*args: Any, **kwargs: Any) -> Any:
+    raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
+
+
+@pytest.mark.parametrize("kernel", ["_flash_attention_forward", "_efficient_attention_forward"])
+def test_cuda_kernel_errors_propagate(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """Issue 12 item 9: an out-of-memory error is a RuntimeError; it must reach the caller, not
+    switch the backend to a slower path for good."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _out_of_memory)
+    monkeypatch.setattr(torch.ops.aten, "_efficient_attention_forward",
+                        _out_of_memory if kernel.startswith("_eff") else _fake_efficient)
+    dtype = torch.bfloat16 if kernel.startswith("_flash") else torch.float32
+    backend = CudaPathOnCpu(num_heads=2, scale=0.1, kv_lora_rank=512, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128,
+                            device_capability=DeviceCapability(9, 0))
+    backend.prepare_metadata(MLAPrefillMetadata.build([8]))
+    q = torch.randn(8, 2, 192, dtype=dtype)
+    v = torch.randn(8, 2, 128, dtype=dtype)
+    for _ in range(2):  # and again: nothing was switched off by the first failure
+        with pytest.raises(torch.OutOfMemoryError):
+            backend.run_prefill_new_tokens(q, q, v, return_softmax_lse=True)

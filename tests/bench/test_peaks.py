@@ -97,8 +97,10 @@ def test_bench_decode_reads_the_fma_peak(capsys: pytest.CaptureFixture[str]) -> 
     result = json.loads(capsys.readouterr().out)
     peak = result["peaks"]["fp32_fma_gflops"]
     assert peak > 0 and result["peaks"]["cpu_model"] == detect_cpu_features().model_name
+    kind = BF16_DOT if result["cpu_mla_bf16_dot"] else FP32_FMA
+    peak = result["peaks"][f"{kind}_gflops"]
     for row in result["results"]:
-        assert row["bound_peak"] == FP32_FMA and row["peak_gflops"] == peak
+        assert row["bound_peak"] == kind and row["peak_gflops"] == peak
         assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=5e-3,
                                                         abs=2e-3)
         assert row["fraction_of_peak_paired"] > 0 and row["peak_roofline_fraction"] > 0

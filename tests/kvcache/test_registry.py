@@ -264,13 +264,13 @@ def test_bindings_used_directly_run_the_hook_in_their_container() -> None:
     assert len(platform.calls) == 1 and bindings.hook_ran
 
 
-def test_bindings_of_an_inactive_container_catch_up_later() -> None:
+def test_bindings_of_an_inactive_container_get_its_platform() -> None:
     platform = VendorPlatform()
     container = create_container(platform=platform)
     bindings = container.kv_cache_spec_bindings()  # used while another container is active
     spec = VendorSpec(block_size=16, **ATTN)
-    assert bindings.get_manager_class(spec) is FullAttentionManager  # built-ins only so far
-    assert not platform.calls
+    assert bindings.get_manager_class(spec) is MyManager  # the provider passed the platform
+    assert len(platform.calls) == 1
     with use_container(container):
         assert KVCacheSpecRegistry.get_manager_class(spec) is MyManager
     assert len(platform.calls) == 1

@@ -13,6 +13,7 @@ from app.kvcache import (
     FullAttentionSpec,
     HiddenStateCacheSpec,
     KVCacheSpec,
+    KVCacheSpecBindings,
     MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
@@ -123,6 +124,10 @@ def test_padded_attention_page() -> None:
         full(page_size_padded=1)
 
 
+#: The uniformity check takes the bindings it reads (here: built-ins only, no platform hook).
+BINDINGS = KVCacheSpecBindings()
+
+
 def test_base_page_size_is_abstract() -> None:
     with pytest.raises(NotImplementedError):
         _ = KVCacheSpec(block_size=16).page_size_bytes
@@ -137,46 +142,46 @@ def test_full_attention_family_is_uniform() -> None:
     hidden = HiddenStateCacheSpec(block_size=16, head_size=64, dtype=torch.bfloat16)
     specs = {"a": full(), "b": mla, "c": tq, "d": sink, "e": hidden}
     for spec in specs.values():
-        assert spec.is_uniform_with_collection(specs)
+        assert spec.is_uniform_with_collection(specs, BINDINGS)
     sw = SlidingWindowSpec(block_size=16, sliding_window=128, **ATTN)  # type: ignore[arg-type]
-    assert not full().is_uniform_with_collection({"a": full(), "b": sw})
+    assert not full().is_uniform_with_collection({"a": full(), "b": sw}, BINDINGS)
 
 
 def test_sliding_window_rule_adds_window_and_block_size() -> None:
     def sw(window: int, block: int = 16) -> SlidingWindowSpec:
         return SlidingWindowSpec(block_size=block, sliding_window=window, **ATTN)  # type: ignore[arg-type]
 
-    assert sw(128).is_uniform_with_collection([sw(128), sw(128)])
-    assert not sw(128).is_uniform_with_collection([sw(128), sw(256)])
-    assert not sw(128).is_uniform_with_collection([sw(128), sw(128, block=32)])
-    assert not sw(128).is_uniform_with_collection([sw(128), full()])
+    assert sw(128).is_uniform_with_collection([sw(128), sw(128)], BINDINGS)
+    assert not sw(128).is_uniform_with_collection([sw(128), sw(256)], BINDINGS)
+    assert not sw(128).is_uniform_with_collection([sw(128), sw(128, block=32)], BINDINGS)
+    assert not sw(128).is_uniform_with_collection([sw(128), full()], BINDINGS)
 
 
 def test_chunked_and_mamba_rules() -> None:
     def chunked(size: int) -> ChunkedLocalAttentionSpec:
         return ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=size, **ATTN)  # type: ignore[arg-type]
 
-    assert chunked(8192).is_uniform_with_collection([chunked(8192)])
-    assert not chunked(8192).is_uniform_with_collection([chunked(8192), chunked(4096)])
+    assert chunked(8192).is_uniform_with_collection([chunked(8192)], BINDINGS)
+    assert not chunked(8192).is_uniform_with_collection([chunked(8192), chunked(4096)], BINDINGS)
     m1 = MambaSpec(block_size=64, shapes=[[4, 8]], dtypes=["bf16"])
     m2 = MambaSpec(block_size=64, shapes=[[4, 16]], dtypes=["bf16"])
-    assert m1.is_uniform_with_collection([m1, m1])
-    assert not m1.is_uniform_with_collection([m1, m2])
-    assert not m1.is_uniform_with_collection([m1, m1.copy_with(block_size=32)])
+    assert m1.is_uniform_with_collection([m1, m1], BINDINGS)
+    assert not m1.is_uniform_with_collection([m1, m2], BINDINGS)
+    assert not m1.is_uniform_with_collection([m1, m1.copy_with(block_size=32)], BINDINGS)
 
 
 def test_first_specs_rule_applies() -> None:
     # Full's rule (isinstance of FullAttentionSpec) accepts MLA; MLA's base is Full too.
     mla = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
-    assert full().is_uniform_with_collection([full(), mla])
-    assert mla.is_uniform_with_collection([mla, full()])
+    assert full().is_uniform_with_collection([full(), mla], BINDINGS)
+    assert mla.is_uniform_with_collection([mla, full()], BINDINGS)
     # A sliding-window MLA spec passes the sliding-window rule (subclass, same window) ...
     swmla = SlidingWindowMLASpec(block_size=16, sliding_window=128, head_size=576,
                                  dtype=torch.bfloat16)
     sw = SlidingWindowSpec(block_size=16, sliding_window=128, **ATTN)  # type: ignore[arg-type]
-    assert sw.is_uniform_with_collection([sw, swmla])
+    assert sw.is_uniform_with_collection([sw, swmla], BINDINGS)
     # ... but not the other way round: its own base is SlidingWindowMLASpec.
-    assert not swmla.is_uniform_with_collection([swmla, sw])
+    assert not swmla.is_uniform_with_collection([swmla, sw], BINDINGS)
 
 
 def test_unregistered_spec_uniformity_raises_value_error() -> None:
@@ -187,4 +192,4 @@ def test_unregistered_spec_uniformity_raises_value_error() -> None:
             return 1
 
     with pytest.raises(ValueError, match="Unsupported KV cache spec type"):
-        Orphan(block_size=16).is_uniform_with_collection([])
+        Orphan(block_size=16).is_uniform_with_collection([], BINDINGS)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from app import _cpu as cpu_features_module
 from app.cli import main
 from app.mla import default_compute_dtype
 from app.platforms import CpuPlatform, detect_cpu_features, read_cpu_features
-from app.platforms import cpu_features as cpu_features_module
 from app.platforms.cpu_features import parse_cpuinfo
 
 # Flags lines of real CPUs (abridged to the interesting part, order kept).

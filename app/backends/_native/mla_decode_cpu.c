@@ -71,16 +71,26 @@ static inline int64_t cache_slot(int64_t e, int dt) {
   return dt == APP_DT_BF16 ? (e & 1) * 16 + (e >> 1) : e;
 }
 
-/* A chunk's two vectors (cache order) -> its natural first and second halves. */
-static inline void to_natural(__m512 a, __m512 b, int dt, __m512* lo, __m512* hi) {
-  if (dt != APP_DT_BF16) {
+/* Accumulator orders of a 32-column chunk: ORDER_NATURAL (fp16/fp32 rows), ORDER_EVEN_ODD
+ * (bf16 rows split by shift and mask), ORDER_PAIRS (the bf16 dot path: 16-bit unpacks put
+ * columns 8k..8k+3 of each 128-bit lane k in the first vector and 8k+4..8k+7 in the second). */
+enum { ORDER_NATURAL = 0, ORDER_EVEN_ODD = 1, ORDER_PAIRS = 2 };
+
+/* A chunk's two accumulator vectors -> its natural first and second halves. */
+static inline void to_natural(__m512 a, __m512 b, int order, __m512* lo, __m512* hi) {
+  if (order == ORDER_NATURAL) {
     *lo = a;
     *hi = b;
     return;
   }
-  const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i ih =
-      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  __m512i il, ih;
+  if (order == ORDER_EVEN_ODD) {
+    il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  } else {
+    il = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    ih = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  }
   *lo = _mm512_permutex2var_ps(a, il, b);
   *hi = _mm512_permutex2var_ps(a, ih, b);
 }
@@ -272,16 +282,140 @@ static inline __attribute__((always_inline)) void pv_group(
     }
 }
 
+/* ---- the bf16 dot path (bf16 cache and q, a CPU with AVX512-BF16): vdpbf16ps multiplies
+ * pairs of bf16 values and accumulates in float32, twice the multiply-adds of an fp32 FMA.
+ * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
+ * precision) and pairs keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
+#define BF16_ISA target("avx512f,avx512bw,avx512vl,avx512bf16")
+#define BF16_TARGET __attribute__((BF16_ISA, noinline))
+
+/* As scores(), from q rows of bf16 bits; the scores are multiplied by mult afterwards. */
+static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
+                                    int64_t n, int64_t valid, float mult, float* S) {
+  const __m512 vm = _mm512_set1_ps(mult);
+  for (int64_t j = 0; j < n; j += 2) {
+    const char* k0 = rows[j];
+    const char* k1 = rows[j + 1 < n ? j + 1 : j];
+    __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int pass = 0; pass < 2 && pass * 8 < valid; ++pass) {
+      const uint16_t* qr = qg + pass * 8 * d;
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 32) {
+        const __m512bh a0 = (__m512bh)_mm512_loadu_si512((const void*)(k0 + 2 * c));
+        const __m512bh a1 = (__m512bh)_mm512_loadu_si512((const void*)(k1 + 2 * c));
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; ++r) {
+          const __m512bh qv = (__m512bh)_mm512_load_si512((const void*)(qr + r * d + c));
+          acc[r] = _mm512_dpbf16_ps(acc[r], qv, a0);
+          acc[8 + r] = _mm512_dpbf16_ps(acc[8 + r], qv, a1);
+        }
+      }
+      half[pass] = _mm512_mul_ps(hsum16(acc), vm);
+    }
+    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(half[0], half[1], 0x44));
+    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(half[0], half[1], 0xEE));
+  }
+}
+
+/* The probabilities as bf16: P1[j][lane] = bits of p (low half), P2[j / 2][lane] = the pair of
+ * keys 2 (j / 2) and 2 (j / 2) + 1 (P1 overwrites S in place). */
+static BF16_TARGET void pack_p_bf16(float* S, int64_t n, uint32_t* P2) {
+  uint32_t* P1 = (uint32_t*)S;
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(S + j * G));
+    _mm512_store_si512((void*)(P1 + j * G), _mm512_cvtepu16_epi32(h));
+  }
+  for (int64_t j = 0; j + 1 < n; j += 2)
+    _mm512_store_si512((void*)(P2 + j / 2 * G),
+                       _mm512_or_si512(_mm512_load_si512((const void*)(P1 + j * G)),
+                                       _mm512_slli_epi32(_mm512_load_si512(
+                                           (const void*)(P1 + (j + 1) * G)), 16)));
+}
+
+static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m512bh p, __m512bh a0,
+                                                       __m512bh b0, __m512bh a1, __m512bh b1) {
+  c[0] = _mm512_dpbf16_ps(c[0], a0, p);
+  c[1] = _mm512_dpbf16_ps(c[1], b0, p);
+  c[2] = _mm512_dpbf16_ps(c[2], a1, p);
+  c[3] = _mm512_dpbf16_ps(c[3], b1, p);
+}
+
+/* As pv_tile() in ORDER_PAIRS: pairs of keys over [0, n_main), then single keys (paired
+ * with a zero) for an odd one left and the step's own keys, skipping the rows they hide. */
+static BF16_TARGET void pv_tile_bf16(const uint32_t* P1, const uint32_t* P2,
+                                     const char* const* rows, int64_t n, int64_t n_main,
+                                     int64_t pos0, const int32_t* limit, int r0, int pr,
+                                     float* acc, int64_t rank, int64_t c0) {
+  __m512 c[PR][4];
+  for (int i = 0; i < PR; ++i)
+    for (int u = 0; u < 4; ++u)
+      c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
+                       : _mm512_setzero_ps();
+  const int64_t pairs = n_main / 2;
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const char* v0 = rows[2 * jp] + 2 * c0;
+    const char* v1 = rows[2 * jp + 1] + 2 * c0;
+    const __m512i x0 = _mm512_loadu_si512((const void*)v0);
+    const __m512i x1 = _mm512_loadu_si512((const void*)v1);
+    const __m512i y0 = _mm512_loadu_si512((const void*)(v0 + 64));
+    const __m512i y1 = _mm512_loadu_si512((const void*)(v1 + 64));
+    const __m512bh a0 = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+    const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y0, y1);
+    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y0, y1);
+    const uint32_t* p = P2 + jp * G + r0;
+    if (pr == PR) {
+      _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+        dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
+    } else {
+      for (int i = 0; i < pr; ++i)
+        dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
+    }
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 2 * pairs; j < n; ++j) {
+    const char* v = rows[j] + 2 * c0;
+    const __m512i x = _mm512_loadu_si512((const void*)v);
+    const __m512i y = _mm512_loadu_si512((const void*)(v + 64));
+    const __m512bh a0 = (__m512bh)_mm512_unpacklo_epi16(x, zero);
+    const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x, zero);
+    const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y, zero);
+    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y, zero);
+    for (int i = 0; i < pr; ++i) {
+      if (j >= n_main && pos0 + j > limit[r0 + i]) continue; /* 0 * NaN is NaN: skip */
+      dot4(c[i], (__m512bh)_mm512_set1_epi32((int)P1[j * G + r0 + i]), a0, b0, a1, b1);
+    }
+  }
+  for (int i = 0; i < pr; ++i)
+    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
+}
+
+static void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows, int64_t n,
+                          int64_t n_main, int64_t pos0, const int32_t* limit, int64_t valid,
+                          float* acc, int64_t rank) {
+  pack_p_bf16(S, n, P2);
+  for (int64_t c0 = 0; c0 < rank; c0 += 64)
+    for (int r0 = 0; r0 < valid; r0 += PR)
+      pv_tile_bf16((const uint32_t*)S, P2, rows, n, n_main, pos0, limit, r0,
+                   valid - r0 < PR ? (int)(valid - r0) : PR, acc, rank, c0);
+}
+
+static int accumulator_order(const mla_decode_args* a) {
+  if (a->cache_dt != APP_DT_BF16) return ORDER_NATURAL;
+  return a->bf16_dot ? ORDER_PAIRS : ORDER_EVEN_ODD;
+}
+
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
   const int64_t mp = round_up(qlen * heads, G);
-  /* 16 to align, packed q, accumulators, m, l, limits (int32), scores (+1 key of slack) */
-  return 16 + mp * (rank + rope) + mp * rank + 3 * mp + (BK + 1) * G;
+  /* 16 to align, packed q, accumulators, m, l, limits (int32), scores (+1 key of slack),
+   * bf16 probability pairs */
+  return 16 + mp * (rank + rope) + mp * rank + 3 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
 }
 
 /* The key range [k0, k1) of request b, for all its query rows; see mla_decode_args. */
 static inline __attribute__((always_inline)) void run_item(const mla_decode_args* a, int64_t b,
                                                            int64_t k0, int64_t k1, int64_t part,
-                                                           const int dt) {
+                                                           const int dt, const int dot) {
   const int64_t heads = a->heads, qlen = a->qlen, rows_m = qlen * heads, rank = a->rank;
   const int64_t d = rank + a->rope, mp = round_up(rows_m, G), es = app_native_elem_size(dt);
   const int64_t seq_len = a->seq_lens[b], tail = seq_len - qlen + 1;
@@ -291,19 +425,19 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   float* l = m + mp;
   int32_t* limit = (int32_t*)(l + mp);
   float* S = (float*)(limit + mp);
+  uint32_t* P2 = (uint32_t*)(S + (BK + 1) * G);
+  uint16_t* q16 = (uint16_t*)qp; /* the dot path keeps q as bf16 bits, unscaled */
   const int64_t qes = app_native_elem_size(a->q_dt);
   for (int64_t r = 0; r < mp; ++r) {
-    float* dst = qp + r * d;
-    if (r >= rows_m) {
-      memset(dst, 0, sizeof(float) * (size_t)d);
-      limit[r] = (int32_t)(seq_len - 1);
-    } else {
-      const int64_t i = r / heads, h = r % heads;
-      const char* src = (const char*)a->q + (b * a->q_sb + i * a->q_si + h * a->q_sh) * qes;
+    const int64_t i = r / heads, h = r % heads;
+    const char* src = (const char*)a->q + (b * a->q_sb + i * a->q_si + h * a->q_sh) * qes;
+    if (dot && r >= rows_m) memset(q16 + r * d, 0, sizeof(uint16_t) * (size_t)d);
+    else if (dot) memcpy(q16 + r * d, src, sizeof(uint16_t) * (size_t)d);
+    else if (r >= rows_m) memset(qp + r * d, 0, sizeof(float) * (size_t)d);
+    else
       for (int64_t e = 0; e < d; ++e)
-        dst[e / 32 * 32 + cache_slot(e % 32, dt)] = load_elem(src, e, a->q_dt) * a->q_mult;
-      limit[r] = (int32_t)(seq_len - qlen + i);
-    }
+        qp[r * d + e / 32 * 32 + cache_slot(e % 32, dt)] = load_elem(src, e, a->q_dt) * a->q_mult;
+    limit[r] = (int32_t)(r >= rows_m ? seq_len - 1 : seq_len - qlen + i);
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
@@ -318,13 +452,24 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
                 ((int64_t)table[pos / a->block_size] * a->block_stride +
                  (pos % a->block_size) * a->row_stride) * es;
     }
+    /* The next chunk's rows into L2 while this one computes: pages are scattered, and a
+     * hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
+    const int64_t next_end = k1 - cs - BK < BK ? k1 : cs + 2 * BK;
+    for (int64_t pos = cs + BK; pos < next_end; ++pos) {
+      const char* row = (const char*)a->cache +
+                        ((int64_t)table[pos / a->block_size] * a->block_stride +
+                         (pos % a->block_size) * a->row_stride) * es;
+      for (int64_t byte = 0; byte < d * es; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
+    }
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
     for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
       const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
-      scores(qp + g0 * d, d, rows, n, valid, dt, S);
+      if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S);
+      else scores(qp + g0 * d, d, rows, n, valid, dt, S);
       softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, acc + g0 * rank, rank);
-      pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt);
+      if (dot) pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank);
+      else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt);
     }
   }
   for (int64_t r = 0; r < rows_m; ++r) {
@@ -344,7 +489,8 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     for (int64_t c = 0; c < rank; c += 32) {
       __m512 lo, hi;
       to_natural(_mm512_mul_ps(_mm512_loadu_ps(row + c), vi),
-                 _mm512_mul_ps(_mm512_loadu_ps(row + c + 16), vi), dt, &lo, &hi);
+                 _mm512_mul_ps(_mm512_loadu_ps(row + c + 16), vi), accumulator_order(a), &lo,
+                 &hi);
       store16(a->out, o + c, lo, a->out_dt);
       store16(a->out, o + c + 16, hi, a->out_dt);
     }
@@ -358,7 +504,8 @@ static int shape_ok(const mla_decode_args* a) {
                      (a->q_dt == APP_DT_F32 || a->q_dt == APP_DT_BF16 || a->q_dt == APP_DT_F16) &&
                      (a->out_dt == APP_DT_F32 || a->out_dt == APP_DT_BF16 ||
                       a->out_dt == APP_DT_F16);
-  return dts_ok && a->rank > 0 && a->rank % 64 == 0 && a->rope >= 0 && a->rope % 32 == 0 &&
+  const int dot_ok = !a->bf16_dot || (a->cache_dt == APP_DT_BF16 && a->q_dt == APP_DT_BF16);
+  return dts_ok && dot_ok && a->rank > 0 && a->rank % 64 == 0 && a->rope >= 0 && a->rope % 32 == 0 &&
          a->qlen > 0 && a->heads > 0 && a->block_size > 0;
 }
 
@@ -366,9 +513,11 @@ int32_t mla_decode_cpu_run(const mla_decode_args* a) {
   if (!shape_ok(a)) return 1;
   for (int64_t t = 0; t < a->n_items; ++t) {
     const int64_t* it = a->items + 4 * t;
-    if (a->cache_dt == APP_DT_BF16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16);
-    else if (a->cache_dt == APP_DT_F16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_F16);
-    else run_item(a, it[0], it[1], it[2], it[3], APP_DT_F32);
+    if (a->cache_dt == APP_DT_BF16 && a->bf16_dot)
+      run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16, 1);
+    else if (a->cache_dt == APP_DT_BF16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16, 0);
+    else if (a->cache_dt == APP_DT_F16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_F16, 0);
+    else run_item(a, it[0], it[1], it[2], it[3], APP_DT_F32, 0);
   }
   return 0;
 }
@@ -403,7 +552,7 @@ int32_t mla_decode_cpu_merge(const mla_decode_args* a) {
         }
         __m512 lo, hi;
         to_natural(_mm512_mul_ps(s0, _mm512_set1_ps(inv)), _mm512_mul_ps(s1, _mm512_set1_ps(inv)),
-                   a->cache_dt, &lo, &hi);
+                   accumulator_order(a), &lo, &hi);
         store16(a->out, o + c, lo, a->out_dt);
         store16(a->out, o + c + 16, hi, a->out_dt);
       }

@@ -6,7 +6,7 @@
 #include "app_native.h"
 
 /* Bump on any change to this struct or to an exported function of mla_decode_cpu.c. */
-#define MLA_DECODE_CPU_ABI 1
+#define MLA_DECODE_CPU_ABI 2
 
 /* One decode step over a paged latent cache (one KV head), D = rank + rope:
  *   cache [num_blocks, block_size, D] of cache_dt, strides (block_stride, row_stride, 1);
@@ -21,6 +21,8 @@
  * a partial (normalised fp32 rows, base-2 LSE) into part_out [parts, qlen*heads, rank] and
  * part_lse [parts, qlen*heads], merged by mla_decode_cpu_merge.
  * scratch: mla_decode_cpu_scratch_floats() floats, 64-byte aligned, one per thread.
+ * bf16_dot: 1 to use AVX512-BF16 dot products (bf16 cache and q only; the caller checks the
+ * CPU has AVX512-BF16 and AVX512BW): bf16 products, float32 sums, p rounded to bf16 for p.v.
  * merge: n_merge triples (request, first part, number of parts <= 64). */
 #define MLA_DECODE_ARGS(X)                                                                \
   X(const void*, cache) X(const void*, q) X(void*, out) X(float*, lse)                     \
@@ -30,7 +32,7 @@
   X(int64_t, num_blocks) X(int64_t, block_size) X(int64_t, block_stride)                   \
   X(int64_t, row_stride) X(int64_t, bt_stride) X(int64_t, q_sb) X(int64_t, q_si)           \
   X(int64_t, q_sh) X(int64_t, n_items) X(int64_t, n_merge) X(int32_t, cache_dt)            \
-  X(int32_t, q_dt) X(int32_t, out_dt) X(float, q_mult) X(float, v_mult)
+  X(int32_t, q_dt) X(int32_t, out_dt) X(int32_t, bf16_dot) X(float, q_mult) X(float, v_mult)
 
 APP_NATIVE_STRUCT(mla_decode_args, MLA_DECODE_ARGS)
 

@@ -39,6 +39,8 @@ static double get(const void* p, int64_t i, int dt) {
   return ((const float*)p)[i];
 }
 
+static int bf16_dot = 0; /* run the bf16 cases on the AVX512-BF16 dot path */
+
 static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t rank,
                     int64_t rope, int64_t bs, const int64_t* lens, int split) {
   const int64_t d = rank + rope, rows = qlen * heads, es = app_native_elem_size(dt);
@@ -99,6 +101,7 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
       .rope = rope, .num_blocks = nblocks, .block_size = bs, .block_stride = bs * d,
       .row_stride = d, .bt_stride = width, .q_sb = rows * d, .q_si = heads * d, .q_sh = d,
       .n_items = n_items, .n_merge = n_merge, .cache_dt = dt, .q_dt = dt, .out_dt = dt,
+      .bf16_dot = dt == APP_DT_BF16 ? bf16_dot : 0,
       .q_mult = scale * 1.4426950408889634f, .v_mult = 1.f};
   int bad = mla_decode_cpu_run(&a) != 0 || mla_decode_cpu_merge(&a) != 0;
   const double tol = dt == APP_DT_F32 ? 1e-4 : 3e-2;
@@ -126,9 +129,10 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
         if (!(fabs(get(out, (b * rows + r) * rank + c, dt) - o) <= tol)) bad = 1;
       }
       if (bad)
-        printf("BAD dt %d batch %ld qlen %ld heads %ld rank %ld rope %ld bs %ld split %d: "
-               "request %ld row %ld\n", dt, (long)batch, (long)qlen, (long)heads, (long)rank,
-               (long)rope, (long)bs, split, (long)b, (long)r);
+        printf("BAD dt %d dot %d batch %ld qlen %ld heads %ld rank %ld rope %ld bs %ld split %d: "
+               "request %ld row %ld\n", dt, dt == APP_DT_BF16 ? bf16_dot : 0, (long)batch,
+               (long)qlen, (long)heads, (long)rank, (long)rope, (long)bs, split, (long)b,
+               (long)r);
     }
   free(s), free(scratch), free(part_lse), free(part_out), free(merge), free(items);
   free(lse), free(out), free(q), free(seq), free(table), free(cache);
@@ -138,10 +142,12 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
 int main(void) {
   srand(1);
   int cases = 0, bad = 0;
-  const int dts[3] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16};
+  const int dts[4] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16, APP_DT_BF16};
   const int64_t lens_a[3] = {1, 17, 70}, lens_b[2] = {16, 33}, lens_c[1] = {300};
-  for (int di = 0; di < 3; ++di) {
+  const int has_dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  for (int di = 0; di < (has_dot ? 4 : 3); ++di) {
     const int dt = dts[di];
+    bf16_dot = di == 3;
     const int64_t bss[4] = {1, 5, 16, 64};
     for (int bi = 0; bi < 4; ++bi) {
       bad += run_case(dt, 3, 1, 3, 64, 32, bss[bi], lens_a, 1), ++cases;
