@@ -15,7 +15,8 @@ def import_object(path: str) -> Any:
 
     Raises ``TypeError`` when ``path`` is not a string, ``ValueError`` when it is not a dotted
     path, and ``ImportError`` (naming the path) when the module or the attribute does not
-    exist, or the module raises while it is imported.
+    exist, or when importing the module fails in any other way (it raises, or has a syntax
+    error): the error says what the module raised, on one line.
     """
     if not isinstance(path, str):
         raise TypeError(f"expected a dotted path string, got {path!r} ({type(path).__name__})")
@@ -41,8 +42,15 @@ def import_object(path: str) -> Any:
     except ValueError as exc:
         raise ValueError(f"expected a dotted path like 'package.module.Name', got {path!r}: "
                          f"{exc}") from None
-    except Exception as exc:  # the module itself raised while being imported
-        raise ImportError(f"importing {path!r} raised {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed: still "does not import"
+        raise ImportError(f"importing module {module_name!r} for {path!r} raised "
+                          f"{_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """``"Type: message"`` on one line (a SyntaxError's message names its file and line)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def object_path(obj: Any) -> str:

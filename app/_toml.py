@@ -13,14 +13,38 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 def load_toml(path: str | Path, what: str) -> dict[str, Any]:
-    """The parsed file; ``ValueError`` naming ``what`` (e.g. ``"config file"``) and the path
-    when it does not exist or is not valid TOML."""
+    """The parsed file. ``ValueError`` naming ``what`` (e.g. ``"config file"``) and the path when
+    it does not exist, is a directory or cannot be read, is not UTF-8 (with the line and column
+    of the first bad byte), is nested too deeply to parse or is not valid TOML."""
     source = f"{what} {str(path)!r}"
+    raw = _read(Path(path), source)
     try:
-        with Path(path).open("rb") as fh:
-            data: dict[str, Any] = tomllib.load(fh)  # tomli (checked as 3.10) is untyped
-    except FileNotFoundError:
-        raise ValueError(f"{source} does not exist") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(f"{source} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line "
+                         f"{line}, column {column} ({exc.reason}); TOML files must be UTF-8"
+                         ) from None
+    try:
+        data: dict[str, Any] = tomllib.loads(text)  # tomli (checked as 3.10) is untyped
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{source} is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays/tables
+        raise ValueError(f"{source} nests arrays or inline tables too deeply to parse (a few "
+                         f"hundred levels); no configuration needs more than a few") from None
     return data
+
+
+def _read(path: Path, source: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{source} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{source} is a directory; expected a TOML file") from None
+    except PermissionError:
+        raise ValueError(f"{source} cannot be read: permission denied") from None
+    except OSError as exc:
+        raise ValueError(f"{source} cannot be read: {exc.strerror or exc}") from None
+

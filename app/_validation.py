@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import math
 from typing import TypeGuard
+
+#: The largest value an int32 holds: token counts and block ids are stored as int32.
+INT32_MAX = 2**31 - 1
 
 
 def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an int and not a bool (``True`` is not a size or an index)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_range_text(minimum: int | None, maximum: int | None) -> str:
+    """``"an int >= 1"``, ``"an int in [0, 9]"``, ``"an int <= 5"`` or ``"an int"``."""
+    if minimum is not None and maximum is not None:
+        return f"an int in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f"an int >= {minimum}"
+    if maximum is not None:
+        return f"an int <= {maximum}"
+    return "an int"
+
+
+def check_int(name: str, value: object, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in ``[minimum, maximum]`` (either bound may be
+    None); else ``TypeError`` (a bool, float, string ...) or ``ValueError`` (out of range), both
+    worded ``"<name>: expected an int in [lo, hi], got <value>"``. ``name`` says where the value
+    came from (``"ModelConfig.num_heads"``, ``"kv.toml: layers[0].head_size"``)."""
+    allowed = int_range_text(minimum, maximum)
+    if not is_int(value):
+        raise TypeError(f"{name}: expected {allowed}, got {value!r} ({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}: expected {allowed}, got {value!r}")
+    return value
 
 
 def check_int_at_least(name: str, value: object, minimum: int) -> int:
@@ -16,3 +45,18 @@ def check_int_at_least(name: str, value: object, minimum: int) -> int:
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def check_positive_finite(name: str, value: object) -> float:
+    """``float(value)`` if it is a real number (not a bool) that is finite and > 0; else
+    ``TypeError`` (not a number) or ``ValueError`` (inf, nan, zero or negative)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a positive, finite float, got {value!r} "
+                        f"({type(value).__name__})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name}: expected a positive, finite float, got {value!r}")
+    return number

@@ -22,7 +22,7 @@ import torch
 
 from app._toml import load_toml
 from app._types import MLADimensions
-from app._validation import is_int
+from app._validation import INT32_MAX, check_int, check_positive_finite
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -74,14 +74,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _CANONICAL_DTYPE_NAME[dtype]
 
 
-def _int_at_least(minimum: int) -> Any:
+#: Upper bounds: a head dim or rank, a head count, a hidden size. Far above any model, low
+#: enough that a typo (``num_heads = 9223372036854775807``) is refused here, not deep in torch.
+MAX_HEAD_DIM = 2**16
+MAX_NUM_HEADS = 2**10
+MAX_HIDDEN_SIZE = 2**18
+
+
+def _int_in(minimum: int, maximum: int) -> Any:
     def check(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
-        where = f"{type(instance).__name__}.{attribute.name}"
-        if not is_int(value):
-            raise TypeError(f"{where}: expected an int >= {minimum}, got {value!r} "
-                            f"({type(value).__name__})")
-        if value < minimum:
-            raise ValueError(f"{where}: expected an int >= {minimum}, got {value!r}")
+        check_int(f"{type(instance).__name__}.{attribute.name}", value, minimum, maximum)
 
     return check
 
@@ -90,12 +92,7 @@ def _optional_positive_float(instance: object, attribute: attrs.Attribute[float 
                              value: object) -> None:
     if value is None:
         return
-    where = f"{type(instance).__name__}.{attribute.name}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected a positive float or None, got {value!r} "
-                        f"({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: expected a positive, finite float or None, got {value!r}")
+    check_positive_finite(f"{type(instance).__name__}.{attribute.name} (or None)", value)
 
 
 def _bool_field(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
@@ -122,12 +119,12 @@ class ModelConfig:
     """
 
     dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=_model_dtype)
-    num_heads: int = attrs.field(default=16, validator=_int_at_least(1))
-    hidden_size: int = attrs.field(default=2048, validator=_int_at_least(1))
-    kv_lora_rank: int = attrs.field(default=512, validator=_int_at_least(1))
-    qk_nope_head_dim: int = attrs.field(default=128, validator=_int_at_least(1))
-    qk_rope_head_dim: int = attrs.field(default=64, validator=_int_at_least(0))
-    v_head_dim: int = attrs.field(default=128, validator=_int_at_least(1))
+    num_heads: int = attrs.field(default=16, validator=_int_in(1, MAX_NUM_HEADS))
+    hidden_size: int = attrs.field(default=2048, validator=_int_in(1, MAX_HIDDEN_SIZE))
+    kv_lora_rank: int = attrs.field(default=512, validator=_int_in(1, MAX_HEAD_DIM))
+    qk_nope_head_dim: int = attrs.field(default=128, validator=_int_in(1, MAX_HEAD_DIM))
+    qk_rope_head_dim: int = attrs.field(default=64, validator=_int_in(0, MAX_HEAD_DIM))
+    v_head_dim: int = attrs.field(default=128, validator=_int_in(1, MAX_HEAD_DIM))
     softmax_scale: float | None = attrs.field(default=None, validator=_optional_positive_float)
 
     @property
@@ -193,15 +190,18 @@ class AttentionConfig:
     mla_decode_backend: str | None = attrs.field(default=None,
                                                  converter=_decode_backend_name)
     #: Most context tokens gathered and up-projected at once in chunked prefill.
-    context_chunk_tokens: int = attrs.field(default=65536, validator=_int_at_least(1))
+    context_chunk_tokens: int = attrs.field(default=65536, validator=_int_in(1, INT32_MAX))
 
 
 @attrs.frozen(kw_only=True)
 class CacheConfig:
     """The paged KV cache: tokens per block, blocks in the pool (block 0 is the null block)."""
 
-    block_size: int = attrs.field(default=16, validator=[_int_at_least(1), _power_of_two])
-    num_blocks: int = attrs.field(default=16384, validator=_int_at_least(2))
+    block_size: int = attrs.field(default=16, validator=[_int_in(1, MAX_HEAD_DIM),
+                                                         _power_of_two])
+    #: Block ids are int32; whether the blocks fit in memory is checked where the pool is built
+    #: (``python -m app run`` says how much memory they need and how much there is).
+    num_blocks: int = attrs.field(default=16384, validator=_int_in(2, INT32_MAX))
     enable_prefix_caching: bool = attrs.field(default=True, validator=_bool_field)
 
 

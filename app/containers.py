@@ -32,6 +32,7 @@ from app.backends.selection import SelectionCache, select_backend
 from app.backends.table import CUSTOM, PREFILL_BACKENDS
 from app.config import EngineConfig
 from app.kvcache.bindings import KVCacheSpecBindings
+from app.kvcache.table import BUILTIN_KV_CACHE_SPECS
 from app.platforms.base import Platform
 from app.platforms.detect import detect_platform
 from app.plugins import apply_general_plugins
@@ -113,7 +114,8 @@ class Application(containers.DeclarativeContainer):
     selection_cache = providers.Singleton(SelectionCache)
     kernel_workspaces = providers.Singleton(KernelWorkspaces)
     kv_cache_spec_bindings = providers.Singleton(
-        KVCacheSpecBindings, platform=platform.provider, config=config.provider)
+        KVCacheSpecBindings, platform=platform.provider, config=config.provider,
+        builtins=providers.Object(BUILTIN_KV_CACHE_SPECS))
     mla_prefill_backend_class = providers.Callable(
         select_backend, providers.Object(PREFILL), config, platform, mla_prefill_backends,
         selection_cache)

@@ -32,7 +32,6 @@ Class paths are imported: load only files the deployer controls.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,14 +40,13 @@ import attrs
 
 from app._imports import import_object
 from app._toml import load_toml
-from app._types import DeviceCapability
 from app.backends._providers import check_backend_class
 from app.backends.kinds import DECODE, PREFILL, BackendKind
 from app.backends.registry import enum_for, register_backend
 from app.config import EngineConfig
 from app.containers import Application, create_container
 from app.kvcache.specs import KVCacheSpec
-from app.platforms import CpuPlatform, CudaPlatform, Platform
+from app.platforms import CpuPlatform, CudaPlatform, Platform, parse_device_capability
 
 __all__ = ["Deployment", "load", "parse", "parse_dict"]
 
@@ -56,7 +54,6 @@ _TOP_LEVEL = {"deployment", "backends", "decode_backends", "kv_cache_specs", "mo
               "attention", "cache"}
 _DEPLOYMENT_KEYS = {"name", "platform", "prefill_backend", "decode_backend"}
 _SPEC_KEYS = {"spec", "manager", "uniform_base"}
-_CUDA_EMULATED = re.compile(r"^cuda:(\d+)\.(\d+)$")
 _PLATFORM_ALLOWED = "'auto', 'cpu', 'cuda', 'cuda:<major>.<minor>' or a Platform class path"
 
 
@@ -85,17 +82,24 @@ class Deployment:
     def build(self) -> Application:
         """A fresh container with this deployment's platform, backends, specs and config."""
         container = create_container(self.config, platform=self.platform)
-        for kind, overrides in ((PREFILL, self.backend_overrides),
-                                (DECODE, self.decode_backend_overrides)):
-            backends = getattr(container, kind.container_attr)()
-            for name, cls in overrides.items():
-                # An existing member is overridden; a new name adds a member.
-                existing = enum_for(kind).__members__.get(name)
-                register_backend(kind, backends, name if existing is None else existing, cls)
-        bindings = container.kv_cache_spec_bindings()
-        for binding in self.kv_cache_specs:
-            bindings.register(binding.spec, binding.manager,
-                              uniform_type_base_spec=binding.uniform_base)
+        try:
+            # Container-local registrations first: a spec conflict fails before any new
+            # backend name reaches the process-wide enum (names were checked in parse()).
+            bindings = container.kv_cache_spec_bindings()
+            for binding in self.kv_cache_specs:
+                bindings.register(binding.spec, binding.manager,
+                                  uniform_type_base_spec=binding.uniform_base)
+            for kind, overrides in ((PREFILL, self.backend_overrides),
+                                    (DECODE, self.decode_backend_overrides)):
+                backends = getattr(container, kind.container_attr)()
+                for name, cls in overrides.items():
+                    # An existing member is overridden; a new name adds a member.
+                    existing = enum_for(kind).__members__.get(name)
+                    register_backend(kind, backends, name if existing is None else existing, cls)
+        except (ValueError, TypeError, ImportError) as exc:
+            if str(exc).startswith(self.source):
+                raise
+            raise type(exc)(f"{self.source}: {exc}") from exc
         return container
 
 
@@ -160,11 +164,10 @@ def _platform(source: str, value: object) -> Platform | None:
         return None
     if value == "cpu":
         return CpuPlatform()
-    emulated = _CUDA_EMULATED.match(value)
     try:
-        if emulated:
-            return CudaPlatform(device_capability=DeviceCapability(int(emulated[1]),
-                                                                   int(emulated[2])))
+        if value.startswith("cuda:"):
+            capability = parse_device_capability(value.removeprefix("cuda:"))
+            return CudaPlatform(device_capability=capability)
         if value == "cuda":
             return CudaPlatform()
     except ValueError as exc:
@@ -174,7 +177,11 @@ def _platform(source: str, value: object) -> Platform | None:
     cls = _import(source, "deployment.platform", value)
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
         raise TypeError(f"{where}: {cls!r} is not a Platform subclass")
-    platform: Platform = cls()
+    try:
+        platform: Platform = cls()
+    except Exception as exc:  # a third party's constructor: any failure is a bad platform
+        raise ValueError(f"{where}: constructing {cls.__name__}() raised "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
     return platform
 
 
@@ -184,8 +191,9 @@ def _backend_overrides(source: str, kind: BackendKind, table: Mapping[str, Any]
     result: dict[str, type[Any]] = {}
     for name, path in table.items():
         where = f"{source}: {key}.{name} = {path!r}"
-        if not name.isidentifier() or name != name.upper():
-            raise ValueError(f"{where}: a backend name must be an upper-case identifier")
+        if not name.isidentifier() or name != name.upper() or name.startswith("_"):
+            raise ValueError(f"{where}: a backend name must be an upper-case identifier not "
+                             f"starting with '_' (e.g. MY_KERNEL)")
         if not isinstance(path, str):
             raise TypeError(f"{where}: expected a dotted class path string")
         result[name] = check_backend_class(kind, _import(source, f"{key}.{name}", path), where)
@@ -209,6 +217,8 @@ def _backend_name(source: str, kind: BackendKind, value: object,
 
 
 def _kv_cache_specs(source: str, entries: object) -> tuple[_SpecBinding, ...]:
+    from app.kvcache.managers import SingleTypeKVCacheManager
+
     if not isinstance(entries, list):
         raise TypeError(f"{source}: kv_cache_specs = {entries!r}: expected an array of tables "
                         "([[kv_cache_specs]])")
@@ -235,10 +245,17 @@ def _kv_cache_specs(source: str, entries: object) -> tuple[_SpecBinding, ...]:
             if field != "manager" and not issubclass(obj, KVCacheSpec):
                 raise TypeError(f"{source}: {key}.{field} = {path!r}: not a KVCacheSpec "
                                 "subclass")
+            if field == "manager" and not issubclass(obj, SingleTypeKVCacheManager):
+                raise TypeError(f"{source}: {key}.{field} = {path!r}: not a "
+                                "SingleTypeKVCacheManager subclass")
             classes[field] = obj
         spec, manager = classes["spec"], classes["manager"]
         if spec is None or manager is None:  # pragma: no cover - checked above
             raise ValueError(f"{source}: {key} needs spec and manager")
+        base = classes["uniform_base"]
+        if base is not None and not issubclass(spec, base):
+            raise ValueError(f"{source}: {key}.uniform_base = {table['uniform_base']!r}: "
+                             f"{spec.__name__} does not inherit from it")
         bindings.append(_SpecBinding(spec=spec, manager=manager,
                                      uniform_base=classes["uniform_base"]))
     return tuple(bindings)

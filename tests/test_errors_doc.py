@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from app.backends import (
     register_mla_prefill_backend,
 )
 from app.backends._cpu_native import enabled_by_environment
-from app.backends._cpu_native_bf16 import BF16_DISABLE_ENV
+from app.backends._cpu_native_bf16 import BF16_SWITCH_ENV
 from app.backends._native_loader import read_switch
 from app.backends.torch_sdpa import TorchSDPABackend
 from app.cli import main
@@ -118,6 +120,26 @@ class _NotABackend:
     """Not an MLAPrefillBackend."""
 
 
+class _Float16OnlyBackend(TorchSDPABackend):
+    """A backend that refuses bfloat16 whatever kernel packages are installed (the doc must not
+    depend on them: issue 12, item 10)."""
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16,)
+
+
+def _kv_plan(text: str, *extra: str) -> Callable[[], object]:
+    def run() -> object:
+        _TMP.mkdir(exist_ok=True)
+        path = _TMP / "kv_plan.toml"
+        path.write_bytes(text.encode("utf-8", errors="surrogateescape"))
+        return _cli("kv-plan", "--config", str(path), *extra)()
+    return run
+
+
+_PLAN = ('[[layers]]\nname = "l.{i}"\ncount = 2\nspec = "mla"\nkv_lora_rank = 512\n'
+         'qk_rope_head_dim = 64\ndtype = "bf16"\n')
+
+
 def _spec(**kw: object) -> FullAttentionSpec:
     args: dict[str, object] = {"block_size": 16, "num_kv_heads": 1, "head_size": 64,
                                "dtype": torch.float16}
@@ -150,6 +172,25 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _cli("backends", "--mla-dimensions", "1,2")),
     ("CLI", "`python -m app kv-plan --config missing.toml`",
      _cli("kv-plan", "--config", "missing.toml")),
+    ("CLI", "`python -m app kv-plan --config DIR`", _cli("kv-plan", "--config", "docs")),
+    ("CLI", "`python -m app backends --capability 99.9`", _cli("backends", "--capability", "99.9")),
+    ("CLI", "`python -m app backends --capability 1_0.0`",
+     _cli("backends", "--capability", "1_0.0")),
+    ("CLI", "`python -m app bench kv --quick --block-size 0`",
+     _cli("bench", "kv", "--quick", "--block-size", "0")),
+    ("CLI", "`python -m app bench prefill --device tpu`",
+     _cli("bench", "prefill", "--device", "tpu")),
+    ("CLI", "`python -m app bench selection --output DIR`",
+     _cli("bench", "selection", "--output", "docs")),
+    ("kv-plan", "`defaults = 5`", _kv_plan("defaults = 5\n" + _PLAN)),
+    ("kv-plan", "`[plan] memory = inf`", _kv_plan("[plan]\nmemory = inf\n" + _PLAN)),
+    ("kv-plan", "`--memory 1e999`", _kv_plan(_PLAN, "--memory", "1e999")),
+    ("kv-plan", "`kv_lora_rank = true`", _kv_plan(_PLAN.replace("512", "true"))),
+    ("kv-plan", "`kv_lora_rank = 511.9`", _kv_plan(_PLAN.replace("512", "511.9"))),
+    ("kv-plan", "`indices = []`",
+     _kv_plan(_PLAN.replace("count = 2", "indices = []"))),
+    ("kv-plan", "a file nested 500 levels deep", _kv_plan("a = " + "[" * 500 + "]" * 500)),
+    ("kv-plan", "a file that is not UTF-8", _kv_plan('[cache]\nname = "\udcff"\n')),
     ("deployment", "`platform = \"tpu\"`", _deployment('[deployment]\nplatform = "tpu"\n')),
     ("deployment", "`prefill_backend = \"NOPE\"`",
      _deployment('[deployment]\nprefill_backend = "NOPE"\n')),
@@ -160,6 +201,17 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("deployment", "a class that is not a backend",
      _deployment('[backends]\nFLASHINFER = "tests.test_errors_doc._NotABackend"\n')),
     ("deployment", "a value of the wrong type", _deployment("[model]\nnum_heads = \"many\"\n")),
+    ("deployment", "`num_heads = 9223372036854775807`",
+     _deployment("[model]\nnum_heads = 9223372036854775807\n")),
+    ("deployment", "`[backends] _X = ...`",
+     _deployment('[backends]\n_X = "app.backends.torch_sdpa.TorchSDPABackend"\n')),
+    ("deployment", "`platform = \"cuda:-1.0\"`",
+     _deployment('[deployment]\nplatform = "cuda:-1.0"\n')),
+    ("deployment", "a class path whose module raises on import",
+     _deployment('[backends]\nX = "tests.fixtures.raises_on_import.Backend"\n')),
+    ("deployment", "a KV-cache manager that is not a manager class",
+     _deployment('[[kv_cache_specs]]\nspec = "app.kvcache.FullAttentionSpec"\n'
+                 'manager = "app.kvcache.FullAttentionSpec"\n')),
     ("registry", "`MLAPrefillBackendEnum[\"NOPE\"]`", lambda: MLAPrefillBackendEnum["NOPE"]),
     ("registry", "`MLAPrefillBackendEnum.CUSTOM.get_class()` before registering",
      _in_fresh_container(lambda: MLAPrefillBackendEnum.CUSTOM.get_class())),
@@ -174,13 +226,15 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _in_fresh_container(lambda: register_mla_prefill_backend("my backend", TorchSDPABackend))),
     ("registry", "a new backend name that already exists",
      _in_fresh_container(lambda: register_mla_prefill_backend("TORCH_SDPA", TorchSDPABackend))),
-    ("selector", "an explicit backend that cannot run here (FLASHINFER on a CPU)",
-     _in_fresh_container(lambda: get_mla_prefill_backend(EngineConfig.from_dict(
-         {"attention": {"mla_prefill_backend": "FLASHINFER"}})))),
+    ("selector", "an explicit backend that cannot run here (float16-only, for bfloat16)",
+     _in_fresh_container(lambda: (
+         register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, _Float16OnlyBackend),
+         get_mla_prefill_backend(EngineConfig.from_dict(
+             {"attention": {"mla_prefill_backend": "CUSTOM"}}))))),
     ("platform", "`APP_CPU_NATIVE_KERNEL=maybe` (read when TORCH_SDPA first runs on CPU)",
      _with_env("APP_CPU_NATIVE_KERNEL", "maybe", enabled_by_environment)),
     ("platform", "`APP_CPU_BF16_KERNEL=maybe` (read when bf16 prefill first runs on CPU)",
-     _with_env("APP_CPU_BF16_KERNEL", "maybe", lambda: read_switch(BF16_DISABLE_ENV))),
+     _with_env("APP_CPU_BF16_KERNEL", "maybe", lambda: read_switch(BF16_SWITCH_ENV))),
     ("platform", "`CudaPlatform()` on a machine without CUDA",
      lambda: CudaPlatform() if not torch.cuda.is_available() else (_ for _ in ()).throw(
          ValueError("(this machine has CUDA)"))),
@@ -201,6 +255,11 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
         v_head_dim=8).run_prefill_new_tokens(_q(8, 4, 12), _q(8, 4, 12), _q(8, 4, 8), False)),
     ("tensors", "negative lengths in `MLAPrefillMetadata.build`",
      lambda: MLAPrefillMetadata.build([3, -1])),
+    ("tensors", "`MLAPrefillMetadata.build([2**32, 5])` (int32 overflow)",
+     lambda: MLAPrefillMetadata.build([2**32, 5])),
+    ("tensors", "a backend built with `scale=inf`", lambda: TorchSDPABackend(
+        num_heads=4, scale=math.inf, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8)),
     ("KV specs", "`FullAttentionSpec(block_size=0, ...)`", lambda: _spec(block_size=0)),
     ("KV specs", "a spec registered with a manager that is not a class",
      _in_fresh_container(lambda: KVCacheSpecRegistry.register(
@@ -258,21 +317,39 @@ def test_bad_input_gets_a_typed_error(area: str, what: str, fn: Callable[[], obj
     assert len(message) > 20
 
 
+#: Optional kernel packages: the doc must read the same with or without each (item 10).
+OPTIONAL_KERNEL_MODULES = ("flashinfer", "tokenspeed_mla", "flash_attn")
+
+
+def _render_in_fresh_process(blocked: tuple[str, ...]) -> str:
+    # A fresh process: other tests add backend members process-wide, which error messages
+    # that list the valid names would show. ``sys.modules[name] = None`` makes ``import name``
+    # fail as it does where the package is not installed.
+    code = ("import sys\n"
+            f"for name in {blocked!r}: sys.modules[name] = None\n"
+            "from tests.test_errors_doc import render\n"
+            "sys.stdout.write(render())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def test_errors_doc_is_current() -> None:
     if torch.cuda.is_available():
         pytest.skip("the doc is generated on a machine without CUDA")
-    # A fresh process: other tests add backend members process-wide, which error messages
-    # that list the valid names would show.
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from tests.test_errors_doc import render; "
-         "sys.stdout.write(render())"],
-        capture_output=True, text=True, timeout=300, check=False,
-        cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr
-    text = proc.stdout
+    text = _render_in_fresh_process(())
     if os.environ.get("APP_UPDATE_ERRORS_DOC") == "1":
         DOC.parent.mkdir(exist_ok=True)
         DOC.write_text(text)
     assert DOC.exists() and DOC.read_text() == text, (
         "docs/errors.md is stale: APP_UPDATE_ERRORS_DOC=1 python -m pytest "
         "tests/test_errors_doc.py")
+
+
+def test_errors_doc_does_not_depend_on_optional_kernel_packages() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the doc is generated on a machine without CUDA")
+    assert _render_in_fresh_process(OPTIONAL_KERNEL_MODULES) == DOC.read_text(), (
+        "docs/errors.md reads differently without the optional kernel packages "
+        f"{OPTIONAL_KERNEL_MODULES}: no case may depend on what is installed")

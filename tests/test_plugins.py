@@ -123,3 +123,15 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_general_plugins_register_decode_backends(plugin_env: None) -> None:
+    import app_test_plugins.decode
+
+    from app.config import EngineConfig
+
+    config = EngineConfig.from_dict({"attention": {"mla_decode_backend": "PLUGIN_DECODE"}})
+    container = create_container(config, CpuPlatform())
+    assert container.mla_decode_backends.PLUGIN_DECODE() is \
+        app_test_plugins.decode.PluginDecodeBackend
+    assert container.mla_decode_backend_class() is app_test_plugins.decode.PluginDecodeBackend

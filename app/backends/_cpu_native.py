@@ -4,9 +4,8 @@ TORCH_SDPA runs float32 CPU prefill through this kernel where it can (an x86-64 
 AVX-512 and a C compiler), and through the aten CPU flash kernel otherwise. Why a kernel of
 our own: aten's kernel needs ``v`` zero-padded from 128 to 192 columns (1/6 of the FLOPs
 wasted), computes whole 512-key blocks on the causal diagonal, and its small per-block BLAS
-calls run well below the machine's matmul rate; it measured ~0.55 of the fp32 matmul rate
-on 1 x 4096 causal on a 2-core AVX-512 machine, this kernel 0.76-0.84
-(``python -m app bench prefill``, against a matmul timed beside each call; docs/benchmarks.md).
+calls run well below the machine's matmul rate. The two side by side: ``python -m app bench
+prefill`` and docs/benchmarks.md.
 
 The library is built, cached, checked (ABI version, the argument struct's layout, a float64
 self-test) and loaded by :mod:`app.backends._native_loader` (its docstring says where it is
@@ -46,12 +45,21 @@ from app.backends._native_pool import run_shares
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISABLE_ENV", "SPEC", "MlaPrefillArgs", "NativeKernelStatus",
-           "NativeMLAPrefillKernel", "NativePlan", "enabled_by_environment",
-           "load_native_kernel", "native_kernel_status"]
+__all__ = [
+    "SPEC",
+    "SWITCH_ENV",
+    "MlaPrefillArgs",
+    "NativeKernelStatus",
+    "NativeMLAPrefillKernel",
+    "NativePlan",
+    "enabled_by_environment",
+    "load_native_kernel",
+    "native_kernel_status",
+]
 
-#: Set to ``0`` (or false/off/no) to keep TORCH_SDPA on the aten CPU kernel.
-DISABLE_ENV = "APP_CPU_NATIVE_KERNEL"
+#: The on/off switch of the native kernel (default on): ``0`` (or false/off/no) keeps
+#: TORCH_SDPA on the aten CPU kernel, ``1`` (or true/on/yes) allows the native one.
+SWITCH_ENV = "APP_CPU_NATIVE_KERNEL"
 #: The kernel's p.v tiles are 64 output columns wide.
 V_HEAD_DIM_MULTIPLE = 64
 #: ``MLA_PREFILL_CPU_ABI`` in ``_native/mla_prefill_cpu.h``.
@@ -244,14 +252,14 @@ def _scratch(floats: int) -> torch.Tensor:
 
 def enabled_by_environment() -> bool:
     """``$APP_CPU_NATIVE_KERNEL`` read strictly: unset/1/true/on/yes or 0/false/off/no."""
-    return read_switch(DISABLE_ENV)
+    return read_switch(SWITCH_ENV)
 
 
 def _requirements() -> list[str]:
     """Why the kernel cannot run here, besides a missing C compiler (the loader's check)."""
     reasons = []
     if not enabled_by_environment():
-        reasons.append(f"turned off by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}")
+        reasons.append(f"turned off by {SWITCH_ENV}={os.environ.get(SWITCH_ENV)}")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         reasons.append(f"needs an x86-64 CPU, this is {platform.machine()}")
     elif not _cpu_has_avx512():

@@ -38,11 +38,11 @@ from app.backends._native_loader import (
     reset_native_libraries,
 )
 
-__all__ = ["BF16_DISABLE_ENV", "SPEC_BF16", "load_native_bf16_kernel",
+__all__ = ["BF16_SWITCH_ENV", "SPEC_BF16", "load_native_bf16_kernel",
            "native_bf16_kernel_status"]
 
 #: Set to ``0`` (or false/off/no) to keep bf16 inputs on the float32 kernel.
-BF16_DISABLE_ENV = "APP_CPU_BF16_KERNEL"
+BF16_SWITCH_ENV = "APP_CPU_BF16_KERNEL"
 #: Largest errors the self-test accepts against float64 on bf16-rounded inputs: the output
 #: carries the bf16 rounding of the probabilities (2^-9 relative) and of the output itself;
 #: the LSE only float32 sums of exact bf16 products.
@@ -52,8 +52,8 @@ SELF_TEST_LSE_TOLERANCE = 1e-3
 
 def _requirements() -> list[str]:
     reasons = list(SPEC.requirements()) if SPEC.requirements is not None else []
-    if not read_switch(BF16_DISABLE_ENV):
-        reasons.append(f"turned off by {BF16_DISABLE_ENV}={os.environ.get(BF16_DISABLE_ENV)}")
+    if not read_switch(BF16_SWITCH_ENV):
+        reasons.append(f"turned off by {BF16_SWITCH_ENV}={os.environ.get(BF16_SWITCH_ENV)}")
     if not detect_cpu_features().avx512_bf16:
         reasons.append("needs a CPU with AVX512-BF16 (avx512_bf16), this one has none")
     return reasons

@@ -15,6 +15,7 @@ context is attended without a mask, and the partial results are merged by LSE.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,7 +24,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import check_int_at_least, is_int
+from app._validation import INT32_MAX, check_int_at_least, is_int
 
 if TYPE_CHECKING:
     from app.backends.kernel_base import KernelWorkspaces
@@ -56,6 +57,10 @@ class MLAPrefillSelectorConfig:
 def _cu_seqlens(lengths: Sequence[int], what: str) -> torch.Tensor:
     for i, n in enumerate(lengths):
         check_int_at_least(f"{what}[{i}]", n, 0)
+    # The prefix sums are int32 (the kernels' layout): refuse what would wrap around.
+    if sum(lengths) > INT32_MAX:
+        raise ValueError(f"{what}: {sum(lengths)} tokens in all; the int32 prefix sums hold at "
+                         f"most {INT32_MAX} (2**31 - 1)")
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
@@ -223,11 +228,16 @@ class MLAPrefillBackend(ABC):
             raise ValueError(f"{type(self).__name__}: num_heads, v_head_dim and the qk head dim "
                              f"must be >= 1, got {num_heads}, {v_head_dim}, "
                              f"{qk_nope_head_dim + qk_rope_head_dim}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"{type(self).__name__}: scale must be a positive float, "
+        try:  # nan, inf, a bool, a huge int and a non-number all fail
+            scale_value = (math.nan if isinstance(scale, bool) or not isinstance(
+                scale, (int, float)) else float(scale))
+        except OverflowError:
+            scale_value = math.nan
+        if not 0 < scale_value < math.inf:
+            raise ValueError(f"{type(self).__name__}: scale must be a positive, finite float, "
                              f"got {scale!r}")
         self.num_heads = num_heads
-        self.scale = float(scale)
+        self.scale = scale_value
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim

@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "KernelWorkspaces",
     "RaggedKernelBackend",
     "RaggedLayout",
+    "StepCache",
     "StepLayouts",
     "check_attention_inputs",
     "check_cu_seqlens",
@@ -294,6 +295,36 @@ class KernelWorkspaces:
         return f"KernelWorkspaces({sorted((n, str(d)) for n, d in self._buffers)})"
 
 
+_T = TypeVar("_T")
+
+
+class StepCache:
+    """What a backend derives from one step's layouts and reuses in every layer: device copies
+    of lengths, masks, index tensors, kernel plans. Emptied by ``prepare_metadata``;
+    thread-safe (layers of one step may run on several threads)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, layout: RaggedLayout, what: str, make: Callable[[], _T]) -> _T:
+        """The ``what`` of ``layout`` (one of this step's layouts), made on first use."""
+        key = (id(layout), what)
+        with self._lock:
+            if key in self._entries:
+                found: _T = self._entries[key]
+                return found
+        value = make()
+        with self._lock:
+            kept: _T = self._entries.setdefault(key, value)
+            return kept
+
+    def clear(self) -> None:
+        """Forget the previous step."""
+        with self._lock:
+            self._entries.clear()
+
+
 def unit_stride(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its last dim is contiguous (a split ``v`` view is), else a copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -322,13 +353,14 @@ class RaggedKernelBackend(MLAPrefillBackend):
                          v_head_dim, config, device_capability=device_capability,
                          workspaces=workspaces)
         self._layouts: StepLayouts | None = None
-        self._device_cache: dict[tuple[int, str], object] = {}
+        #: Derived from the current step's layouts, shared by every layer of the step.
+        self._step_cache = StepCache()
 
     def prepare_metadata(self, prefill_metadata: MLAPrefillMetadata) -> None:
         """Check every ``cu_seqlens`` of the step once, then ``_on_prepare`` (kernel plans)."""
         super().prepare_metadata(prefill_metadata)
         self._layouts = StepLayouts.from_metadata(prefill_metadata, self.get_name())
-        self._device_cache.clear()
+        self._step_cache.clear()
         self._on_prepare(self._layouts)
 
     def _on_prepare(self, layouts: StepLayouts) -> None:
@@ -422,36 +454,25 @@ class RaggedKernelBackend(MLAPrefillBackend):
 
     def _empty_mask(self, layout: RaggedLayout, causal: bool,
                     device: torch.device) -> torch.Tensor | None:
-        key = (id(layout), f"empty-{causal}")
-        if key not in self._device_cache:
-            self._device_cache[key] = empty_rows_mask(layout.empty_rows(causal), layout.total_q,
-                                                      device)
-        mask = self._device_cache[key]
-        return mask if isinstance(mask, torch.Tensor) else None
+        return self._step_cache.get(layout, f"empty-{causal}", lambda: empty_rows_mask(
+            layout.empty_rows(causal), layout.total_q, device))
 
     def _token_index(self, layout: RaggedLayout,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(request, position)`` of every query token (device tensors, cached per step)."""
-        key = (id(layout), "index")
-        cached = self._device_cache.get(key)
-        if not isinstance(cached, tuple):
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
             req = torch.repeat_interleave(torch.arange(layout.batch),
                                           torch.tensor(layout.q_lens, dtype=torch.long))
             pos = torch.arange(layout.total_q) - torch.tensor(layout.q_starts,
                                                               dtype=torch.long)[req]
-            cached = (req.to(device, non_blocking=True), pos.to(device, non_blocking=True))
-            self._device_cache[key] = cached
-        return cached
+            return req.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+
+        return self._step_cache.get(layout, "index", make)
 
     def _kv_lens(self, layout: RaggedLayout, device: torch.device) -> torch.Tensor:
         """Per-request KV lengths, int32, on ``device`` (cached per step)."""
-        key = (id(layout), "kv_lens")
-        cached = self._device_cache.get(key)
-        if not isinstance(cached, torch.Tensor):
-            cached = torch.tensor(layout.kv_lens, dtype=torch.int32).to(device,
-                                                                          non_blocking=True)
-            self._device_cache[key] = cached
-        return cached
+        return self._step_cache.get(layout, "kv_lens", lambda: torch.tensor(
+            layout.kv_lens, dtype=torch.int32).to(device, non_blocking=True))
 
     def _copy_kernel_lse(self, lg: torch.Tensor, layout: RaggedLayout, lse: torch.Tensor, *,
                          tokens_first: bool, base2: bool = False) -> None:

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.commands._args import positive_float, positive_int
+
 HELP = "KV-cache pool/managers/registry: allocate, cache, hit, free, lookups/s (vs vLLM)"
 
 VLLM_PYTHON_ENV = "APP_BENCH_VLLM_PYTHON"
@@ -42,21 +44,22 @@ PHASES = ("allocate", "cache", "hit", "free")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Workload sizes, repeats and the optional vLLM interpreter."""
-    parser.add_argument("--requests", type=int, default=256, help="requests (default 256)")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per request (8192)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
-    parser.add_argument("--sliding-window", type=int, default=4096,
+    parser.add_argument("--requests", type=positive_int, default=256, help="requests (default 256)")
+    parser.add_argument("--tokens", type=positive_int, default=8192,
+                        help="tokens per request (8192)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (16)")
+    parser.add_argument("--sliding-window", type=positive_int, default=4096,
                         help="sliding window of the second workload (4096)")
-    parser.add_argument("--repeat", type=int, default=5,
+    parser.add_argument("--repeat", type=positive_int, default=5,
                         help="fresh-pool repetitions; best and median are reported (5)")
-    parser.add_argument("--hit-calls", type=int, default=200,
+    parser.add_argument("--hit-calls", type=positive_int, default=200,
                         help="find_longest_cache_hit calls per repetition (200)")
-    parser.add_argument("--lookups", type=int, default=1_000_000,
+    parser.add_argument("--lookups", type=positive_int, default=1_000_000,
                         help="registry lookups per timing (1,000,000)")
     parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
                         help=f"python of a venv with vLLM 0.33 to run the same workload "
                              f"side by side (default ${VLLM_PYTHON_ENV})")
-    parser.add_argument("--vllm-timeout", type=float, default=900.0,
+    parser.add_argument("--vllm-timeout", type=positive_float, default=900.0,
                         help="seconds the vLLM subprocess may take (900)")
     parser.add_argument("--quick", action="store_true",
                         help="a small workload (16 requests x 1024 tokens) for smoke tests")

@@ -44,11 +44,11 @@ from typing import Any
 import attrs
 import torch
 
-from app._imports import import_object
-from app._types import DeviceCapability, MLADimensions
-from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
+from app._types import MLADimensions
+from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
+from app.commands._args import bench_device, int_in, positive_int
 
 HELP = ("MLA prefill backends on ragged batches: ms, GFLOP/s, fraction of the CPU's measured "
         "FMA / bf16 dot-product peak, ratio to the fp32 matmul rate")
@@ -104,13 +104,16 @@ def default_cases(quick: bool) -> list[Case]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quick``, ``--device``, ``--dtypes``, ``--backends``, ``--repeat``, ``--heads``."""
     parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--device", default=None, type=bench_device,
+                        help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
     parser.add_argument("--backends", default="valid",
-                        help="comma list of backend names, or 'valid' (every valid built-in)")
-    parser.add_argument("--repeat", type=int, default=None,
+                        help="comma list of any registered backend names (built-in, "
+                             "plugin), or 'valid' (every backend valid here)")
+    parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed calls per case (default 5, 2 with --quick)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    parser.add_argument("--heads", type=int_in(1, 1024), default=16,
+                        help="attention heads (default 16)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the dense matmul-softmax-matmul baseline")
 
@@ -193,33 +196,57 @@ def vllm_algorithm_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
-def _backend_classes(names: str, device: torch.device, dtype: torch.dtype
-                     ) -> tuple[list[type[MLAPrefillBackend]], dict[str, list[str]]]:
-    from app.containers import BUILTIN_MLA_PREFILL_BACKENDS
+def _bench_container(device: torch.device, dtype: torch.dtype, heads: int) -> Any:
+    """A fresh container (general plugins applied) for the benchmark's model on ``device``:
+    backends are selected, validated and built through it, as an engine builds them."""
+    from app.config import EngineConfig
+    from app.containers import create_container
+    from app.platforms import CpuPlatform, detect_platform
 
-    wanted = list(BUILTIN_MLA_PREFILL_BACKENDS) if names == "valid" else [
-        n.strip().upper() for n in names.split(",") if n.strip()]
-    unknown = sorted(set(wanted) - set(BUILTIN_MLA_PREFILL_BACKENDS))
-    if unknown:
-        raise ValueError(f"unknown backend(s) {unknown}; known: "
-                         f"{sorted(BUILTIN_MLA_PREFILL_BACKENDS)}")
-    cap = None
-    if device.type == "cuda":
-        cap = DeviceCapability(*torch.cuda.get_device_capability(device))
-    valid, skipped = [], {}
+    config = EngineConfig.from_dict({"model": {
+        "dtype": dtype, "num_heads": heads, "kv_lora_rank": 512,
+        "qk_nope_head_dim": _DIMS.qk_nope_head_dim, "qk_rope_head_dim": _DIMS.qk_rope_head_dim,
+        "v_head_dim": _DIMS.v_head_dim}})
+    platform = CpuPlatform() if device.type == "cpu" else detect_platform()
+    return create_container(config, platform)
+
+
+def _backend_classes(names: str, container: Any
+                     ) -> tuple[list[Callable[[], MLAPrefillBackend]], dict[str, list[str]]]:
+    """Builders of the backends to time (``names``: a comma list of any names registered in
+    ``container``, or ``valid``: every backend valid there) and why the others are skipped."""
+    from app.backends.registry import MLAPrefillBackendEnum
+    from app.backends.selector import explain_mla_prefill_selection
+    from app.containers import build_backend
+
+    verdicts = explain_mla_prefill_selection(container=container)["backends"]
+    registered = [n for n, v in verdicts.items() if v["class_path"] is not None]
+    if names == "valid":
+        wanted = [n for n in registered if n != "CUSTOM" or verdicts[n]["valid"]]
+    else:
+        wanted = []
+        for raw in (n.strip() for n in names.split(",") if n.strip()):
+            name = MLAPrefillBackendEnum[raw].name if raw in MLAPrefillBackendEnum.__members__ \
+                else raw.upper()
+            if name not in registered:
+                raise ValueError(f"--backends: unknown or unregistered backend {raw!r}; "
+                                 f"registered: {registered}")
+            wanted.append(name)
+    builders: list[Callable[[], MLAPrefillBackend]] = []
+    skipped: dict[str, list[str]] = {}
     for name in wanted:
-        try:
-            cls: type[MLAPrefillBackend] = import_object(BUILTIN_MLA_PREFILL_BACKENDS[name])
-        except ImportError as exc:
-            skipped[name] = [f"ImportError: {exc}"]
+        if not verdicts[name]["valid"]:
+            skipped[name] = verdicts[name]["reasons"]
             continue
-        reasons = cls.validate_configuration(cap, MLAPrefillSelectorConfig(
-            dtype=dtype, mla_dimensions=_DIMS))
-        if reasons:
-            skipped[name] = reasons
-        else:
-            valid.append(cls)
-    return valid, skipped
+        cls = getattr(container.mla_prefill_backends, name)()
+
+        def build(cls: type[MLAPrefillBackend] = cls) -> MLAPrefillBackend:
+            backend: MLAPrefillBackend = build_backend(
+                cls, container.config(), container.platform(), container.kernel_workspaces())
+            return backend
+
+        builders.append(build)
+    return builders, skipped
 
 
 def _inputs(case: Case, heads: int, dtype: torch.dtype, device: torch.device
@@ -256,13 +283,11 @@ def bound_peak(dtype: torch.dtype) -> str:
     return BF16_DOT if cpu_compute_dtype(dtype) == torch.bfloat16 else FP32_FMA
 
 
-def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
+def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.dtype,
               device: torch.device, heads: int, repeat: int, baseline: bool,
               matmul_n: int = MATMUL_N, meter: PeakMeter | None = None) -> dict[str, Any]:
     md, q, k, v = _inputs(case, heads, dtype, device)
-    backend = cls(num_heads=heads, scale=1 / math.sqrt(_DIMS.qk_head_dim), kv_lora_rank=512,
-                  qk_nope_head_dim=_DIMS.qk_nope_head_dim,
-                  qk_rope_head_dim=_DIMS.qk_rope_head_dim, v_head_dim=_DIMS.v_head_dim)
+    backend = build()
     backend.prepare_metadata(md)
     if case.causal:
         def call() -> object:
@@ -295,15 +320,15 @@ def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
         fns["peak"] = meter.beside(peak_kind, peak_s)
     # bf16 products: the float32-math kernel on the same inputs, beside it (issue 16's 1.5x).
     if (meter is not None and meter.enabled and peak_kind == BF16_DOT and case.causal
-            and case.name.startswith("1x") and getattr(cls, "cpu_bf16_kernel", False)):
-        fns["fp32_math_kernel"] = _float32_math_call(cls, backend, md, q, k, v, case.lse)
+            and case.name.startswith("1x") and getattr(backend, "cpu_bf16_kernel", False)):
+        fns["fp32_math_kernel"] = _float32_math_call(backend, md, q, k, v, case.lse)
     if baseline:
         fns["baseline"] = base
         if case.causal:  # vLLM's algorithm is only the target's baseline for new tokens
             fns["vllm_algorithm"] = vllm_base
     timed = {"vllm_algorithm": [], **time_interleaved(fns, repeat=repeat, sync=_sync(device))}
     flops = case.flops(heads, _DIMS)
-    row: dict[str, Any] = {"backend": cls.get_name(), "case": case.name,
+    row: dict[str, Any] = {"backend": backend.get_name(), "case": case.name,
                            "dtype": str(dtype).removeprefix("torch."), "causal": case.causal,
                            "lse": case.lse, "tokens": md.total_q, "gflop": round(flops / 1e9, 3),
                            **_stats(timed["backend"])}
@@ -332,27 +357,29 @@ def _run_case(cls: type[MLAPrefillBackend], case: Case, dtype: torch.dtype,
     return row
 
 
-def _float32_math_call(cls: type[MLAPrefillBackend], backend: MLAPrefillBackend,
-                       md: MLAPrefillMetadata, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, lse: bool) -> Callable[[], object]:
+def _float32_math_call(backend: MLAPrefillBackend, md: MLAPrefillMetadata, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, lse: bool) -> Callable[[], object]:
     """The same backend with its bf16-products kernel turned off (float32 math on the same
-    bf16 inputs)."""
+    bf16 inputs), built with the same shape, device capability and workspaces."""
+    cls = type(backend)
     float32_math: Any = type(f"{cls.__name__}Float32Math", (cls,), {"cpu_bf16_kernel": False})
-    other = float32_math(num_heads=backend.num_heads, scale=backend.scale, kv_lora_rank=512,
-                         qk_nope_head_dim=_DIMS.qk_nope_head_dim,
-                         qk_rope_head_dim=_DIMS.qk_rope_head_dim, v_head_dim=_DIMS.v_head_dim)
+    other = float32_math(num_heads=backend.num_heads, scale=backend.scale,
+                         kv_lora_rank=backend.kv_lora_rank,
+                         qk_nope_head_dim=backend.qk_nope_head_dim,
+                         qk_rope_head_dim=backend.qk_rope_head_dim,
+                         v_head_dim=backend.v_head_dim, config=backend.config,
+                         device_capability=backend.device_capability,
+                         workspaces=backend.workspaces)
     other.prepare_metadata(md)
     return lambda: other.run_prefill_new_tokens(q, k, v, return_softmax_lse=lse)
 
 
-def _wrapper_overhead(cls: type[MLAPrefillBackend], dtype: torch.dtype, device: torch.device,
-                      heads: int, repeat: int) -> dict[str, Any]:
+def _wrapper_overhead(build: Callable[[], MLAPrefillBackend], dtype: torch.dtype,
+                      device: torch.device, heads: int, repeat: int) -> dict[str, Any]:
     """CUDA only: full backend call vs its bare ``_launch`` on pre-allocated buffers."""
     case = Case("1x4096", (4096,))
     md, q, k, v = _inputs(case, heads, dtype, device)
-    backend: Any = cls(num_heads=heads, scale=1 / math.sqrt(_DIMS.qk_head_dim),
-                       kv_lora_rank=512, qk_nope_head_dim=_DIMS.qk_nope_head_dim,
-                       qk_rope_head_dim=_DIMS.qk_rope_head_dim, v_head_dim=_DIMS.v_head_dim)
+    backend: Any = build()
     backend.prepare_metadata(md)
     if not hasattr(backend, "_launch"):
         return {"error": "no _launch to compare with"}
@@ -364,7 +391,7 @@ def _wrapper_overhead(cls: type[MLAPrefillBackend], dtype: torch.dtype, device: 
         "launch": lambda: backend._launch(-1, layout, q, k, v, True, out, lse)}
     times = time_interleaved(fns, repeat=max(repeat, 10), sync=_sync(device))
     call, launch = min(times["call"]), min(times["launch"])
-    return {"backend": cls.get_name(), "dtype": str(dtype).removeprefix("torch."),
+    return {"backend": backend.get_name(), "dtype": str(dtype).removeprefix("torch."),
             "call_ms": round(call * 1e3, 4), "launch_ms": round(launch * 1e3, 4),
             "overhead": round(call / launch - 1.0, 4), "target": 0.03,
             "pass": call / launch - 1.0 <= 0.03}
@@ -431,6 +458,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result."""
     started = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {args.device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
     dtypes = []
     for name in str(args.dtypes).split(","):
         if name.strip() not in _DTYPES:
@@ -447,9 +480,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overhead: list[dict[str, Any]] = []
     errors: list[str] = []
     for dtype in dtypes:
-        classes, skip = _backend_classes(args.backends, device, dtype)
+        builders, skip = _backend_classes(args.backends,
+                                          _bench_container(device, dtype, args.heads))
         skipped[str(dtype).removeprefix("torch.")] = skip
-        for cls in classes:
+        for build in builders:
             for case in cases:
                 if not args.quick:  # the rate drifts by a quarter within minutes here: the
                     mm_runs.append(matmul_rate(device, repeat=5))  # ratios use the best seen
@@ -458,18 +492,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 repeat = args.repeat or (2 if args.quick else 5)
                 # The baseline always computes the LSE: time it once per shape (LSE case).
                 try:
-                    rows.append(_run_case(cls, case, dtype, device, args.heads, repeat,
+                    rows.append(_run_case(build, case, dtype, device, args.heads, repeat,
                                           case.lse and not args.no_baseline,
                                           256 if args.quick else MATMUL_N, meter))
                 except (RuntimeError, ValueError) as exc:
-                    errors.append(f"{cls.get_name()} {case.name} {dtype}: {exc}")
+                    errors.append(f"{case.name} {dtype}: {exc}")
             _share_baselines(rows)
             if device.type == "cuda" and not args.quick:
                 try:
-                    overhead.append(_wrapper_overhead(cls, dtype, device, args.heads,
+                    overhead.append(_wrapper_overhead(build, dtype, device, args.heads,
                                                       args.repeat or 10))
                 except (RuntimeError, ValueError) as exc:
-                    errors.append(f"{cls.get_name()} overhead {dtype}: {exc}")
+                    errors.append(f"overhead {dtype}: {exc}")
     mm_runs.append(matmul_rate(device, repeat=3 if args.quick else 10))
     meter.sample(repeat=1 if args.quick else 3)
     meter.finish(rows)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from app.commands._args import positive_int
 from app.config import DTYPE_ALIASES, EngineConfig
 
 HELP = "whole-path prefill tokens/s and the time outside attention kernels at 4k contexts"
@@ -43,21 +44,21 @@ _ATTENTION = ("attention_new", "attention_context")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Context length, new tokens, requests per step, steps, dtype, backend, sizes."""
-    parser.add_argument("--context-len", type=int, default=4096,
+    parser.add_argument("--context-len", type=positive_int, default=4096,
                         help="cached context per request, tokens (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=2048,
+    parser.add_argument("--new-tokens", type=positive_int, default=2048,
                         help="new tokens per request (default: %(default)s)")
-    parser.add_argument("--requests-per-step", type=int, default=4,
+    parser.add_argument("--requests-per-step", type=positive_int, default=4,
                         help="requests per step (default: %(default)s; the step budget is "
                              "requests x new tokens)")
-    parser.add_argument("--steps", type=int, default=3,
+    parser.add_argument("--steps", type=positive_int, default=3,
                         help="timed steps after one warm-up step (default: %(default)s)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
                         help="model dtype (default: the config's, bfloat16)")
     parser.add_argument("--backend", default=None, help="MLA prefill backend (default: auto)")
-    parser.add_argument("--chunk-tokens", type=int, default=None,
+    parser.add_argument("--chunk-tokens", type=positive_int, default=None,
                         help="context chunk bound (default: the config's, 65536)")
-    parser.add_argument("--block-size", type=int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV-cache block size (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
     parser.add_argument("--no-malloc-tuning", action="store_true",

@@ -29,6 +29,7 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app.bench._timing import time_loop
+from app.commands._args import positive_int
 
 HELP = "cost of a cached and of an uncached MLA prefill backend selection"
 
@@ -42,9 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", choices=("stub", "builtin"), default="stub",
                         help="stand-in classes (five validated whatever is installed) or the "
                              "real built-in classes")
-    parser.add_argument("--number", type=int, default=200_000,
+    parser.add_argument("--number", type=positive_int, default=200_000,
                         help="calls per timed loop for the cached path (uncached: /100)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed loops; the median counts")
+    parser.add_argument("--repeat", type=positive_int, default=7,
+                        help="timed loops; the median counts")
     parser.add_argument("--vllm-python", type=Path, default=None, metavar="PATH",
                         help="also time vLLM's selector with this interpreter (optional)")
 

@@ -46,23 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_capability(text: str) -> DeviceCapability | None:
+    from app.platforms.detect import CAPABILITY_ALLOWED, parse_device_capability
+
     if text.strip().lower() == "cpu":
         return None
-    major, sep, minor = text.strip().partition(".")
     try:
-        return DeviceCapability(int(major), int(minor) if sep else 0)
+        return parse_device_capability(text.strip())
     except ValueError:
-        raise ValueError(f"--capability: expected MAJOR.MINOR (e.g. 10.0) or 'cpu', "
-                         f"got {text!r}") from None
+        raise ValueError(f"--capability {text!r}: expected 'cpu' or {CAPABILITY_ALLOWED}"
+                         ) from None
 
 
 def _parse_dimensions(text: str) -> dict[str, int]:
     parts = [p.strip() for p in text.split(",")]
-    try:
-        nope, rope, v = (int(p) for p in parts)
-    except ValueError:
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and len(p) < 7 for p in parts):
         raise ValueError(f"--mla-dimensions: expected three integers NOPE,ROPE,V "
-                         f"(e.g. 128,64,128), got {text!r}") from None
+                         f"(e.g. 128,64,128), got {text!r}")
+    nope, rope, v = (int(p) for p in parts)
     return {"qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v}
 
 

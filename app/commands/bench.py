@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-from pathlib import Path
 
+from app.commands._args import output_file
 from app.commands._output import print_json, print_text
 
 HELP = "run a benchmark (selection, prefill, decode, kv, run) and report JSON"
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 raise
             continue
         bench = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        bench.add_argument("--output", type=Path, default=None,
+        bench.add_argument("--output", type=output_file, default=None,
                            help="also write the JSON result to this file")
         # Accept --json after the benchmark name too (`bench kv --json`).
         bench.add_argument("--json", action="store_true", default=argparse.SUPPRESS,

@@ -31,6 +31,7 @@ grouped in the active container, so a platform's custom spec kinds work too.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,7 +41,8 @@ import attrs
 
 from app._imports import import_object
 from app._toml import load_toml
-from app._validation import check_int_at_least
+from app._validation import INT32_MAX, check_int
+from app.commands._args import positive_int
 from app.commands._output import format_table, print_json, print_text
 
 HELP = "plan the KV cache of a model: groups, managers, page sizes, blocks in a memory budget"
@@ -61,6 +63,17 @@ SPEC_KINDS: dict[str, str] = {
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS_TEXT = "bytes or a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+#: The largest memory budget accepted: 1 EiB (a finite, sane bound; no machine has more).
+MAX_MEMORY = 2**60
+#: Keys of a ``[[layers]]`` entry that are not spec fields.
+_LAYER_KEYS = ("name", "count", "indices", "spec")
+#: Tables of the file.
+_TABLES = ("cache", "plan", "defaults", "layers")
+_PLAN_KEYS = ("memory", "max_model_len", "max_num_batched_tokens")
+#: Most layers one ``[[layers]]`` entry may name, and the largest head size / rank accepted.
+_MAX_LAYERS = 100_000
+_MAX_DIM = 2**16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,45 +81,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, type=Path, help="the layers TOML file")
     parser.add_argument("--memory", default=None,
                         help="KV-cache memory budget, e.g. 40GiB (overrides [plan].memory)")
-    parser.add_argument("--max-model-len", type=int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest request, for per-request blocks (overrides [plan])")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="tokens per step, for windowed layers' peaks (overrides [plan])")
 
 
-def parse_memory(value: object) -> int:
-    """Bytes from an int or a string like ``"40GiB"``, ``"512 MB"``, ``"1e9"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"memory: expected a size, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float):
-        size = int(value)
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+def parse_memory(value: object, where: str = "memory") -> int:
+    """Bytes from an int or a string like ``"40GiB"``, ``"512 MB"``, ``"1e9"``: a whole number
+    of bytes in ``[1, MAX_MEMORY]``. ``ValueError`` (``TypeError`` for a bool, a list ...)
+    naming ``where`` (e.g. ``"kv.toml: plan.memory"`` or ``"--memory"``) otherwise."""
+    allowed = f"{_UNITS_TEXT}, at most 1 EiB"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{where}: expected a size ({allowed}), got {value!r} "
+                        f"({type(value).__name__})")
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value,
+                             flags=re.ASCII)
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory: cannot read {value!r}; use bytes or a number with "
-                             f"B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            raise ValueError(f"{where}: cannot read {value!r}; use {_UNITS_TEXT}")
+        number: float = float(match.group(1)) * _UNITS[match.group(2).lower()]
     else:
-        raise ValueError(f"memory: expected a size, got {value!r}")
-    if size <= 0:
-        raise ValueError(f"memory: must be positive, got {value!r}")
-    return size
+        number = value
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ValueError(f"{where}: expected a finite size ({allowed}), got {value!r}")
+    if not 1 <= number <= MAX_MEMORY:
+        raise ValueError(f"{where}: expected a size of 1 B to 1 EiB ({allowed}), got {value!r}")
+    return int(number)
 
 
 def _spec_class(kind: object, where: str) -> type[Any]:
     import app.kvcache as kv
 
+    where = f"{where}.spec"
     if not isinstance(kind, str) or not kind:
-        raise ValueError(f"{where}: 'spec' must be a kind name, got {kind!r}; kinds: "
+        raise ValueError(f"{where}: expected a kind name, got {kind!r}; kinds: "
                          f"{', '.join(SPEC_KINDS)}")
     if kind in SPEC_KINDS:
         cls: type[Any] = getattr(kv, SPEC_KINDS[kind])
     elif kind in SPEC_KINDS.values():
         cls = getattr(kv, kind)
     elif "." in kind or ":" in kind:
-        cls = import_object(kind)
+        try:
+            cls = import_object(kind)
+        except (ImportError, ValueError) as exc:
+            raise ImportError(f"{where} = {kind!r} does not import: {exc}") from None
     else:
         raise ValueError(f"{where}: unknown spec kind {kind!r}; kinds: "
                          f"{', '.join(SPEC_KINDS)}, or 'package.module:SpecClass'")
@@ -118,7 +137,7 @@ def _spec_class(kind: object, where: str) -> type[Any]:
 def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
     name = entry.get("name")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}: 'name' must be a non-empty string")
+        raise ValueError(f"{where}.name = {name!r}: expected a non-empty string")
     count, indices = entry.get("count"), entry.get("indices")
     if count is not None and indices is not None:
         raise ValueError(f"{where}: give 'count' or 'indices', not both")
@@ -127,29 +146,38 @@ def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
             raise ValueError(f"{where}: a name with '{{i}}' needs 'count' or 'indices'")
         return [name]
     if count is not None:
-        check_int_at_least(f"{where}: 'count'", count, 1)
-        indices = list(range(count))
-    if not isinstance(indices, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in indices):
-        raise ValueError(f"{where}: 'indices' must be a list of ints, got {indices!r}")
+        indices = list(range(check_int(f"{where}.count", count, 1, _MAX_LAYERS)))
+    if not isinstance(indices, list) or not indices:
+        raise ValueError(f"{where}.indices = {indices!r}: expected a non-empty list of ints "
+                         f"(the layer indices)")
+    if len(indices) > _MAX_LAYERS:
+        raise ValueError(f"{where}.indices: {len(indices)} entries; at most {_MAX_LAYERS}")
+    for i, index in enumerate(indices):
+        check_int(f"{where}.indices[{i}]", index, 0, INT32_MAX)
     if "{i}" not in name:
         raise ValueError(f"{where}: with 'count' or 'indices' the name needs '{{i}}'")
     return [name.replace("{i}", str(i)) for i in indices]
 
 
+def _int_fields(cls: type[Any]) -> set[str]:
+    """The spec's fields annotated ``int`` or ``int | None``."""
+    return {f.name for f in attrs.fields(cls) if f.type in ("int", "int | None", int)}
+
+
 def _build_spec(cls: type[Any], entry: Mapping[str, Any], defaults: Mapping[str, Any],
                 block_size: int, where: str) -> Any:
     fields = {f.name for f in attrs.fields(cls)}
-    given = {k: v for k, v in entry.items() if k not in ("name", "count", "indices", "spec")}
+    given = {k: v for k, v in entry.items() if k not in _LAYER_KEYS}
     if "kv_lora_rank" in given or "qk_rope_head_dim" in given:
         if "head_size" in given:
             raise ValueError(f"{where}: give head_size or kv_lora_rank + qk_rope_head_dim")
-        try:
-            given["head_size"] = int(given.pop("kv_lora_rank")) + int(
-                given.pop("qk_rope_head_dim"))
-        except KeyError as exc:
-            raise ValueError(f"{where}: {exc.args[0]} is missing (MLA head_size is "
-                             f"kv_lora_rank + qk_rope_head_dim)") from None
+        for key in ("kv_lora_rank", "qk_rope_head_dim"):
+            if key not in given:
+                raise ValueError(f"{where}: {key} is missing (MLA head_size is "
+                                 f"kv_lora_rank + qk_rope_head_dim)")
+        given["head_size"] = (
+            check_int(f"{where}.kv_lora_rank", given.pop("kv_lora_rank"), 1, _MAX_DIM)
+            + check_int(f"{where}.qk_rope_head_dim", given.pop("qk_rope_head_dim"), 0, _MAX_DIM))
     unknown = sorted(set(given) - fields)
     if unknown:
         raise ValueError(f"{where}: {cls.__name__} has no field(s) {unknown}; "
@@ -157,38 +185,58 @@ def _build_spec(cls: type[Any], entry: Mapping[str, Any], defaults: Mapping[str,
     kwargs = {k: v for k, v in defaults.items() if k in fields}
     kwargs.setdefault("block_size", block_size)
     kwargs.update(given)
+    for key in sorted(_int_fields(cls) & set(kwargs)):
+        if key in given:
+            check_int(f"{where}.{key}", kwargs[key], 1, INT32_MAX)
+        elif key in defaults:
+            check_int(f"{where} (from defaults.{key})", kwargs[key], 1, INT32_MAX)
     try:
         return cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where}: cannot build {cls.__name__}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: cannot build {cls.__name__}: {exc}") from None
+
+
+def _table(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{where} = {value!r}: expected a table")
+    return value
 
 
 def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read the TOML file: ``({layer_name: spec}, plan_options)``."""
+    """Read the TOML file: ``({layer_name: spec}, plan_options)``. Every bad key or value
+    raises one ``ValueError``/``TypeError``/``ImportError`` naming the file, the key, the value
+    and what is allowed."""
     from app.config import CacheConfig
 
     data = load_toml(path, "config file")
-    unknown = sorted(set(data) - {"cache", "plan", "defaults", "layers"})
+    unknown = sorted(set(data) - set(_TABLES))
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {unknown}; allowed: cache, plan, defaults, "
-                         f"layers")
-    cache = CacheConfig(**data.get("cache", {}))
-    plan = dict(data.get("plan", {}))
-    bad_plan = sorted(set(plan) - {"memory", "max_model_len", "max_num_batched_tokens"})
+        raise ValueError(f"{path}: unknown table(s) {unknown}; allowed: {', '.join(_TABLES)}")
+    try:
+        cache = CacheConfig(**_table(data.get("cache", {}), f"{path}: cache"))
+    except TypeError as exc:
+        raise TypeError(f"{path}: [cache]: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: [cache]: {exc}") from None
+    plan = dict(_table(data.get("plan", {}), f"{path}: plan"))
+    bad_plan = sorted(set(plan) - set(_PLAN_KEYS))
     if bad_plan:
-        raise ValueError(f"{path}: unknown [plan] key(s) {bad_plan}; allowed: memory, "
-                         f"max_model_len, max_num_batched_tokens")
+        raise ValueError(f"{path}: unknown [plan] key(s) {bad_plan}; allowed: "
+                         f"{', '.join(_PLAN_KEYS)}")
+    if "memory" in plan:
+        plan["memory"] = parse_memory(plan["memory"], f"{path}: plan.memory")
+    for key in ("max_model_len", "max_num_batched_tokens"):
+        if key in plan:
+            check_int(f"{path}: plan.{key}", plan[key], 1, INT32_MAX)
     plan["cache"] = cache
-    defaults = data.get("defaults", {})
+    defaults = _table(data.get("defaults", {}), f"{path}: defaults")
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers:
         raise ValueError(f"{path}: no [[layers]] entries")
     specs: dict[str, Any] = {}
     for index, entry in enumerate(layers):
         where = f"{path}: layers[{index}]"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}: expected a table")
-        names = _layer_names(entry, where)
+        names = _layer_names(_table(entry, where), where)
         cls = _spec_class(entry.get("spec"), where)
         spec = _build_spec(cls, entry, defaults, cache.block_size, where)
         for name in names:
@@ -196,12 +244,6 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                 raise ValueError(f"{where}: layer {name!r} is listed twice")
             specs[name] = spec
     return specs, plan
-
-
-def _positive_option(value: object, name: str) -> int | None:
-    if value is None:
-        return None
-    return check_int_at_least(name, value, 1)
 
 
 def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
@@ -302,14 +344,12 @@ def render_plan(plan: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Load the file, plan, print."""
     specs, options = load_plan_config(args.config)
-    memory_src = args.memory if args.memory is not None else options.get("memory")
-    memory = None if memory_src is None else parse_memory(memory_src)
-    max_model_len = _positive_option(
-        args.max_model_len if args.max_model_len is not None else options.get("max_model_len"),
-        "max_model_len")
-    batched = _positive_option(
-        args.max_num_batched_tokens if args.max_num_batched_tokens is not None
-        else options.get("max_num_batched_tokens"), "max_num_batched_tokens")
+    memory = (parse_memory(args.memory, "--memory") if args.memory is not None
+              else options.get("memory"))
+    max_model_len = (args.max_model_len if args.max_model_len is not None
+                     else options.get("max_model_len"))
+    batched = (args.max_num_batched_tokens if args.max_num_batched_tokens is not None
+               else options.get("max_num_batched_tokens"))
     plan = make_plan(specs, memory=memory, max_model_len=max_model_len,
                      max_num_batched_tokens=batched)
     plan["config"] = str(args.config)

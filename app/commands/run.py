@@ -12,6 +12,7 @@ progress bar on stderr, then a summary; it exits 1 when the error exceeds the dt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import attrs
 import torch
 
 from app import deployment
+from app.commands._args import int_in, positive_int
 from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -42,24 +44,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLA prefill backend name, or 'auto' (default: the config's)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
                         help="model dtype (default: the config's, bfloat16)")
-    parser.add_argument("--num-requests", type=int, default=DEFAULTS["num_requests"],
+    parser.add_argument("--num-requests", type=positive_int, default=DEFAULTS["num_requests"],
                         help="requests to run (default: %(default)s)")
-    parser.add_argument("--min-len", type=int, default=DEFAULTS["min_len"],
+    parser.add_argument("--min-len", type=positive_int, default=DEFAULTS["min_len"],
                         help="shortest request in tokens (default: %(default)s)")
-    parser.add_argument("--max-len", type=int, default=DEFAULTS["max_len"],
+    parser.add_argument("--max-len", type=positive_int, default=DEFAULTS["max_len"],
                         help="longest request in tokens (default: %(default)s)")
-    parser.add_argument("--step-tokens", type=int, default=DEFAULTS["step_tokens"],
+    parser.add_argument("--step-tokens", type=positive_int, default=DEFAULTS["step_tokens"],
                         help="new tokens per step, the chunked-prefill budget "
                              "(default: %(default)s)")
-    parser.add_argument("--num-blocks", type=int, default=None,
+    parser.add_argument("--num-blocks", type=int_in(2), default=None,
                         help="KV-cache blocks in the pool, block 0 reserved "
                              "(default: the config's)")
-    parser.add_argument("--block-size", type=int, default=None,
+    parser.add_argument("--block-size", type=positive_int, default=None,
                         help="tokens per KV-cache block (default: the config's)")
-    parser.add_argument("--chunk-tokens", type=int, default=None,
+    parser.add_argument("--chunk-tokens", type=positive_int, default=None,
                         help="most context tokens gathered and up-projected at once "
                              "(default: the config's attention.context_chunk_tokens)")
-    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=DEFAULTS["seed"],
                         help="seed of the weights and the workload (default: %(default)s)")
     parser.add_argument("--deployment", type=Path, default=None,
                         help="a deployment TOML (app.deployment.load): platform, backend "
@@ -142,6 +144,45 @@ def build_config(args: argparse.Namespace, base: EngineConfig) -> EngineConfig:
     return EngineConfig(model=model, attention=attention, cache=cache)
 
 
+#: Host memory one block costs beyond its latent storage (the pool's Python block object).
+_BLOCK_OVERHEAD_BYTES = 256
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory the KV cache may take on ``device``: free GPU memory, or the host's physical
+    memory; None when it cannot be told (no CUDA here, an OS without ``sysconf``)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
+    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache on
+    ``device``, the pool's per-block bookkeeping on the host. Checked before the pool is built
+    (a huge ``num_blocks`` would otherwise spend minutes building it, then fail)."""
+    model, cache = config.model, config.cache
+    latent = cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
+        model.dtype.itemsize)
+    cpu = torch.device("cpu")
+    per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
+                 else {cpu: latent + _BLOCK_OVERHEAD_BYTES})
+    for where, cost in per_block.items():
+        have = available_memory_bytes(where)
+        if have is not None and cache.num_blocks * cost > have:
+            raise ValueError(
+                f"cache.num_blocks = {cache.num_blocks} needs "
+                f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
+                f"block: {latent} B of latent cache for {cache.block_size} tokens, and the "
+                f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
+                f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
+
+
 def _why_not(explanation: Any) -> dict[str, list[str]]:
     chosen = explanation["chosen"]
     return {name: verdict["reasons"] or ["valid, but lower priority"
@@ -171,6 +212,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     else:
         config = build_config(args, EngineConfig())
         container = create_container(config)
+    check_cache_fits(config, container.platform().device)
     explanation = explain_mla_prefill_selection(config, container=container)
     engine = MLAPrefillEngine(config, container=container, seed=args.seed,
                               step_tokens=args.step_tokens)

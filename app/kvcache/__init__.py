@@ -53,12 +53,15 @@ thread-safe: one scheduler thread drives it.
 Registry
 --------
 
-``KVCacheSpecRegistry`` (classmethods) and ``register_kv_cache_spec`` bind spec types to
-managers in the *active* container (``app.containers.get_container()``;
-``use_container`` isolates). Built-ins are registered on first use, then the platform's
-``register_custom_kv_cache_specs(bindings, config)`` hook runs once per container. On hot
-paths resolve ``bindings = KVCacheSpecRegistry.bindings()`` once and call
-``bindings.get_manager_class(spec)``.
+Each container holds one ``KVCacheSpecBindings`` (``container.kv_cache_spec_bindings()``,
+``app.kvcache.bindings``), built with the container's platform and config: built-ins are
+registered on first use, then the platform's ``register_custom_kv_cache_specs(bindings,
+config)`` hook runs once. An engine passes its bindings in: ``get_kv_cache_groups(specs,
+bindings)``, ``KVCacheManager(groups, cache_config, bindings=bindings)``, and
+``spec.is_uniform_with_collection(specs, bindings)``. ``KVCacheSpecRegistry`` (vLLM's
+classmethods) and ``register_kv_cache_spec`` are the seed-API facade over the *active*
+container's bindings (``use_container`` isolates); called without bindings, the grouping and
+the manager use it too.
 """
 
 from app.kvcache.block_pool import BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock

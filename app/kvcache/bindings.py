@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-import app.kvcache.managers as m
-import app.kvcache.specs as s
 from app.kvcache.managers import SingleTypeKVCacheManager
 from app.kvcache.specs import KVCacheSpec
+from app.kvcache.table import BUILTIN_KV_CACHE_SPECS, KVCacheSpecEntry
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -60,14 +59,18 @@ class KVCacheSpecMetadata:
 class KVCacheSpecBindings:
     """One container's spec -> manager bindings (build one per container, or standalone).
 
-    ``platform`` and ``config`` (values or zero-argument callables, read on first use) feed
-    the platform hook: the container passes its ``platform`` and ``config`` providers.
-    ``KVCacheSpecBindings()`` (no platform) is standalone: built-ins only, no hook.
+    ``builtins`` (the container passes ``app.kvcache.table.BUILTIN_KV_CACHE_SPECS``, also the
+    default) are registered on first use. ``platform`` and ``config`` (values or zero-argument
+    callables, read on first use) feed the platform hook: the container passes its
+    ``platform`` and ``config`` providers. ``KVCacheSpecBindings()`` (no platform) is
+    standalone: built-ins only, no hook.
     """
 
     def __init__(self, *,
                  platform: Platform | Callable[[], Platform] | None = None,
-                 config: EngineConfig | Callable[[], EngineConfig | None] | None = None) -> None:
+                 config: EngineConfig | Callable[[], EngineConfig | None] | None = None,
+                 builtins: Iterable[KVCacheSpecEntry] = BUILTIN_KV_CACHE_SPECS) -> None:
+        self._builtins = tuple(builtins)
         self._lock = threading.RLock()
         self._entries: dict[type[KVCacheSpec], KVCacheSpecMetadata] = {}
         self._manager_cache: dict[type, type[SingleTypeKVCacheManager] | None] = {}
@@ -103,7 +106,8 @@ class KVCacheSpecBindings:
             try:
                 if not self._builtins_registered:
                     self._builtins_registered = True
-                    register_builtin_kv_cache_specs(self)
+                    for spec, manager, base in self._builtins:
+                        self.register(spec, manager, base)
                 if not self._hook_ran:
                     platform, config = self._resolve_platform()
                     if platform is not None:
@@ -242,19 +246,9 @@ class KVCacheSpecBindings:
 
 
 def register_builtin_kv_cache_specs(registry: KVCacheSpecBindings) -> None:
-    """The built-in bindings: Full, MLA, TQFull, HiddenState and SinkFull share the full
-    attention base; every other built-in is its own base."""
-    registry.register(s.FullAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.MLAAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.TQFullAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.HiddenStateCacheSpec, m.FullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.SinkFullAttentionSpec, m.SinkFullAttentionManager, s.FullAttentionSpec)
-    registry.register(s.SlidingWindowSpec, m.SlidingWindowManager, s.SlidingWindowSpec)
-    registry.register(s.SlidingWindowMLASpec, m.SlidingWindowManager, s.SlidingWindowMLASpec)
-    registry.register(s.ChunkedLocalAttentionSpec, m.ChunkedLocalAttentionManager,
-                      s.ChunkedLocalAttentionSpec)
-    registry.register(s.CrossAttentionSpec, m.CrossAttentionManager, s.CrossAttentionSpec)
-    registry.register(s.MambaSpec, m.MambaManager, s.MambaSpec)
+    """Register the built-in bindings (``BUILTIN_KV_CACHE_SPECS``) on ``registry``."""
+    for spec, manager, base in BUILTIN_KV_CACHE_SPECS:
+        registry.register(spec, manager, base)
 
 
 

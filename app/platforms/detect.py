@@ -1,16 +1,40 @@
-"""Detecting the platform of this machine."""
+"""Detecting the platform of this machine, and reading a device capability a user wrote."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
+from app._types import DeviceCapability
 from app.platforms.base import Platform
 from app.platforms.cpu import CpuPlatform
 from app.platforms.cuda import CudaPlatform
 
 logger = logging.getLogger(__name__)
+
+#: The highest compute-capability major accepted from a user (SM120 is the newest family
+#: today; a few majors of room, but not 99.9 or a 23-digit typo).
+MAX_CAPABILITY_MAJOR = 15
+#: ``MAJOR.MINOR`` in ASCII digits only: ``int()`` alone would also take ``1_0``, ``+9``,
+#: surrounding spaces and non-ASCII digits.
+_CAPABILITY = re.compile(r"([0-9]{1,2})\.([0-9])", flags=re.ASCII)
+CAPABILITY_ALLOWED = (f"MAJOR.MINOR with ASCII digits, major 1-{MAX_CAPABILITY_MAJOR} and minor "
+                      f"0-9 (e.g. 9.0, 10.0)")
+
+
+def parse_device_capability(text: object) -> DeviceCapability:
+    """``"9.0"`` -> ``DeviceCapability(9, 0)``. ``ValueError`` saying what is allowed for
+    anything else (``"99.9"``, ``"1_0.0"``, ``"-1.0"``, non-ASCII digits ...); ``TypeError`` for
+    a non-string. The minor is one digit: ``to_int()`` is ``major * 10 + minor``."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected a device capability string ({CAPABILITY_ALLOWED}), got "
+                        f"{text!r} ({type(text).__name__})")
+    match = _CAPABILITY.fullmatch(text)
+    if match is None or not 1 <= int(match[1]) <= MAX_CAPABILITY_MAJOR:
+        raise ValueError(f"expected {CAPABILITY_ALLOWED}, got {text!r}")
+    return DeviceCapability(int(match[1]), int(match[2]))
 
 
 def detect_platform() -> Platform:

@@ -107,3 +107,25 @@ def test_vllm_algorithm_baseline_matches_the_strict_baseline() -> None:
     out_b, lse_b = prefill.dense_baseline(q, k, v, cu, cu, True, 0.2)
     torch.testing.assert_close(out_a, out_b.to(out_a.dtype), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_a, lse_b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_registered_third_party_backend_can_be_benchmarked() -> None:
+    from app.backends import register_mla_prefill_backend
+    from app.backends.torch_sdpa import TorchSDPABackend
+    from app.containers import use_container
+
+    class ThirdParty(TorchSDPABackend):
+        @staticmethod
+        def get_name() -> str:
+            return "THIRD_PARTY_BENCH"
+
+    container = prefill._bench_container(torch.device("cpu"), torch.float32, 2)
+    with use_container(container):
+        register_mla_prefill_backend("THIRD_PARTY_BENCH", ThirdParty)
+    builders, skipped = prefill._backend_classes("third_party_bench", container)
+    assert skipped == {} and len(builders) == 1
+    backend = builders[0]()
+    assert isinstance(backend, ThirdParty)
+    assert backend.workspaces is container.kernel_workspaces()
+    builders, _ = prefill._backend_classes("valid", container)
+    assert any(isinstance(build(), ThirdParty) for build in builders)

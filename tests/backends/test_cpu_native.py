@@ -152,26 +152,26 @@ def test_bad_inputs_raise_before_the_kernel_runs() -> None:
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch, fresh_load: None
                                        ) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
     assert native.load_native_kernel() is None
     status = native.native_kernel_status()
     assert not status.available
-    assert f"turned off by {native.DISABLE_ENV}=0" in status.reasons
+    assert f"turned off by {native.SWITCH_ENV}=0" in status.reasons
 
 
 @pytest.mark.parametrize("value", ["off", "False", " no "])
 def test_other_spellings_of_off(monkeypatch: pytest.MonkeyPatch, fresh_load: None, value: str
                                 ) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, value)
+    monkeypatch.setenv(native.SWITCH_ENV, value)
     assert native.load_native_kernel() is None
 
 
 def test_an_unrecognised_setting_raises_and_is_not_cached(
         monkeypatch: pytest.MonkeyPatch, fresh_load: None) -> None:
-    monkeypatch.setenv(native.DISABLE_ENV, "maybe")
+    monkeypatch.setenv(native.SWITCH_ENV, "maybe")
     with pytest.raises(ValueError, match="expected one of 1/true/on/yes or 0/false/off/no"):
         native.load_native_kernel()
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
     assert native.load_native_kernel() is None  # read again, not a cached failure
 
 

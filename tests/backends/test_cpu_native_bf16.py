@@ -99,13 +99,13 @@ def test_torch_sdpa_conforms_in_bf16(kernel: bf16.NativeMLAPrefillKernel) -> Non
 
 
 def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch, fresh_loader: None) -> None:
-    monkeypatch.setenv(bf16.BF16_DISABLE_ENV, "0")
+    monkeypatch.setenv(bf16.BF16_SWITCH_ENV, "0")
     status = bf16.native_bf16_kernel_status()
     assert not status.available
-    assert any(f"{bf16.BF16_DISABLE_ENV}=0" in r for r in status.reasons)
+    assert any(f"{bf16.BF16_SWITCH_ENV}=0" in r for r in status.reasons)
     bf16._reset_for_tests()
-    monkeypatch.setenv(bf16.BF16_DISABLE_ENV, "maybe")
-    with pytest.raises(ValueError, match=bf16.BF16_DISABLE_ENV):
+    monkeypatch.setenv(bf16.BF16_SWITCH_ENV, "maybe")
+    with pytest.raises(ValueError, match=bf16.BF16_SWITCH_ENV):
         bf16.load_native_bf16_kernel()
 
 

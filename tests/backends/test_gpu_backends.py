@@ -1,4 +1,6 @@
-"""The conformance kit on every built-in backend this GPU supports (skipped without CUDA).
+"""The conformance kit on every backend this GPU supports (skipped without CUDA), taken from a
+container on the detected platform (built-ins and any registered by plugins), run with the
+platform's device capability as the container passes it.
 
 Run on a GPU machine with ``python -m pytest -q -m gpu tests/backends/test_gpu_backends.py``
 (see docs/gpu-results.md). A backend the GPU, dtype or installed packages rule out is skipped
@@ -10,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app._imports import import_object
 from app._types import DeviceCapability, MLADimensions
 from app.backends.base import MLAPrefillBackend, MLAPrefillSelectorConfig
 from app.backends.merge import merge_attn_states
-from app.containers import BUILTIN_MLA_PREFILL_BACKENDS
+from app.backends.registry import MLAPrefillBackendEnum
+from app.containers import Application, create_container
 from app.testing import assert_conformance
 
 pytestmark = [pytest.mark.gpu,
@@ -23,27 +25,46 @@ pytestmark = [pytest.mark.gpu,
 R1 = MLADimensions(128, 64, 128)
 
 
-def _capability() -> DeviceCapability:
-    major, minor = torch.cuda.get_device_capability()
-    return DeviceCapability(major, minor)
+def _container() -> Application:
+    return create_container()  # the detected platform, general plugins applied
+
+
+def _capability(container: Application) -> DeviceCapability:
+    capability: DeviceCapability | None = container.platform().get_device_capability()
+    if capability is None:
+        pytest.skip("the detected platform is not a GPU")
+    return capability
+
+
+def _class(container: Application, name: str) -> type[MLAPrefillBackend]:
+    try:
+        cls: type[MLAPrefillBackend] = getattr(container.mla_prefill_backends, name)()
+    except ImportError as exc:
+        pytest.skip(f"{name}: {exc}")
+    if cls is None:
+        pytest.skip(f"{name} is not registered")
+    return cls
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", sorted(BUILTIN_MLA_PREFILL_BACKENDS))
+@pytest.mark.parametrize("name", list(MLAPrefillBackendEnum.__members__))
 def test_backend_conforms_on_this_gpu(name: str, dtype: torch.dtype) -> None:
-    cls: type[MLAPrefillBackend] = import_object(BUILTIN_MLA_PREFILL_BACKENDS[name])
+    container = _container()
+    cls = _class(container, name)
+    capability = _capability(container)
     dims = R1 if not cls.supported_mla_dimensions else cls.supported_mla_dimensions[0]
-    reasons = cls.validate_configuration(_capability(), MLAPrefillSelectorConfig(
+    reasons = cls.validate_configuration(capability, MLAPrefillSelectorConfig(
         dtype=dtype, mla_dimensions=dims))
     if reasons:
-        pytest.skip(f"{name} on SM{_capability().to_int()} {dtype}: {'; '.join(reasons)}")
+        pytest.skip(f"{name} on SM{capability.to_int()} {dtype}: {'; '.join(reasons)}")
     assert_conformance(cls, device="cuda", dtype=dtype, dims=dims, num_heads=16,
-                       long_case=True)
+                       long_case=True, device_capability=capability)
 
 
 def test_torch_sdpa_float32_on_gpu() -> None:
-    cls = import_object(BUILTIN_MLA_PREFILL_BACKENDS["TORCH_SDPA"])
-    assert_conformance(cls, device="cuda", dtype=torch.float32)
+    container = _container()
+    assert_conformance(_class(container, "TORCH_SDPA"), device="cuda", dtype=torch.float32,
+                       device_capability=_capability(container))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -46,15 +46,23 @@ def test_conforms_on_a_long_causal_request() -> None:
     {"cpu_causal_chunk": 0},                    # chunking disabled
     {"cpu_causal_chunk": 7},                    # odd chunk sizes and a short last chunk
     {"cpu_causal_chunk": 256, "cpu_chunked_causal_max": 100},
-    {"cpu_head_major": True},                   # head-major copies instead of strided views
-    {"cpu_head_major": True, "cpu_chunked_causal_max": 0},
-    {"cpu_v_buffer_max_bytes": 0},              # no v buffer kept between calls
     {"cpu_blocked_rows": 0},                    # short causal calls through the aten kernel
     {"cpu_blocked_rows": 5},                    # odd plain-matmul blocks, short last block
-    {"cpu_blocked_heads": 3},                   # head groups that do not divide the heads
 ])
 def test_every_aten_cpu_path_conforms(attrs: dict[str, int]) -> None:
     assert_conformance(variant(**attrs, **ATEN), dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("constant", "value"), [
+    ("_V_BUFFER_MAX_BYTES", 0),                 # no v buffer kept between calls
+    ("_BLOCKED_HEADS", 3),                      # head groups that do not divide the heads
+])
+def test_aten_cpu_internal_limits_conform(monkeypatch: pytest.MonkeyPatch, constant: str,
+                                          value: int) -> None:
+    import app.backends._aten_cpu as module
+
+    monkeypatch.setattr(module, constant, value)
+    assert_conformance(variant(**ATEN), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["default", "aten"])

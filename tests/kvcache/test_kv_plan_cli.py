@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,13 @@ def test_parse_memory(text: object, size: int) -> None:
     assert parse_memory(text) == size
 
 
-@pytest.mark.parametrize("bad", ["lots", "-3GB", 0, True, "3 parsecs"])
+@pytest.mark.parametrize("bad", ["lots", "-3GB", 0, "3 parsecs", math.inf, "1e999", 2**61])
 def test_parse_memory_errors(bad: object) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="memory"):
+        parse_memory(bad)
+
+
+@pytest.mark.parametrize("bad", [True, [1], None])
+def test_parse_memory_type_errors(bad: object) -> None:
+    with pytest.raises(TypeError, match="memory: expected a size"):
         parse_memory(bad)

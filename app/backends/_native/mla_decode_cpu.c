@@ -32,7 +32,9 @@ APP_NATIVE_LIBRARY(MLA_DECODE_CPU_ABI)
 APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 
 #define G 16   /* query rows per group: one per vector lane */
-#define BK 32  /* keys per chunk: their rows (36 KiB at D = 576, bf16) stay in L1/L2 */
+#ifndef BK
+#define BK 32 /* keys per chunk: their rows (36 KiB at D = 576, bf16) stay in L1/L2 */
+#endif
 #define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
 #define LN2 0.6931471805599453f
 #define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
@@ -341,14 +343,15 @@ static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m5
 }
 
 /* As pv_tile() in ORDER_PAIRS: pairs of keys over [0, n_main), then single keys (paired
- * with a zero) for an odd one left and the step's own keys, skipping the rows they hide. */
-static BF16_TARGET void pv_tile_bf16(const uint32_t* P1, const uint32_t* P2,
-                                     const char* const* rows, int64_t n, int64_t n_main,
-                                     int64_t pos0, const int32_t* limit, int r0, int pr,
-                                     float* acc, int64_t rank, int64_t c0) {
+ * with a zero) for an odd one left and the step's own keys, skipping the rows they hide.
+ * Inlined with a constant pr, like pv_tile(), so that the tile stays in registers. */
+static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
+    const uint32_t* P1, const uint32_t* P2, const char* const* rows, int64_t n, int64_t n_main,
+    int64_t pos0, const int32_t* limit, int r0, const int pr, float* acc, int64_t rank,
+    int64_t c0) {
   __m512 c[PR][4];
-  for (int i = 0; i < PR; ++i)
-    for (int u = 0; u < 4; ++u)
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
       c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
                        : _mm512_setzero_ps();
   const int64_t pairs = n_main / 2;
@@ -364,13 +367,8 @@ static BF16_TARGET void pv_tile_bf16(const uint32_t* P1, const uint32_t* P2,
     const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y0, y1);
     const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y0, y1);
     const uint32_t* p = P2 + jp * G + r0;
-    if (pr == PR) {
-      _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-        dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
-    } else {
-      for (int i = 0; i < pr; ++i)
-        dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
-    }
+    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+      if (i < pr) dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
   }
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t j = 2 * pairs; j < n; ++j) {
@@ -381,28 +379,46 @@ static BF16_TARGET void pv_tile_bf16(const uint32_t* P1, const uint32_t* P2,
     const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x, zero);
     const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y, zero);
     const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y, zero);
-    for (int i = 0; i < pr; ++i) {
-      if (j >= n_main && pos0 + j > limit[r0 + i]) continue; /* 0 * NaN is NaN: skip */
+    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i) {
+      if (i >= pr || (j >= n_main && pos0 + j > limit[r0 + i])) continue; /* 0 * NaN: skip */
       dot4(c[i], (__m512bh)_mm512_set1_epi32((int)P1[j * G + r0 + i]), a0, b0, a1, b1);
     }
   }
-  for (int i = 0; i < pr; ++i)
-    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      if (i < pr) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
 }
 
-static void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows, int64_t n,
-                          int64_t n_main, int64_t pos0, const int32_t* limit, int64_t valid,
-                          float* acc, int64_t rank) {
+static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows,
+                                      int64_t n, int64_t n_main, int64_t pos0,
+                                      const int32_t* limit, int64_t valid, float* acc,
+                                      int64_t rank) {
   pack_p_bf16(S, n, P2);
+  const uint32_t* P1 = (const uint32_t*)S;
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
-    for (int r0 = 0; r0 < valid; r0 += PR)
-      pv_tile_bf16((const uint32_t*)S, P2, rows, n, n_main, pos0, limit, r0,
-                   valid - r0 < PR ? (int)(valid - r0) : PR, acc, rank, c0);
+    for (int r0 = 0; r0 < valid; r0 += PR) {
+      if (valid - r0 >= PR)
+        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0);
+      else
+        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank,
+                     c0);
+    }
 }
 
 static int accumulator_order(const mla_decode_args* a) {
   if (a->cache_dt != APP_DT_BF16) return ORDER_NATURAL;
   return a->bf16_dot ? ORDER_PAIRS : ORDER_EVEN_ODD;
+}
+
+/* rows[j] = the cache row of key start + j (j < n): one division per chunk, not per key. */
+static inline void row_pointers(const mla_decode_args* a, const int32_t* table, int64_t start,
+                                int64_t n, int64_t es, const char** rows) {
+  int64_t blk = start / a->block_size, off = start % a->block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    rows[j] = (const char*)a->cache + ((int64_t)table[blk] * a->block_stride +
+                                       off * a->row_stride) * es;
+    if (++off == a->block_size) off = 0, ++blk;
+  }
 }
 
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
@@ -443,23 +459,21 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   }
   memset(acc, 0, sizeof(float) * (size_t)(mp * rank));
   const int32_t* table = a->block_table + b * a->bt_stride;
+  const char* rows[BK];
+  const char* next[BK];
+  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
   for (int64_t cs = k0; cs < k1; cs += BK) {
     const int64_t n = k1 - cs < BK ? k1 - cs : BK;
-    const char* rows[BK];
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = cs + j;
-      rows[j] = (const char*)a->cache +
-                ((int64_t)table[pos / a->block_size] * a->block_stride +
-                 (pos % a->block_size) * a->row_stride) * es;
-    }
-    /* The next chunk's rows into L2 while this one computes: pages are scattered, and a
-     * hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
-    const int64_t next_end = k1 - cs - BK < BK ? k1 : cs + 2 * BK;
-    for (int64_t pos = cs + BK; pos < next_end; ++pos) {
-      const char* row = (const char*)a->cache +
-                        ((int64_t)table[pos / a->block_size] * a->block_stride +
-                         (pos % a->block_size) * a->row_stride) * es;
-      for (int64_t byte = 0; byte < d * es; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
+    /* This chunk's row pointers were made (and prefetched) one chunk ago; make the next
+     * chunk's now and fetch its rows into L2 while this one computes: pages are scattered,
+     * and a hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
+    memcpy(rows, next, sizeof(const char*) * (size_t)n);
+    const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    if (n_next > 0) {
+      row_pointers(a, table, cs + BK, n_next, es, next);
+      for (int64_t j = 0; j < n_next; ++j)
+        for (int64_t byte = 0; byte < d * es; byte += 64)
+          _mm_prefetch(next[j] + byte, _MM_HINT_T1);
     }
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;

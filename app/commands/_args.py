@@ -1,0 +1,74 @@
+"""Argument types for the CLI's options: each refuses a bad value when the command line is
+parsed (one line, exit 2), before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from app._validation import INT32_MAX
+
+__all__ = ["bench_device", "int_in", "output_file", "positive_float", "positive_int"]
+
+
+def int_in(minimum: int, maximum: int = INT32_MAX) -> Callable[[str], int]:
+    """An argparse ``type``: an ASCII decimal int in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        stripped = text.strip()
+        digits = stripped.removeprefix("-")
+        # int() also takes "1_000", "+5" and non-ASCII digits: a flag takes plain digits only.
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 19:
+            raise argparse.ArgumentTypeError(
+                f"expected an int in [{minimum}, {maximum}], got {text!r}")
+        value = int(stripped)
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected an int in [{minimum}, {maximum}], got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in some messages
+    return parse
+
+
+#: An argparse ``type``: an int in ``[1, 2**31 - 1]``.
+positive_int = int_in(1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite float > 0 (seconds, sizes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
+    return value
+
+
+def bench_device(text: str) -> str:
+    """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N`` (whether that device exists is
+    checked when the benchmark starts)."""
+    name = text.strip().lower()
+    kind, sep, index = name.partition(":")
+    if (kind == "cpu" and not sep) or (kind == "cuda" and (
+            not sep or (index.isascii() and index.isdigit() and len(index) < 4))):
+        return name
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+def output_file(text: str) -> Path:
+    """An argparse ``type``: a file path the result can be written to (not a directory; its
+    folder exists and is writable), checked before the command runs."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file path")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return path

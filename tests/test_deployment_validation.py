@@ -1,0 +1,86 @@
+"""A deployment is validated entirely before any side effect (issue 12, item 6): a bad
+``[backends]`` name fails in ``parse()``, and a build-time failure names the file and leaves
+the process-wide backend enum as it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app import deployment
+from app.backends import MLAPrefillBackendEnum
+
+SDPA = "app.backends.torch_sdpa.TorchSDPABackend"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "deployment.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("bad", ["_X", "__CLASS__", "_PRIVATE", "lower", "Mixed_Case"])
+def test_bad_backend_names_fail_at_parse_time(tmp_path: Path, bad: str) -> None:
+    before = list(MLAPrefillBackendEnum.__members__)
+    path = _write(tmp_path, f'[backends]\nATOMIC_EARLIER = "{SDPA}"\n{bad} = "{SDPA}"\n')
+    with pytest.raises(ValueError, match=rf"deployment file '.*deployment.toml': "
+                                         rf"backends\.{bad} = .*upper-case identifier"):
+        deployment.parse(path)
+    assert list(MLAPrefillBackendEnum.__members__) == before
+    # ... and a later, valid config does not accept the earlier name.
+    with pytest.raises(ValueError, match="unknown backend"):
+        deployment.parse_dict({"deployment": {"prefill_backend": "ATOMIC_EARLIER"}})
+
+
+def test_a_build_failure_names_the_file_and_adds_no_backend_name(tmp_path: Path) -> None:
+    before = list(MLAPrefillBackendEnum.__members__)
+    path = _write(tmp_path, f'[backends]\nATOMIC_NEW = "{SDPA}"\n[[kv_cache_specs]]\n'
+                            'spec = "app.kvcache.FullAttentionSpec"\n'
+                            'manager = "app.kvcache.SlidingWindowManager"\n')
+    parsed = deployment.parse(path)  # valid on its own: the conflict is with a built-in binding
+    with pytest.raises(ValueError, match=rf"^deployment file '{path}': Conflicting registration "
+                                         r"for KV cache spec FullAttentionSpec"):
+        parsed.build()
+    assert list(MLAPrefillBackendEnum.__members__) == before
+
+
+def test_a_manager_that_is_not_a_manager_fails_at_parse_time(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[[kv_cache_specs]]\nspec = "app.kvcache.FullAttentionSpec"\n'
+                            'manager = "app.kvcache.FullAttentionSpec"\n')
+    with pytest.raises(TypeError, match=r"deployment file '.*': kv_cache_specs\[0\]\.manager = "
+                                        r"'app.kvcache.FullAttentionSpec': not a "
+                                        r"SingleTypeKVCacheManager subclass"):
+        deployment.parse(path)
+
+
+def test_uniform_base_must_be_a_base_at_parse_time(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[[kv_cache_specs]]\nspec = "app.kvcache.FullAttentionSpec"\n'
+                            'manager = "app.kvcache.FullAttentionManager"\n'
+                            'uniform_base = "app.kvcache.SlidingWindowSpec"\n')
+    with pytest.raises(ValueError, match=r"kv_cache_specs\[0\]\.uniform_base = .*: "
+                                         r"FullAttentionSpec does not inherit from it"):
+        deployment.parse(path)
+
+
+@pytest.mark.parametrize("platform", ["cuda:-1.0", "cuda:99.9", "cuda:1_0.0", "cuda:9",
+                                      "cuda:\u0969.0"])
+def test_a_bad_emulated_cuda_platform_says_what_is_wrong(tmp_path: Path, platform: str) -> None:
+    path = _write(tmp_path, f'[deployment]\nplatform = "{platform}"\n')
+    with pytest.raises(ValueError) as info:
+        deployment.parse(path)
+    message = str(info.value)
+    assert "expected MAJOR.MINOR with ASCII digits" in message
+    assert "import" not in message
+
+
+def test_a_platform_whose_constructor_raises(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "planted_platform_mod.py").write_text(
+        "from app.platforms import CpuPlatform\n\n\nclass P(CpuPlatform):\n"
+        "    def __init__(self) -> None:\n        raise OSError('no device')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _write(tmp_path, '[deployment]\nplatform = "planted_platform_mod.P"\n')
+    with pytest.raises(ValueError, match=r"deployment\.platform = 'planted_platform_mod.P': "
+                                         r"constructing P\(\) raised OSError: no device"):
+        deployment.parse(path)
