@@ -26,7 +26,7 @@ def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
         # rel: both figures are rounded to 0.1 GFLOP/s (a slow matmul on a busy machine
         # makes the ratio large and an absolute bound too tight)
         assert row["ratio_to_matmul"] == pytest.approx(
-            row["gflops"] / result["matmul_fp32_gflops"], rel=5e-3, abs=2e-3)
+            row["gflops"] / result["matmul_fp32_gflops"], rel=1e-2, abs=2e-3)
         assert row["ratio_to_matmul_paired"] > 0
     assert result["targets"] == []  # the targets are on the full-size cases only
     peaks = result["peaks"]
