@@ -1,17 +1,153 @@
-"""Facts about this machine's CPU that the platform and the CPU kernels both read."""
+"""Facts about this machine's CPU that the platform and the CPU kernels both read: its vector
+features, read from the CPU itself (not torch's capability string). Public as
+:mod:`app.platforms.cpu_features`; it lives here, below every other module, so kernels and
+the layer can read it without importing the platforms package.
+
+On Linux the flags come from ``/proc/cpuinfo`` (the kernel's ``cpuid`` decoding, already masked
+by what the OS enables: ``amx_bf16`` only appears when the kernel manages the AMX tile state).
+Elsewhere :func:`read_cpu_features` falls back to torch's CPU capability string, which knows
+AVX-512 and AMX but not AVX512-BF16 or AVX512-FP16 (those read False there; ``source`` says
+which way the answer was found). Why not torch's string everywhere: it says ``AVX512`` on an
+AMD EPYC with AVX512-BF16, so bf16 work was sent down float32 paths that ran ~4x slower.
+
+The features that decide kernels here:
+
+- ``avx512f``: the native CPU kernels' float32 path (``vfmadd231ps`` on 16 lanes);
+- ``avx512_bf16``: ``vdpbf16ps``, a bf16 pair dot product accumulated in float32 (the bf16
+  prefill kernel, the bf16 peak probe, bf16 projections);
+- ``amx_bf16``: AMX tiles with bf16 dot products (bf16 matmuls in oneDNN / torch);
+- ``avx512_fp16``: native fp16 arithmetic (fast fp16 matmuls).
+"""
 
 from __future__ import annotations
 
 import functools
+import platform
+import threading
+from pathlib import Path
 
+import attrs
 import torch
 
-__all__ = ["cpu_has_native_bf16"]
+__all__ = ["CPUINFO_PATH", "FEATURE_NAMES", "CpuFeatures", "cpu_has_native_bf16",
+           "detect_cpu_features", "parse_cpuinfo", "read_cpu_features"]
+
+#: Where Linux publishes the CPU's flags.
+CPUINFO_PATH = Path("/proc/cpuinfo")
+#: The features reported, by their ``/proc/cpuinfo`` flag names.
+FEATURE_NAMES = ("avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
+
+
+@attrs.frozen
+class CpuFeatures:
+    """The vector features of this CPU that the kernels care about, and where they were read.
+
+    ``model_name`` is the CPU's model string (``/proc/cpuinfo``'s ``model name``, else the
+    platform's processor name); ``source`` is ``"/proc/cpuinfo"`` (or the file read),
+    ``"torch capability AVX512"`` (fallback) or ``"none"`` (not an x86-64 CPU).
+    """
+
+    avx512f: bool = False
+    avx512_bf16: bool = False
+    amx_bf16: bool = False
+    avx512_fp16: bool = False
+    model_name: str = ""
+    source: str = "none"
+
+    @property
+    def fast_bfloat16(self) -> bool:
+        """True where bf16 products run natively: AVX512-BF16 (``vdpbf16ps``) or AMX-BF16."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    @property
+    def fast_float16(self) -> bool:
+        """True where fp16 arithmetic runs natively (AVX512-FP16)."""
+        return self.avx512_fp16
+
+    def present(self) -> list[str]:
+        """The names of :data:`FEATURE_NAMES` this CPU has, in that order."""
+        return [name for name in FEATURE_NAMES if getattr(self, name)]
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly: every feature as a bool, the model name and the source."""
+        return {**{name: getattr(self, name) for name in FEATURE_NAMES},
+                "model_name": self.model_name, "source": self.source}
+
+    def describe(self) -> str:
+        """One line: ``avx512f=yes avx512_bf16=no ... (from /proc/cpuinfo)``."""
+        flags = " ".join(f"{name}={'yes' if getattr(self, name) else 'no'}"
+                         for name in FEATURE_NAMES)
+        return f"{flags} (from {self.source})"
+
+
+def parse_cpuinfo(text: str, source: str = str(CPUINFO_PATH)) -> CpuFeatures:
+    """The features in the text of a ``/proc/cpuinfo``: the first processor's ``flags`` line
+    (x86) and ``model name``. ``ValueError`` when the text has no ``flags`` line."""
+    flags: set[str] | None = None
+    model = ""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == "flags" and flags is None:
+            flags = set(value.split())
+        elif key == "model name" and not model:
+            model = value.strip()
+    if flags is None:
+        raise ValueError(f"{source}: expected a 'flags' line (x86 /proc/cpuinfo), found none")
+    return CpuFeatures(avx512f="avx512f" in flags, avx512_bf16="avx512_bf16" in flags,
+                       amx_bf16="amx_bf16" in flags, avx512_fp16="avx512_fp16" in flags,
+                       model_name=model, source=source)
+
+
+def _from_torch_capability() -> CpuFeatures:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return CpuFeatures(model_name=platform.processor() or platform.machine())
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    # torch's string ranks DEFAULT < AVX2 < AVX512 < AMX (an AMX CPU has AVX512-BF16 too).
+    amx = capability.startswith("AMX")
+    return CpuFeatures(avx512f=amx or capability.startswith("AVX512"), avx512_bf16=amx,
+                       amx_bf16=amx, model_name=platform.processor() or platform.machine(),
+                       source=f"torch capability {capability}")
+
+
+def read_cpu_features(cpuinfo: Path | str | None = None) -> CpuFeatures:
+    """Read the features now (no caching): from ``cpuinfo`` (default ``/proc/cpuinfo``) on
+    Linux x86, falling back to torch's capability string where the file is absent, unreadable
+    or has no ``flags`` line (another OS, another architecture)."""
+    path = Path(cpuinfo) if cpuinfo is not None else CPUINFO_PATH
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return _from_torch_capability()
+    try:
+        return parse_cpuinfo(text, str(path))
+    except ValueError:
+        return _from_torch_capability()
+
+
+_lock = threading.Lock()
 
 
 @functools.cache
+def _cached() -> CpuFeatures:
+    return read_cpu_features()
+
+
+def detect_cpu_features() -> CpuFeatures:
+    """This machine's features, read once per process (thread-safe)."""
+    with _lock:
+        return _cached()
+
+
+def _reset_for_tests() -> None:
+    """Forget the cached features, so the next :func:`detect_cpu_features` reads them again."""
+    with _lock:
+        _cached.cache_clear()
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether bf16 matmuls run natively (AMX / AVX512-BF16); plain AVX2 / AVX512 convert
-    through float32."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    return "AMX" in capability or "BF16" in capability
+    """Whether bf16 products run natively (AVX512-BF16 or AMX-BF16, read from the CPU);
+    plain AVX2 / AVX512 convert through float32."""
+    return detect_cpu_features().fast_bfloat16

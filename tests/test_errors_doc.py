@@ -30,6 +30,8 @@ from app.backends import (
     register_mla_prefill_backend,
 )
 from app.backends._cpu_native import enabled_by_environment
+from app.backends._cpu_native_bf16 import BF16_SWITCH_ENV
+from app.backends._native_loader import read_switch
 from app.backends.torch_sdpa import TorchSDPABackend
 from app.cli import main
 from app.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig
@@ -231,6 +233,8 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
              {"attention": {"mla_prefill_backend": "CUSTOM"}}))))),
     ("platform", "`APP_CPU_NATIVE_KERNEL=maybe` (read when TORCH_SDPA first runs on CPU)",
      _with_env("APP_CPU_NATIVE_KERNEL", "maybe", enabled_by_environment)),
+    ("platform", "`APP_CPU_BF16_KERNEL=maybe` (read when bf16 prefill first runs on CPU)",
+     _with_env("APP_CPU_BF16_KERNEL", "maybe", lambda: read_switch(BF16_SWITCH_ENV))),
     ("platform", "`CudaPlatform()` on a machine without CUDA",
      lambda: CudaPlatform() if not torch.cuda.is_available() else (_ for _ in ()).throw(
          ValueError("(this machine has CUDA)"))),

@@ -1,21 +1,25 @@
 """TORCH_SDPA: MLA prefill on torch's own fused attention kernels; runs everywhere.
 
-**CPU, float32 compute, AVX-512 and a C compiler present** (the default there): the native
+**CPU with AVX-512 and a C compiler** (the default there): the native
 kernel of :mod:`app.backends._cpu_native` (``_native/mla_prefill_cpu.c``, built at first use;
 ``cpu_native_kernel = False`` or ``APP_CPU_NATIVE_KERNEL=0`` turns it off). No padded ``v``,
 only the causal diagonal's 14 x 32 tiles are masked, bottom-right causal and empty rows
-handled in the kernel; bf16/fp16 are converted while packing (float32 math). Its speed against
-aten's kernel: ``python -m app bench prefill`` and docs/benchmarks.md.
+handled in the kernel; fp16 (and bf16 on CPUs without AVX512-BF16) are converted while packing
+(float32 math). bf16 inputs on a CPU with AVX512-BF16 take the kernel's bf16-products build
+(:mod:`app.backends._cpu_native_bf16`: q.k and p.v through ``vdpbf16ps``, float32 accumulation,
+probabilities rounded to bf16; ``cpu_bf16_kernel = False`` or ``APP_CPU_BF16_KERNEL=0`` turns
+it off). Its speed against aten's kernel and against this CPU's measured FMA / bf16
+dot-product peaks: ``python -m app bench prefill`` and docs/benchmarks.md.
 
-**CPU otherwise** (no AVX-512 or compiler, bf16 compute on a CPU with fast bf16, the
-native kernel switched off): aten's CPU flash kernel, whose quirks (equal head dims, top-left
-``is_causal``, LSE 0 on rows that see no key) :mod:`app.backends._aten_cpu` works around,
-per call size: plain-matmul blocks for short float32 causal calls (``cpu_blocked_rows``),
-masked chunks for other short causal calls (``cpu_causal_chunk``, up to
-``cpu_chunked_causal_max`` rows), one ``is_causal`` call merged by LSE for long ones. A NaN or
-inf in a key or value goes to the dense per-request path (:mod:`app.backends._dense`), which
-keeps to the non-finite rule. The measured gains of each path and why each threshold has its
-value: docs/benchmarks.md ("TORCH_SDPA on CPU: paths and thresholds").
+**CPU otherwise** (no AVX-512 or compiler, the native kernel switched off): aten's CPU flash
+kernel, whose quirks (equal head dims, top-left ``is_causal``, LSE 0 on rows that see no key)
+:mod:`app.backends._aten_cpu` works around, per call size: plain-matmul blocks for short float32
+causal calls (``cpu_blocked_rows``), masked chunks for other short causal calls
+(``cpu_causal_chunk``, up to ``cpu_chunked_causal_max`` rows), one ``is_causal`` call merged by
+LSE for long ones. A NaN or inf in a key or value goes to the dense per-request path
+(:mod:`app.backends._dense`), which keeps to the non-finite rule. The measured gains of each
+path and why each threshold has its value: docs/benchmarks.md ("TORCH_SDPA on CPU: paths and
+thresholds").
 
 **CUDA**: torch's varlen flash kernel (``aten::_flash_attention_forward``, v padded to the
 q/k head dim, fp16/bf16, head dim <= 256), else the varlen memory-efficient kernel
@@ -43,6 +47,7 @@ from app.backends._cpu_native import (
     NativePlan,
     load_native_kernel,
 )
+from app.backends._cpu_native_bf16 import load_native_bf16_kernel
 from app.backends._dense import all_finite, attend_dense
 from app.backends.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
@@ -69,6 +74,9 @@ class TorchSDPABackend(RaggedKernelBackend):
 
     #: Use the native AVX-512 kernel on CPU where it builds (else the aten kernel below).
     cpu_native_kernel: ClassVar[bool] = True
+    #: bf16 inputs on the kernel's bf16-products build where the CPU has AVX512-BF16
+    #: (``APP_CPU_BF16_KERNEL=0`` or False here: the float32-math kernel instead).
+    cpu_bf16_kernel: ClassVar[bool] = True
     #: Query rows per chunk of a short causal call on the aten CPU path (0: never chunk);
     #: 256 keeps the kernel's 64-row query blocks (docs/benchmarks.md).
     cpu_causal_chunk: ClassVar[int] = 256
@@ -98,6 +106,7 @@ class TorchSDPABackend(RaggedKernelBackend):
             causal_chunk=self.cpu_causal_chunk, chunked_causal_max=self.cpu_chunked_causal_max,
             blocked_rows=self.cpu_blocked_rows)
         self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
+        self._native_bf16: NativeMLAPrefillKernel | bool | None = False
 
     def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
@@ -115,12 +124,20 @@ class TorchSDPABackend(RaggedKernelBackend):
 
     def _native_kernel(self, dtype: torch.dtype) -> NativeMLAPrefillKernel | None:
         """The native kernel if this call can use it (looked up once per instance)."""
-        if (not self.cpu_native_kernel or cpu_compute_dtype(dtype) != torch.float32
-                or self.v_head_dim % V_HEAD_DIM_MULTIPLE):
+        # Every input dtype the kernel reads; bf16 on the bf16-products build where the CPU
+        # has AVX512-BF16 (measured ~1.8x the float32 math on 1 x 4096), else float32 math
+        # (which still beat aten's bf16 flash kernel).
+        if not self.cpu_native_kernel or self.v_head_dim % V_HEAD_DIM_MULTIPLE:
             return None
+        if dtype == torch.bfloat16 and self.cpu_bf16_kernel:
+            if self._native_bf16 is False:
+                self._native_bf16 = load_native_bf16_kernel()
+            if isinstance(self._native_bf16, NativeMLAPrefillKernel):
+                return self._native_bf16
         if self._native is False:
             self._native = load_native_kernel()
-        return self._native if isinstance(self._native, NativeMLAPrefillKernel) else None
+        kernel = self._native if isinstance(self._native, NativeMLAPrefillKernel) else None
+        return kernel if kernel is not None and dtype in kernel.dtype_codes else None
 
     def _run_cpu_native(self, kernel: NativeMLAPrefillKernel, layout: RaggedLayout,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

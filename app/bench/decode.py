@@ -9,8 +9,12 @@ TORCH_SDPA (the baseline) so a slow spell of a shared machine hits both.
 Per case: ms (best and median), cache GB/s (the cache bytes the step reads:
 ``sum(seq_len) * (kv_lora_rank + rope) * element size``), GFLOP/s (``2 * (2 * kv_lora_rank +
 rope) * H`` per (query row, visible key): q.k over the whole row and p.v over the latent),
-and the **roofline fraction**: lower bound = max(cache bytes / stream bandwidth, FLOPs /
-compute rate), fraction = lower bound / best time. Both rates are measured in the same run:
+the fraction of the CPU peak that bounds the kernel, measured beside every call
+(``bound_peak``: ``bf16_dot`` where CPU_MLA runs on bf16 dot products, else ``fp32_fma``;
+``fraction_of_peak``, ``fraction_of_peak_paired``; ``app.bench._peaks``) and the roofline
+with that peak as the compute bound (``peak_roofline_fraction``), and the **roofline
+fraction**: lower bound = max(cache bytes / stream bandwidth, FLOPs / compute rate),
+fraction = lower bound / best time. Both rates are measured in the same run:
 the stream bandwidth is the best ``sum()`` over a float32 tensor of ``--stream-gib`` GiB
 (>= 1), the compute rate the float32 ``torch.mm`` 2048^3 rate the prefill benchmark uses; each
 is measured at the start, before every case and at the end, and the best of each is used (a
@@ -48,6 +52,7 @@ from app._imports import import_object
 from app._types import DeviceCapability
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
+from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 from app.commands._args import bench_device, positive_float, positive_int, resolve_device
@@ -238,7 +243,8 @@ def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
 
 
 def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: torch.device,
-              repeat: int, baseline: type[MLADecodeBackend] | None) -> dict[str, Any]:
+              repeat: int, baseline: type[MLADecodeBackend] | None,
+              meter: PeakMeter | None = None) -> dict[str, Any]:
     step = _step(case, block_size, device)
     be = _backend(cls, case, step, device)
     fns: dict[str, Callable[[], object]] = {
@@ -247,6 +253,12 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: 
     if baseline is not None and baseline is not cls:
         base = _backend(baseline, case, step, device)
         fns["baseline"] = lambda: base.forward_decode(step.q, step.cache, return_lse=True)
+    # The peak that bounds the kernel, beside every call: bf16 dot products where CPU_MLA
+    # runs the bench's bf16 cache on them, else the fp32 FMA peak (float32 math).
+    peak_kind = BF16_DOT if cls.get_name() == "CPU_MLA" and _bf16_dot() else FP32_FMA
+    peak_s: list[float] = []
+    if meter is not None and meter.enabled:
+        fns["peak"] = meter.beside(peak_kind, peak_s)
     timed = time_interleaved(fns, repeat=repeat, sync=_sync(device))
     t = min(timed["backend"])
     row: dict[str, Any] = {
@@ -259,6 +271,8 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: 
         "cache_gbs": round(case.cache_bytes(torch.bfloat16) / t / 1e9, 2),
         "peak_extra_mb": _mb(peak_extra_bytes(fns["backend"], device)),
         "scratch_mb": _mb(_scratch_bytes(cls, case))}
+    if meter is not None and meter.enabled:
+        meter.annotate(row, peak_kind, case.flops(), timed["backend"], peak_s)
     if base is not None:
         tb = min(timed["baseline"])
         row.update({"baseline": baseline.get_name() if baseline else None,
@@ -329,6 +343,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base_classes, _ = _backend_classes(BASELINE, device)
         baseline = base_classes[0] if base_classes else None
     mm_n, mm_rep = (256, 3) if args.quick else (2048, 5)
+    meter = PeakMeter(device)
+    meter.sample(repeat=1 if args.quick else 3)
     mm_runs = [matmul_rate(device, mm_n, mm_rep)]
     bw_runs = [stream_bandwidth(device, gib)]
     rows: list[dict[str, Any]] = []
@@ -341,11 +357,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 mm_runs.append(matmul_rate(device, mm_n, 3))
                 bw_runs.append(stream_bandwidth(device, gib, 3))
             try:
-                rows.append(_run_case(cls, case, args.block_size, device, repeat, baseline))
+                rows.append(_run_case(cls, case, args.block_size, device, repeat, baseline,
+                                      meter))
             except (RuntimeError, ValueError) as exc:
                 errors.append(f"{cls.get_name()} {case.name}: {exc}")
     mm_runs.append(matmul_rate(device, mm_n, mm_rep))
     bw_runs.append(stream_bandwidth(device, gib))
+    meter.sample(repeat=1 if args.quick else 3)
+    meter.finish(rows)
     mm, bw = max(mm_runs), max(bw_runs)
     for row in rows:
         case_bytes, flops, t = row["cache_mb"] * 1e6, row["gflop"] * 1e9, row["ms"] / 1e3
@@ -355,6 +374,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["roofline_fraction"] = round(bound / t, 3)
         if "baseline_ms" in row:
             row["baseline_roofline_fraction"] = round(bound / (row["baseline_ms"] / 1e3), 4)
+        if row.get("peak_gflops"):  # the roofline with the measured FMA peak as compute bound
+            row["peak_roofline_fraction"] = round(max(
+                case_bytes / (bw * 1e9), flops / (row["peak_gflops"] * 1e9)) / t, 3)
     targets = _targets(rows) if device.type == "cpu" and not args.quick else []
     return {
         "benchmark": "decode", "device": str(device), "cpu": _cpu(), "torch": torch.__version__,
@@ -366,6 +388,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
+        "peaks": meter.summary() if device.type == "cpu" else None,
         "cpu_mla_bf16_dot": _bf16_dot(), "results": rows, "skipped_backends": skipped,
         "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,

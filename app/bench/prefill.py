@@ -46,14 +46,22 @@ import torch
 
 from app._types import MLADimensions
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
+from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.commands._args import bench_device, int_in, positive_int, resolve_device
 
-HELP = "MLA prefill backends on ragged batches: ms, GFLOP/s, ratio to the fp32 matmul rate"
+HELP = ("MLA prefill backends on ragged batches: ms, GFLOP/s, fraction of the CPU's measured "
+        "FMA / bf16 dot-product peak, ratio to the fp32 matmul rate")
 
-#: Targets from the issue (CPU): speed-up over the dense baseline, fraction of the matmul rate.
+#: Targets from the issues (CPU): speed-up over the dense baseline (4); on 1x4096 causal, the
+#: fraction of the peak that bounds the kernel (16): fp32 FMA peak for float32 math, bf16
+#: dot-product peak for bf16 products. The matmul fraction is the target only where no peak
+#: probe runs (no AVX-512 or no compiler).
 TARGET_SPEEDUP_4X512 = 3.0
 TARGET_MATMUL_FRACTION_4096 = 0.75
+TARGET_PEAK_FRACTION = {FP32_FMA: 0.75, BF16_DOT: 0.6}
+#: bf16 products vs the float32-math kernel on the same bf16 inputs (issue 16).
+TARGET_BF16_SPEEDUP = 1.5
 #: The side of the square float32 matmul that measures this machine's rate.
 MATMUL_N = 2048
 
@@ -260,9 +268,24 @@ def _stats(samples: list[float]) -> dict[str, float]:
             "ms_median": round(statistics.median(samples) * 1e3, 3)}
 
 
+def bound_peak(dtype: torch.dtype) -> str:
+    """The peak that bounds TORCH_SDPA's CPU kernel on ``dtype`` inputs: ``bf16_dot`` where
+    it multiplies in bf16, ``fp32_fma`` where it computes in float32."""
+    from app.backends._cpu_native import native_kernel_status
+    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
+    from app.backends.torch_sdpa import TorchSDPABackend, cpu_compute_dtype
+
+    if dtype == torch.bfloat16 and TorchSDPABackend.cpu_bf16_kernel \
+            and native_bf16_kernel_status().available:
+        return BF16_DOT  # the kernel's bf16-products build
+    if native_kernel_status().available:  # float32 math, whatever the input dtype
+        return FP32_FMA
+    return BF16_DOT if cpu_compute_dtype(dtype) == torch.bfloat16 else FP32_FMA
+
+
 def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.dtype,
               device: torch.device, heads: int, repeat: int, baseline: bool,
-              matmul_n: int = MATMUL_N) -> dict[str, Any]:
+              matmul_n: int = MATMUL_N, meter: PeakMeter | None = None) -> dict[str, Any]:
     md, q, k, v = _inputs(case, heads, dtype, device)
     backend = build()
     backend.prepare_metadata(md)
@@ -291,6 +314,14 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
         matmul_s.append(time_calls(matmul, repeat=3, warmup=0, sync=_sync(device))["min_s"])
 
     fns: dict[str, Callable[[], object]] = {"backend": call, "matmul": matmul_beside}
+    # The peak that bounds the kernel, measured beside every call the same way.
+    peak_kind, peak_s = bound_peak(dtype), list[float]()
+    if meter is not None and meter.enabled:
+        fns["peak"] = meter.beside(peak_kind, peak_s)
+    # bf16 products: the float32-math kernel on the same inputs, beside it (issue 16's 1.5x).
+    if (meter is not None and meter.enabled and peak_kind == BF16_DOT and case.causal
+            and case.name.startswith("1x") and getattr(backend, "cpu_bf16_kernel", False)):
+        fns["fp32_math_kernel"] = _float32_math_call(backend, md, q, k, v, case.lse)
     if baseline:
         fns["baseline"] = base
         if case.causal:  # vLLM's algorithm is only the target's baseline for new tokens
@@ -305,6 +336,15 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
     row["ratio_to_matmul_paired"] = round(statistics.median(
         (flops / t_backend) / (2.0 * matmul_n ** 3 / t_mm)
         for t_backend, t_mm in zip(timed["backend"], matmul_s[-repeat:], strict=True)), 3)
+    if meter is not None and meter.enabled:
+        meter.annotate(row, peak_kind, flops, timed["backend"], peak_s)
+    if "fp32_math_kernel" in timed:
+        row["fp32_math_kernel_ms"] = _stats(timed["fp32_math_kernel"])["ms"]
+        row["speedup_vs_fp32_math_kernel"] = round(
+            min(timed["fp32_math_kernel"]) / min(timed["backend"]), 2)
+        row["speedup_vs_fp32_math_kernel_paired"] = round(statistics.median(
+            t32 / t16 for t16, t32 in zip(timed["backend"], timed["fp32_math_kernel"],
+                                          strict=True)), 2)
     if baseline:
         row["baseline_ms"] = _stats(timed["baseline"])["ms"]
         row["baseline_ms_median"] = _stats(timed["baseline"])["ms_median"]
@@ -315,6 +355,23 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
         row["speedup_vs_vllm_algorithm"] = round(
             min(timed["vllm_algorithm"]) / min(timed["backend"]), 2)
     return row
+
+
+def _float32_math_call(backend: MLAPrefillBackend, md: MLAPrefillMetadata, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, lse: bool) -> Callable[[], object]:
+    """The same backend with its bf16-products kernel turned off (float32 math on the same
+    bf16 inputs), built with the same shape, device capability and workspaces."""
+    cls = type(backend)
+    float32_math: Any = type(f"{cls.__name__}Float32Math", (cls,), {"cpu_bf16_kernel": False})
+    other = float32_math(num_heads=backend.num_heads, scale=backend.scale,
+                         kv_lora_rank=backend.kv_lora_rank,
+                         qk_nope_head_dim=backend.qk_nope_head_dim,
+                         qk_rope_head_dim=backend.qk_rope_head_dim,
+                         v_head_dim=backend.v_head_dim, config=backend.config,
+                         device_capability=backend.device_capability,
+                         workspaces=backend.workspaces)
+    other.prepare_metadata(md)
+    return lambda: other.run_prefill_new_tokens(q, k, v, return_softmax_lse=lse)
 
 
 def _wrapper_overhead(build: Callable[[], MLAPrefillBackend], dtype: torch.dtype,
@@ -369,10 +426,27 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             "dtype": row["dtype"], "value": value,
                             "target": TARGET_SPEEDUP_4X512, "pass": value >= TARGET_SPEEDUP_4X512,
                             "vs_strict_dense_baseline": row["speedup_vs_baseline"]})
-        if row["case"] == "1x4096":
+        if row["case"] == "1x4096" and "speedup_vs_fp32_math_kernel_paired" in row:
+            value = row["speedup_vs_fp32_math_kernel_paired"]
+            targets.append({"name": "TORCH_SDPA 1x4096 causal bf16 products vs the float32-math "
+                                    "kernel on the same bf16 inputs (median over rounds)",
+                            "dtype": row["dtype"], "value": value,
+                            "target": TARGET_BF16_SPEEDUP, "pass": value >= TARGET_BF16_SPEEDUP,
+                            "best_vs_best": row["speedup_vs_fp32_math_kernel"]})
+        if row["case"] == "1x4096" and row.get("fraction_of_peak_paired") is not None:
+            kind = row["bound_peak"]
+            value, goal = row["fraction_of_peak_paired"], TARGET_PEAK_FRACTION[kind]
+            targets.append({"name": f"TORCH_SDPA 1x4096 causal, fraction of the {kind} peak "
+                                    "(median over rounds of backend call / peak beside it)",
+                            "dtype": row["dtype"], "value": value, "target": goal,
+                            "pass": value >= goal,
+                            "best_vs_best_of_run": row["fraction_of_peak"],
+                            "ratio_to_matmul_paired": row["ratio_to_matmul_paired"]})
+        elif row["case"] == "1x4096":  # no peak probe here: the matmul rate stands in
             value = row["ratio_to_matmul_paired"]
             targets.append({"name": "TORCH_SDPA 1x4096 causal, fraction of the fp32 matmul rate "
-                                    "(median over rounds of backend call / matmul beside it)",
+                                    "(median over rounds of backend call / matmul beside it; "
+                                    "no peak probe on this machine)",
                             "dtype": row["dtype"], "value": value,
                             "target": TARGET_MATMUL_FRACTION_4096,
                             "pass": value >= TARGET_MATMUL_FRACTION_4096,
@@ -392,6 +466,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.heads < 1:
         raise ValueError(f"--heads must be >= 1, got {args.heads}")
     cases = default_cases(args.quick)
+    meter = PeakMeter(device)
+    meter.sample(repeat=1 if args.quick else 3)
     mm_runs = [matmul_rate(device, repeat=3 if args.quick else 10)]
     rows: list[dict[str, Any]] = []
     skipped: dict[str, dict[str, list[str]]] = {}
@@ -412,7 +488,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     rows.append(_run_case(build, case, dtype, device, args.heads, repeat,
                                           case.lse and not args.no_baseline,
-                                          256 if args.quick else MATMUL_N))
+                                          256 if args.quick else MATMUL_N, meter))
                 except (RuntimeError, ValueError) as exc:
                     errors.append(f"{case.name} {dtype}: {exc}")
             _share_baselines(rows)
@@ -423,6 +499,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 except (RuntimeError, ValueError) as exc:
                     errors.append(f"overhead {dtype}: {exc}")
     mm_runs.append(matmul_rate(device, repeat=3 if args.quick else 10))
+    meter.sample(repeat=1 if args.quick else 3)
+    meter.finish(rows)
     mm = max(mm_runs)
     for row in rows:  # ratios against the best matmul rate of the run
         row["ratio_to_matmul"] = round(row["gflops"] / mm, 3)
@@ -434,6 +512,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "heads": args.heads, "qk_head_dim": _DIMS.qk_head_dim, "v_head_dim": _DIMS.v_head_dim,
         "matmul_fp32_gflops": round(mm, 1), "matmul_fp32_gflops_runs": [round(x, 1)
                                                                         for x in mm_runs],
+        "peaks": meter.summary() if device.type == "cpu" else None,
+        "target_measure": ("fraction_of_peak_paired (ratio_to_matmul* kept for comparison)"
+                           if meter.enabled else "ratio_to_matmul_paired"),
         "results": rows, "skipped_backends": skipped, "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
         "cpu_kernel": _cpu_kernel() if device.type == "cpu" else None,
@@ -455,8 +536,24 @@ def _cpu_kernel() -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{_pyplatform.processor() or _pyplatform.machine()} (torch CPU capability " \
-           f"{torch.backends.cpu.get_cpu_capability()})"
+    from app._cpu import detect_cpu_features
+
+    features = detect_cpu_features()
+    return f"{features.model_name or _pyplatform.machine()} [{' '.join(features.present())}] " \
+           f"(torch CPU capability {torch.backends.cpu.get_cpu_capability()})"
+
+
+def _peak_lines(peaks: dict[str, Any] | None) -> list[str]:
+    if not peaks:
+        return []
+    rates = ", ".join(f"{kind} {peaks[f'{kind}_gflops']} GFLOP/s (samples {samples})"
+                      for kind, samples in peaks["samples"].items())
+    missing = "; ".join(f"{kind}: {why}" for kind, why in peaks["kinds"].items()
+                        if why != "measured")
+    return [f"CPU {peaks['cpu_model']} [{' '.join(peaks['cpu_features'])}], "
+            f"{peaks['threads']} threads; peaks: {rates or 'none measured'}"
+            + (f"; not measured: {missing}" if missing else ""),
+            "target measure: fraction of the bounding peak, paired (x matmul kept beside it)"]
 
 
 def render(result: dict[str, Any]) -> str:
@@ -466,14 +563,18 @@ def render(result: dict[str, Any]) -> str:
              f"{result['matmul_fp32_gflops']} GFLOP/s (runs {result['matmul_fp32_gflops_runs']})"
              + (f"; TORCH_SDPA CPU kernel: {result['cpu_kernel']}" if result.get("cpu_kernel")
                 else ""),
+             *_peak_lines(result.get("peaks")),
              f"{'backend':14s} {'case':16s} {'dtype':9s} {'ms':>9s} {'median':>9s} "
-             f"{'GFLOP/s':>8s} {'x matmul':>8s} {'x paired':>8s} {'dense ms':>9s} "
-             f"{'speed-up':>8s} "
-             f"{'vllm-alg':>8s}"]
+             f"{'GFLOP/s':>8s} {'peak':>8s} {'x peak':>7s} {'paired':>7s} {'x matmul':>8s} "
+             f"{'paired':>7s} {'dense ms':>9s} {'speed-up':>8s} {'vllm-alg':>8s}"]
+    nan = float("nan")
     for r in result["results"]:
         lines.append(f"{r['backend']:14s} {r['case']:16s} {r['dtype']:9s} {r['ms']:9.2f} "
-                     f"{r['ms_median']:9.2f} {r['gflops']:8.1f} {r['ratio_to_matmul']:8.3f} "
-                     f"{r['ratio_to_matmul_paired']:8.3f} "
+                     f"{r['ms_median']:9.2f} {r['gflops']:8.1f} "
+                     f"{r.get('bound_peak', '-')!s:>8s} "
+                     f"{r.get('fraction_of_peak') or nan:7.3f} "
+                     f"{r.get('fraction_of_peak_paired') or nan:7.3f} "
+                     f"{r['ratio_to_matmul']:8.3f} {r['ratio_to_matmul_paired']:7.3f} "
                      f"{r.get('baseline_ms', float('nan')):9.2f} "
                      f"{r.get('speedup_vs_baseline', float('nan')):8.2f} "
                      f"{r.get('speedup_vs_vllm_algorithm', float('nan')):8.2f}")

@@ -57,6 +57,7 @@ def collect() -> dict[str, Any]:
     info["torch_cuda"] = torch.version.cuda
     info["python_version"] = _pyplatform.python_version()
     info["cpu_native_kernel"] = cpu_native_kernel()
+    info["cpu_bf16_kernel"] = cpu_bf16_kernel()
     info["kernel_packages"] = probe_kernel_packages()
     return info
 
@@ -74,6 +75,17 @@ def cpu_native_kernel() -> str:
     return text + "".join(f"; note: {note}" for note in status.notes)
 
 
+def cpu_bf16_kernel() -> str:
+    """The native kernel's bf16-products build (bf16 inputs on AVX512-BF16 CPUs):
+    ``available (<library>)`` or ``unavailable: <why> (bf16 inputs use float32 math)``."""
+    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
+
+    status = native_bf16_kernel_status()
+    if status.available:
+        return f"available ({status.library})"
+    return f"unavailable: {'; '.join(status.reasons)} (bf16 inputs use float32 math)"
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the platform report."""
     info = collect()
@@ -81,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
         print_json(info)
         return 0
     packages = info.pop("kernel_packages")
+    features = info.get("cpu_features")
+    if isinstance(features, dict):  # one readable line instead of a dict's repr
+        from app.platforms.cpu_features import FEATURE_NAMES
+
+        info["cpu_features"] = " ".join(
+            f"{name}={'yes' if features[name] else 'no'}" for name in FEATURE_NAMES
+        ) + f" (from {features['source']})"
     print_text(format_mapping(info))
     print_text()
     print_text(format_table(

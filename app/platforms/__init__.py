@@ -3,16 +3,20 @@
 from app._types import DeviceCapability
 from app.platforms.base import Platform, SupportsMLADimensions
 from app.platforms.cpu import CpuPlatform
+from app.platforms.cpu_features import CpuFeatures, detect_cpu_features, read_cpu_features
 from app.platforms.cuda import TRTLLM_PREFERRED_DIMENSIONS, CudaPlatform
 from app.platforms.detect import detect_platform, parse_device_capability
 
 __all__ = [
     "TRTLLM_PREFERRED_DIMENSIONS",
+    "CpuFeatures",
     "CpuPlatform",
     "CudaPlatform",
     "DeviceCapability",
     "Platform",
     "SupportsMLADimensions",
+    "detect_cpu_features",
     "detect_platform",
     "parse_device_capability",
+    "read_cpu_features",
 ]

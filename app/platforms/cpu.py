@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app._cpu import cpu_has_native_bf16
+from app._cpu import detect_cpu_features
 from app._types import DeviceCapability
 from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
@@ -29,11 +29,17 @@ class CpuPlatform(Platform):
         return DECODE_BACKENDS.names("CPU_MLA", "TORCH_SDPA")
 
     def has_fast_bfloat16(self) -> bool:
-        """True only on CPUs with native bf16 matmul (AMX or AVX512-BF16)."""
-        return cpu_has_native_bf16()
+        """True only on CPUs with native bf16 products (AVX512-BF16 or AMX-BF16), read from the
+        CPU itself (:func:`app.platforms.detect_cpu_features`): AMX / AVX512-BF16 run bf16
+        GEMMs natively; plain AVX2 / AVX512 convert through float32."""
+        return detect_cpu_features().fast_bfloat16
 
     def describe(self) -> dict[str, object]:
-        """Adds torch's CPU vector capability to the base summary."""
+        """Adds the CPU model, its vector features (read from the CPU) and torch's CPU
+        capability string to the base summary."""
         info = super().describe()
+        features = detect_cpu_features()
+        info["cpu_model"] = features.model_name
+        info["cpu_features"] = features.as_dict()
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         return info

@@ -416,6 +416,10 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
   }
 }
 
+#ifdef MLA_PREFILL_BF16  /* the bf16-products build (AVX512-BF16): bf16 inputs go there */
+#include "mla_prefill_cpu_bf16.h"
+#endif
+
 /* A worker's share of a ragged batch: see mla_prefill_args in mla_prefill_cpu.h. */
 int32_t mla_prefill_cpu_attend(const mla_prefill_args* a) {
   const int in_ok = a->in_dt == APP_DT_F32 || a->in_dt == APP_DT_BF16 || a->in_dt == APP_DT_F16;
@@ -426,6 +430,17 @@ int32_t mla_prefill_cpu_attend(const mla_prefill_args* a) {
   for (long it = 0; it < a->n_items; ++it) {
     const long b = a->items[2 * it], h = a->items[2 * it + 1];
     const long qs = a->q_start[b], ks = a->kv_start[b];
+#ifdef MLA_PREFILL_BF16
+    if (a->in_dt == APP_DT_BF16) {
+      attend_head_bf16((const uint16_t*)a->q + qs * a->q_row + h * a->q_head, a->q_row,
+                       (const uint16_t*)a->k + ks * a->k_row + h * a->k_head, a->k_row,
+                       (const uint16_t*)a->v + ks * a->v_row + h * a->v_head, a->v_row,
+                       a->q_len[b], a->kv_len[b], a->d, a->dv, a->causal, a->scale,
+                       (char*)a->out + (qs * a->o_row + h * a->o_head) * out_size, a->o_row,
+                       a->out_dt, a->lse + h * a->lse_head + qs, a->scratch);
+      continue;
+    }
+#endif
     attend_head((const char*)a->q + (qs * a->q_row + h * a->q_head) * in_size, a->q_row,
                 (const char*)a->k + (ks * a->k_row + h * a->k_head) * in_size, a->k_row,
                 (const char*)a->v + (ks * a->v_row + h * a->v_head) * in_size, a->v_row,

@@ -1,0 +1,269 @@
+"""This CPU's peak multiply-add rates, measured: the denominators of the CPU kernel benchmarks.
+
+Why measured and not a matmul: on CPUs with AVX512-BF16 torch's float32 matmul is not the
+machine's limit (it swung 65-209 GFLOP/s in one run on a 2-core EPYC where the native kernel
+reached 329), so "fraction of the matmul rate" said little. A peak probe
+(``app/backends/_native/cpu_peaks.c``) runs a loop of independent multiply-adds held in
+registers, one call on each of ``torch.get_num_threads()`` threads at once (the kernels'
+threads), and reports the summed rate:
+
+- ``fp32_fma``: ``vfmadd231ps`` on 512-bit vectors, 2 FLOPs a lane: the bound of a float32
+  kernel (and of the native kernel's float32 math on bf16 inputs);
+- ``bf16_dot``: ``vdpbf16ps``, two bf16 products accumulated in float32, 4 FLOPs a lane: the
+  bound of a bf16 dot-product kernel (measured only where the CPU has AVX512-BF16).
+
+AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds` says so.
+The probe is built, cached and checked by the shared native loader
+(:mod:`app.backends._native_loader`: private cache directories, ABI version).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+
+from app._cpu import detect_cpu_features
+from app.backends._native_loader import (
+    NativeLibrary,
+    NativeLibrarySpec,
+    NativeLibraryStatus,
+    load_native_library,
+)
+
+__all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
+           "load_peak_probe", "peak_kinds", "peak_probe_status"]
+
+#: The peak kinds: float32 FMA, bf16 pair dot product into float32.
+FP32_FMA = "fp32_fma"
+BF16_DOT = "bf16_dot"
+
+#: ``APP_NATIVE_LIBRARY(...)`` in ``app/backends/_native/cpu_peaks.c``.
+ABI_VERSION = 1
+#: Seconds one probe call aims for (one per thread; the best of ``repeat`` is kept).
+PROBE_SECONDS = 0.03
+
+
+@attrs.frozen
+class PeakProbeStatus:
+    """Whether the probes can run here; if not, every reason why."""
+
+    available: bool
+    reasons: tuple[str, ...] = ()
+
+
+class PeakProbe:
+    """The loaded probe library: :meth:`rate` measures a peak in GFLOP/s (thread-safe)."""
+
+    def __init__(self, library: ctypes.CDLL, has_bf16: bool) -> None:
+        self._fma = library.cpu_peak_fma_f32
+        self._fma.restype = ctypes.c_float
+        self._fma.argtypes = [ctypes.c_int64, ctypes.c_float, ctypes.c_float]
+        flops = {FP32_FMA: library.cpu_peak_fma_f32_flops_per_iter}
+        for fn in (library.cpu_peak_fma_f32_flops_per_iter,
+                   library.cpu_peak_dot_bf16_flops_per_iter):
+            fn.restype, fn.argtypes = ctypes.c_int64, []
+        self._bf16 = None
+        if has_bf16:
+            self._bf16 = library.cpu_peak_dot_bf16
+            self._bf16.restype = ctypes.c_float
+            self._bf16.argtypes = [ctypes.c_int64, ctypes.c_uint32]
+            flops[BF16_DOT] = library.cpu_peak_dot_bf16_flops_per_iter
+        self._flops_per_iter = {kind: int(fn()) for kind, fn in flops.items()}
+        self._iters: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The peaks this probe can measure on this CPU."""
+        return tuple(self._flops_per_iter)
+
+    def _call(self, kind: str, iters: int) -> None:
+        if kind == FP32_FMA:
+            self._fma(iters, 1.0, 0.0)
+        elif self._bf16 is not None:
+            self._bf16(iters, 0x3F803F80)  # (1.0, 1.0) in bf16
+        else:
+            raise ValueError(f"peak probe: {kind!r} is not measurable on this CPU "
+                             f"(measurable: {list(self.kinds)})")
+
+    def _iterations(self, kind: str) -> int:
+        with self._lock:
+            iters = self._iters.get(kind)
+        if iters is None:  # calibrate on one thread: iterations for PROBE_SECONDS
+            n = 20_000
+            self._call(kind, n)
+            start = time.perf_counter()
+            self._call(kind, n)
+            per_iter = max(time.perf_counter() - start, 1e-9) / n
+            iters = max(n, int(PROBE_SECONDS / per_iter))
+            with self._lock:
+                self._iters[kind] = iters
+        return iters
+
+    def rate(self, kind: str, threads: int | None = None, repeat: int = 3) -> float:
+        """Best summed GFLOP/s of ``repeat`` rounds of one probe call on each of ``threads``
+        threads at once (default ``torch.get_num_threads()``). ``ValueError`` for a kind this
+        CPU cannot run, a thread count or repeat below 1."""
+        if kind not in self._flops_per_iter:
+            raise ValueError(f"peak probe: expected one of {list(self.kinds)}, got {kind!r}")
+        workers = torch.get_num_threads() if threads is None else threads
+        if workers < 1 or repeat < 1:
+            raise ValueError(f"peak probe: expected threads >= 1 and repeat >= 1, got "
+                             f"{workers} and {repeat}")
+        iters = self._iterations(kind)
+        best = float("inf")
+        with ThreadPoolExecutor(workers, thread_name_prefix="app-peak-probe") as pool:
+            for _ in range(repeat):
+                start = time.perf_counter()
+                for future in [pool.submit(self._call, kind, iters) for _ in range(workers)]:
+                    future.result()
+                best = min(best, time.perf_counter() - start)
+        return workers * iters * self._flops_per_iter[kind] / best / 1e9
+
+
+def _requirements() -> list[str]:
+    if not detect_cpu_features().avx512f:
+        return ["needs a CPU with AVX-512 (avx512f), this one has none"]
+    return []
+
+
+def _requirements_bf16() -> list[str]:
+    reasons = _requirements()
+    if not detect_cpu_features().avx512_bf16:
+        reasons.append("needs a CPU with AVX512-BF16 for the bf16 probe")
+    return reasons
+
+
+#: The probe library with the bf16 loop (CPUs with AVX512-BF16), and without it (the rest,
+#: or a compiler that does not know ``avx512bf16``).
+SPEC_BF16 = NativeLibrarySpec(name="cpu_peaks", sources=("cpu_peaks.c",),
+                              abi_version=ABI_VERSION, flags=("-O2", "-mavx512f", "-mfma"),
+                              link_flags=(), requirements=_requirements_bf16)
+SPEC_FP32 = NativeLibrarySpec(name="cpu_peaks_fp32", sources=("cpu_peaks.c",),
+                              abi_version=ABI_VERSION,
+                              flags=("-O2", "-mavx512f", "-mfma", "-DAPP_NO_AVX512BF16"),
+                              link_flags=(), requirements=_requirements)
+_probe_lock = threading.Lock()
+_probe: list[tuple[NativeLibrary, PeakProbe]] = []
+
+
+def _status() -> NativeLibraryStatus:
+    status = load_native_library(SPEC_BF16)
+    return status if status.available else load_native_library(SPEC_FP32)
+
+
+def load_peak_probe() -> PeakProbe | None:
+    """The probe, built on the first call in a process by the shared native loader; None
+    where it cannot be (:func:`peak_probe_status` says why)."""
+    library = _status().library
+    if library is None:
+        return None
+    with _probe_lock:
+        if not _probe or _probe[0][0] is not library:
+            has_bf16 = bool(library.function("cpu_peak_has_bf16_probe", ctypes.c_int32)())
+            _probe[:] = [(library, PeakProbe(library.cdll, has_bf16))]
+        return _probe[0][1]
+
+
+def peak_probe_status() -> PeakProbeStatus:
+    """Whether :func:`load_peak_probe` gives a probe, and if not why."""
+    status = _status()
+    return PeakProbeStatus(status.available, status.reasons)
+
+
+def peak_kinds() -> dict[str, str]:
+    """Every peak kind -> ``"measured"`` or why it is not measured on this machine."""
+    probe = load_peak_probe()
+    status = peak_probe_status()
+    why = "; ".join(status.reasons)
+    result = {FP32_FMA: "measured" if probe is not None else why}
+    if probe is None:
+        result[BF16_DOT] = why
+    elif BF16_DOT in probe.kinds:
+        result[BF16_DOT] = "measured"
+    else:
+        result[BF16_DOT] = "this CPU has no AVX512-BF16 (or the compiler does not know it)"
+    result["amx_bf16"] = ("AMX tiles are not probed yet (no AMX machine to check a probe on)"
+                          if detect_cpu_features().amx_bf16 else "this CPU has no AMX-BF16")
+    return result
+
+
+class PeakMeter:
+    """The peaks of one benchmark run, for the rows it reports (CPU only; a no-op elsewhere).
+
+    :meth:`sample` measures every kind (call it at the start and the end of a run);
+    :meth:`beside` gives a function for ``time_interleaved`` that measures one kind beside
+    every timed call; :meth:`annotate` adds a row's fractions of the peak that bounds it:
+    ``fraction_of_peak`` (best call over the best peak of the run) and
+    ``fraction_of_peak_paired`` (median over rounds of the call's rate over the peak measured
+    right after it: the figure targets read, as it shares the shared machine's slow spells).
+    """
+
+    def __init__(self, device: torch.device, probe: PeakProbe | None = None) -> None:
+        self.probe = probe if probe is not None or device.type != "cpu" else load_peak_probe()
+        self.enabled = device.type == "cpu" and self.probe is not None
+        self.runs: dict[str, list[float]] = {}
+        self._paired: dict[int, list[float]] = {}
+
+    def sample(self, repeat: int = 3) -> None:
+        """Measure every kind this CPU has once more (best of ``repeat``)."""
+        if self.probe is None or not self.enabled:
+            return
+        for kind in self.probe.kinds:
+            self.runs.setdefault(kind, []).append(self.probe.rate(kind, repeat=repeat))
+
+    def beside(self, kind: str, into: list[float]) -> Callable[[], None]:
+        """A function that measures ``kind`` (best of 2) and appends the GFLOP/s to ``into``."""
+        probe = self.probe
+
+        def measure() -> None:
+            if probe is not None and self.enabled:
+                rate = probe.rate(kind, repeat=2)
+                into.append(rate)
+                self.runs.setdefault(kind, []).append(rate)
+        return measure
+
+    def best(self, kind: str) -> float | None:
+        """The best rate of ``kind`` seen in this run (None if never measured)."""
+        runs = self.runs.get(kind)
+        return max(runs) if runs else None
+
+    def annotate(self, row: dict[str, Any], kind: str, flops: float, call_s: list[float],
+                 peak_gflops: list[float]) -> None:
+        """Add ``bound_peak``, ``peak_gflops``, ``fraction_of_peak`` and
+        ``fraction_of_peak_paired`` to ``row`` (None where nothing was measured)."""
+        row["bound_peak"] = kind
+        best = self.best(kind)
+        row["peak_gflops"] = None if best is None else round(best, 1)
+        row["fraction_of_peak"] = (None if best is None
+                                   else round(flops / min(call_s) / 1e9 / best, 3))
+        pairs = list(zip(call_s, peak_gflops[-len(call_s):], strict=False))
+        row["fraction_of_peak_paired"] = (round(statistics.median(
+            flops / t / 1e9 / peak for t, peak in pairs), 3) if len(pairs) == len(call_s)
+            and pairs else None)
+
+    def finish(self, rows: list[dict[str, Any]]) -> None:
+        """Re-read each row's best-over-best fraction against the best peak of the whole run."""
+        for row in rows:
+            best = self.best(str(row.get("bound_peak")))
+            if best is not None and row.get("gflops"):
+                row["peak_gflops"] = round(best, 1)
+                row["fraction_of_peak"] = round(row["gflops"] / best, 3)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON: the CPU (model and flags), threads, each kind's best and samples, and why any
+        kind is not measured."""
+        features = detect_cpu_features()
+        return {"cpu_model": features.model_name, "cpu_features": features.present(),
+                "threads": torch.get_num_threads(),
+                "kinds": peak_kinds() if self.enabled or self.probe is None else {},
+                **{f"{kind}_gflops": round(max(runs), 1) for kind, runs in self.runs.items()},
+                "samples": {kind: [round(x, 1) for x in runs] for kind, runs in self.runs.items()}}

@@ -1,0 +1,106 @@
+"""The CPU peak probes (fp32 FMA, bf16 dot product) and how benchmark rows read them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.bench import _peaks
+from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter, load_peak_probe, peak_kinds
+from app.platforms import detect_cpu_features
+
+
+def _probe() -> _peaks.PeakProbe:
+    probe = load_peak_probe()
+    if probe is None:
+        pytest.skip(f"no peak probe here: {'; '.join(_peaks.peak_probe_status().reasons)}")
+    return probe
+
+
+def test_probe_kinds_follow_the_cpu() -> None:
+    probe = _probe()
+    assert FP32_FMA in probe.kinds
+    assert (BF16_DOT in probe.kinds) == detect_cpu_features().avx512_bf16
+    kinds = peak_kinds()
+    assert kinds[FP32_FMA] == "measured"
+    assert (kinds[BF16_DOT] == "measured") == (BF16_DOT in probe.kinds)
+    assert kinds["amx_bf16"]  # says why AMX is not probed
+
+
+def test_probe_measures_a_rate_on_every_thread() -> None:
+    probe = _probe()
+    for kind in probe.kinds:
+        one = probe.rate(kind, threads=1, repeat=1)
+        assert one > 1.0  # GFLOP/s: any AVX-512 core does far more than this
+        assert probe.rate(kind, threads=2, repeat=1) > 1.0
+
+
+def test_probe_rejects_bad_arguments() -> None:
+    probe = _probe()
+    with pytest.raises(ValueError, match="expected one of"):
+        probe.rate("amx_int8")
+    with pytest.raises(ValueError, match="threads >= 1"):
+        probe.rate(FP32_FMA, threads=0)
+    with pytest.raises(ValueError, match="repeat >= 1"):
+        probe.rate(FP32_FMA, repeat=0)
+
+
+class _FixedProbe:
+    """Stands in for the probe with fixed rates (the arithmetic, not the hardware)."""
+
+    kinds = (FP32_FMA, BF16_DOT)
+
+    def __init__(self) -> None:
+        self.rates = {FP32_FMA: [100.0, 200.0, 150.0, 50.0], BF16_DOT: [400.0]}
+
+    def rate(self, kind: str, threads: int | None = None, repeat: int = 3) -> float:
+        return self.rates[kind].pop(0)
+
+
+def test_meter_fractions_best_and_paired() -> None:
+    meter = PeakMeter(torch.device("cpu"), probe=_FixedProbe())  # type: ignore[arg-type]
+    beside: list[float] = []
+    measure = meter.beside(FP32_FMA, beside)
+    for _ in range(3):
+        measure()
+    assert beside == [100.0, 200.0, 150.0] and meter.best(FP32_FMA) == 200.0
+    row: dict[str, object] = {"gflops": 80.0}
+    # calls of 1 s for 80 GFLOP: 80 GFLOP/s against peaks 100, 200, 150 beside them
+    meter.annotate(row, FP32_FMA, 80e9, [1.0, 1.0, 1.0], beside)
+    assert row["bound_peak"] == FP32_FMA and row["peak_gflops"] == 200.0
+    assert row["fraction_of_peak"] == 0.4                       # best over best
+    assert row["fraction_of_peak_paired"] == pytest.approx(80 / 150, abs=1e-3)  # median
+    meter.sample()  # one more of each kind: fp32 50 (best stays 200), bf16 400
+    assert meter.best(BF16_DOT) == 400.0
+    summary = meter.summary()
+    assert summary["fp32_fma_gflops"] == 200.0 and summary["bf16_dot_gflops"] == 400.0
+    assert summary["threads"] == torch.get_num_threads()
+
+
+def test_meter_is_off_away_from_the_cpu() -> None:
+    meter = PeakMeter(torch.device("cuda"))
+    assert not meter.enabled
+    meter.sample()
+    assert meter.runs == {}
+
+
+def test_bench_decode_reads_the_fma_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from app.cli import main
+
+    if torch.cuda.is_available():  # pragma: no cover - a GPU machine benchmarks the GPU
+        pytest.skip("bench decode runs on the GPU here")
+    _probe()
+    assert main(["bench", "--json", "decode", "--quick", "--no-baseline",
+                 "--backends", "CPU_MLA"]) in (0, 1)
+    result = json.loads(capsys.readouterr().out)
+    peak = result["peaks"]["fp32_fma_gflops"]
+    assert peak > 0 and result["peaks"]["cpu_model"] == detect_cpu_features().model_name
+    kind = BF16_DOT if result["cpu_mla_bf16_dot"] else FP32_FMA
+    peak = result["peaks"][f"{kind}_gflops"]
+    for row in result["results"]:
+        assert row["bound_peak"] == kind and row["peak_gflops"] == peak
+        assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=5e-3,
+                                                        abs=2e-3)
+        assert row["fraction_of_peak_paired"] > 0 and row["peak_roofline_fraction"] > 0
