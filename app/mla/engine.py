@@ -204,7 +204,10 @@ class MLAEngine:
         model = config.model
         weights = [MLALayerWeights.generate(model, seed + i) for i in range(num_layers)]
         embedding = TokenEmbedding.generate(vocab_size, model.hidden_size, model.dtype, seed)
-        compute = default_compute_dtype(model.dtype, device, self.platform.has_fast_bfloat16())
+        # The platform answers for bf16; any other 16-bit dtype is decided by the device's own
+        # features (an fp16 model on a CPU without AVX512-FP16 computes in float32).
+        fast_bf16 = self.platform.has_fast_bfloat16() if model.dtype == torch.bfloat16 else None
+        compute = default_compute_dtype(model.dtype, device, fast_bf16)
         self.model = MLAModel(
             config, weights, embedding,
             self.backend_class.from_config(config, device_capability=capability,
