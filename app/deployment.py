@@ -46,7 +46,7 @@ from app.backends.registry import enum_for, register_backend
 from app.config import EngineConfig
 from app.containers import Application, create_container
 from app.kvcache.specs import KVCacheSpec
-from app.platforms import CpuPlatform, CudaPlatform, Platform, parse_device_capability
+from app.platforms import Platform, parse_device_capability, platform_for_device
 
 __all__ = ["Deployment", "load", "parse", "parse_dict"]
 
@@ -163,13 +163,13 @@ def _platform(source: str, value: object) -> Platform | None:
     if value == "auto":
         return None
     if value == "cpu":
-        return CpuPlatform()
+        return platform_for_device("cpu")
     try:
         if value.startswith("cuda:"):
             capability = parse_device_capability(value.removeprefix("cuda:"))
-            return CudaPlatform(device_capability=capability)
+            return platform_for_device("cuda", capability)
         if value == "cuda":
-            return CudaPlatform()
+            return platform_for_device("cuda")
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     if "." not in value:

@@ -6,6 +6,7 @@ import ast
 import importlib
 import inspect
 import subprocess
+import re
 import sys
 from pathlib import Path
 
@@ -225,4 +226,14 @@ def test_only_the_table_names_built_in_backend_classes() -> None:
     paths = [e.class_path for e in (*PREFILL_BACKENDS, *DECODE_BACKENDS)]
     offenders = [f"{p.relative_to(APP)}: {path}" for p in _sources()
                  if p.name != "table.py" for path in paths if path in p.read_text()]
+    assert offenders == []
+
+
+def test_only_the_platforms_package_builds_concrete_platforms() -> None:
+    """Outside ``app/platforms`` a platform comes from the container, ``detect_platform`` or
+    ``platform_for_device``: no other module constructs ``CpuPlatform`` / ``CudaPlatform``."""
+    pattern = re.compile(r"\b(CpuPlatform|CudaPlatform)\(")
+    offenders = [str(p.relative_to(APP)) for p in _sources()
+                 if "platforms" not in p.relative_to(APP).parts
+                 and pattern.search(p.read_text())]
     assert offenders == []

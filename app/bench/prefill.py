@@ -201,13 +201,13 @@ def _bench_container(device: torch.device, dtype: torch.dtype, heads: int) -> An
     backends are selected, validated and built through it, as an engine builds them."""
     from app.config import EngineConfig
     from app.containers import create_container
-    from app.platforms import CpuPlatform, detect_platform
+    from app.platforms import detect_platform, platform_for_device
 
     config = EngineConfig.from_dict({"model": {
         "dtype": dtype, "num_heads": heads, "kv_lora_rank": 512,
         "qk_nope_head_dim": _DIMS.qk_nope_head_dim, "qk_rope_head_dim": _DIMS.qk_rope_head_dim,
         "v_head_dim": _DIMS.v_head_dim}})
-    platform = CpuPlatform() if device.type == "cpu" else detect_platform()
+    platform = platform_for_device("cpu") if device.type == "cpu" else detect_platform()
     return create_container(config, platform)
 
 

@@ -100,12 +100,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from app.backends.selector import get_mla_prefill_backend
     from app.config import EngineConfig
     from app.containers import create_container, use_container
-    from app.platforms import CudaPlatform
+    from app.platforms import platform_for_device
 
     number = max(1, int(args.number))
     uncached_number = max(1, number // 100)
     repeat = max(1, int(args.repeat))
-    platform = CudaPlatform(device_capability=DeviceCapability(10, 0))
+    platform = platform_for_device("cuda", DeviceCapability(10, 0))
     config = EngineConfig()
     container = create_container(config, platform)
     backends = container.mla_prefill_backends()

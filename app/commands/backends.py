@@ -95,14 +95,14 @@ def build_container(args: argparse.Namespace) -> Any:
     ``--capability`` a fresh one (general plugins applied) on the pretend device."""
     from app import deployment
     from app.containers import create_container, get_container
-    from app.platforms import CpuPlatform, CudaPlatform
+    from app.platforms import platform_for_device
 
     container = (get_container() if args.deployment is None
                  else deployment.load(args.deployment))
     if args.capability is not None:
         capability = _parse_capability(args.capability)
-        platform = (CpuPlatform() if capability is None
-                    else CudaPlatform(device_capability=capability))
+        platform = (platform_for_device("cpu") if capability is None
+                    else platform_for_device("cuda", capability))
         container = create_container(container.config(), platform)
     return container
 

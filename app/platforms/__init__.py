@@ -5,7 +5,7 @@ from app.platforms.base import Platform, SupportsMLADimensions
 from app.platforms.cpu import CpuPlatform
 from app.platforms.cpu_features import CpuFeatures, detect_cpu_features, read_cpu_features
 from app.platforms.cuda import TRTLLM_PREFERRED_DIMENSIONS, CudaPlatform
-from app.platforms.detect import detect_platform, parse_device_capability
+from app.platforms.detect import detect_platform, parse_device_capability, platform_for_device
 
 __all__ = [
     "TRTLLM_PREFERRED_DIMENSIONS",
@@ -18,5 +18,6 @@ __all__ = [
     "detect_cpu_features",
     "detect_platform",
     "parse_device_capability",
+    "platform_for_device",
     "read_cpu_features",
 ]

@@ -37,6 +37,20 @@ def parse_device_capability(text: object) -> DeviceCapability:
     return DeviceCapability(int(match[1]), int(match[2]))
 
 
+def platform_for_device(kind: str, capability: DeviceCapability | None = None) -> Platform:
+    """The built-in platform a user named: ``"cpu"``, or ``"cuda"`` (the visible GPU, or the
+    GPU ``capability`` pretends to be, for selection and planning without one). The one place
+    outside detection that names the concrete platform classes. ``ValueError`` for another
+    ``kind``, or a capability given with ``"cpu"``."""
+    if kind == "cpu":
+        if capability is not None:
+            raise ValueError(f"a CPU platform has no device capability, got {capability}")
+        return CpuPlatform()
+    if kind == "cuda":
+        return CudaPlatform() if capability is None else CudaPlatform(device_capability=capability)
+    raise ValueError(f"expected platform 'cpu' or 'cuda', got {kind!r}")
+
+
 def detect_platform() -> Platform:
     """The platform of this machine: ``CudaPlatform`` where a CUDA GPU is visible, else CPU.
 

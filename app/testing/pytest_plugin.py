@@ -20,7 +20,7 @@ from dependency_injector import providers
 
 from app._types import DeviceCapability
 from app.containers import Application, create_container, use_container
-from app.platforms import CpuPlatform, CudaPlatform, Platform
+from app.platforms import Platform, platform_for_device
 
 __all__ = ["app_container", "fake_platform", "override_prefill_backend"]
 
@@ -52,13 +52,12 @@ def fake_platform(app_container: Application
     a ``CudaPlatform`` of that capability, or a ``CpuPlatform`` for None."""
     with contextlib.ExitStack() as stack:
         def fake(capability: DeviceCapability | tuple[int, int] | None) -> Platform:
-            platform: Platform
             if capability is None:
-                platform = CpuPlatform()
+                platform = platform_for_device("cpu")
             else:
                 if isinstance(capability, tuple):
                     capability = DeviceCapability(*capability)
-                platform = CudaPlatform(device_capability=capability)
+                platform = platform_for_device("cuda", capability)
             stack.enter_context(app_container.platform.override(providers.Object(platform)))
             return platform
 
