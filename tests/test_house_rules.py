@@ -5,8 +5,8 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import subprocess
 import re
+import subprocess
 import sys
 from pathlib import Path
 
