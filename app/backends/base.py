@@ -16,7 +16,7 @@ context is attended without a mask, and the partial results are merged by LSE.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -25,6 +25,7 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import INT32_MAX, check_int_at_least, is_int
+from app.backends._declarations import BackendDeclarations
 
 if TYPE_CHECKING:
     from app.backends.kernel_base import KernelWorkspaces
@@ -37,7 +38,6 @@ __all__ = [
     "MLAPrefillSelectorConfig",
 ]
 
-_DEFAULT_UNAVAILABLE_REASON = "required dependencies not available"
 
 
 @attrs.frozen
@@ -138,7 +138,7 @@ class MLAPrefillMetadata:
             context_chunks=tuple(chunks))
 
 
-class MLAPrefillBackend(ABC):
+class MLAPrefillBackend(BackendDeclarations):
     """Base class of every MLA prefill backend (built-in or third party).
 
     A subclass declares what it supports with class attributes and classmethods; the selector
@@ -147,29 +147,10 @@ class MLAPrefillBackend(ABC):
     causal new-token attention and one non-causal call per context chunk.
     """
 
-    #: Input dtypes the kernels accept.
-    supported_dtypes: ClassVar[Sequence[torch.dtype]] = (torch.float16, torch.bfloat16)
     #: MLA dimensions the kernels accept; empty means any.
     supported_mla_dimensions: ClassVar[Sequence[MLADimensions]] = ()
-    #: Whether the backend needs a GPU compute capability (False: runs where cap is None).
-    requires_device_capability: ClassVar[bool] = False
     #: Whether ``out=`` is honoured (the kernel writes in place).
     supports_out: ClassVar[bool] = False
-
-    @staticmethod
-    @abstractmethod
-    def get_name() -> str:
-        """The backend's name, e.g. ``"FLASHINFER"``."""
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """Whether the kernels run on a GPU of this capability (default: any)."""
-        return True
-
-    @classmethod
-    def supports_dtype(cls, dtype: torch.dtype) -> bool:
-        """Whether ``dtype`` is in ``supported_dtypes``."""
-        return dtype in cls.supported_dtypes
 
     @classmethod
     def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
@@ -177,31 +158,11 @@ class MLAPrefillBackend(ABC):
         return not cls.supported_mla_dimensions or dims in cls.supported_mla_dimensions
 
     @classmethod
-    def is_available(cls) -> bool:
-        """Whether the kernel package imports (asked, never assumed at module import)."""
-        return True
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The reason given when ``is_available()`` is False (an install hint, ideally)."""
-        return _DEFAULT_UNAVAILABLE_REASON
-
-    @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLAPrefillSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
         availability, dimensions. An empty list means valid."""
-        reasons: list[str] = []
-        if device_capability is None:
-            if cls.requires_device_capability:
-                reasons.append("device capability not available")
-        elif not cls.supports_compute_capability(device_capability):
-            reasons.append(f"compute capability {device_capability.major}."
-                           f"{device_capability.minor} not supported")
-        if not cls.supports_dtype(selector_config.dtype):
-            reasons.append(f"dtype {selector_config.dtype} not supported")
-        if not cls.is_available():
-            reasons.append(cls.unavailable_reason())
+        reasons = cls.platform_reasons(device_capability, selector_config.dtype)
         dims = selector_config.mla_dimensions
         if not cls.supports_mla_dimensions(dims):
             supported = ", ".join(str(d) for d in cls.supported_mla_dimensions)

@@ -24,7 +24,7 @@ placeholder scales must never leak into later calls).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,6 +33,7 @@ import torch
 
 from app._types import DeviceCapability
 from app._validation import check_int_at_least, is_int
+from app.backends._declarations import BackendDeclarations
 from app.backends._decode_checks import (
     DecodeMetadata,
     check_decode_inputs,
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DecodeMetadata", "MLADecodeBackend", "MLADecodeSelectorConfig"]
 
-_DEFAULT_UNAVAILABLE_REASON = "required dependencies not available"
 #: The largest uniform query length the contract allows (multi-token prediction).
 MAX_QUERY_LEN = 16
 
@@ -85,7 +85,7 @@ class MLADecodeSelectorConfig:
                    block_size=config.cache.block_size, query_len=query_len)
 
 
-class MLADecodeBackend(ABC):
+class MLADecodeBackend(BackendDeclarations):
     """Base class of every MLA decode backend (built-in or third party).
 
     **Class declarations** (what the selector reads): ``get_name()``; ``supported_dtypes``
@@ -119,24 +119,6 @@ class MLADecodeBackend(ABC):
     supported_head_dims: ClassVar[Sequence[tuple[int, int]]] = ()
     #: The largest uniform query length per request.
     max_query_len: ClassVar[int] = MAX_QUERY_LEN
-    #: Whether the backend needs a GPU compute capability (False: runs where cap is None).
-    requires_device_capability: ClassVar[bool] = False
-
-    @staticmethod
-    @abstractmethod
-    def get_name() -> str:
-        """The backend's name, e.g. ``"CPU_MLA"``."""
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """Whether the kernels run on a GPU of this capability (default: any)."""
-        return True
-
-    @classmethod
-    def supports_dtype(cls, dtype: torch.dtype) -> bool:
-        """Whether ``dtype`` is in ``supported_dtypes``."""
-        return dtype in cls.supported_dtypes
-
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         """Whether the kernels read a cache of this block size (any, when the list is empty)."""
@@ -150,31 +132,11 @@ class MLADecodeBackend(ABC):
                 or (kv_lora_rank, qk_rope_head_dim) in cls.supported_head_dims)
 
     @classmethod
-    def is_available(cls) -> bool:
-        """Whether the kernel package / native kernel is usable (asked, never assumed)."""
-        return True
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The reason given when ``is_available()`` is False (an install hint, ideally)."""
-        return _DEFAULT_UNAVAILABLE_REASON
-
-    @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLADecodeSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
         availability, dimensions, block size, query_len. An empty list means valid."""
-        reasons: list[str] = []
-        if device_capability is None:
-            if cls.requires_device_capability:
-                reasons.append("device capability not available")
-        elif not cls.supports_compute_capability(device_capability):
-            reasons.append(f"compute capability {device_capability.major}."
-                           f"{device_capability.minor} not supported")
-        if not cls.supports_dtype(selector_config.dtype):
-            reasons.append(f"dtype {selector_config.dtype} not supported")
-        if not cls.is_available():
-            reasons.append(cls.unavailable_reason())
+        reasons = cls.platform_reasons(device_capability, selector_config.dtype)
         rank, rope = selector_config.kv_lora_rank, selector_config.qk_rope_head_dim
         if not cls.supports_mla_dimensions(rank, rope):
             supported = ", ".join(f"({r}, {p})" for r, p in cls.supported_head_dims)
@@ -236,7 +198,7 @@ class MLADecodeBackend(ABC):
         self._plan(meta)
         self._metadata = meta
 
-    def _plan(self, metadata: DecodeMetadata) -> None:  # noqa: B027 - optional hook
+    def _plan(self, metadata: DecodeMetadata) -> None:
         """Hook: plan kernels for the step (default: nothing)."""
 
     @property
