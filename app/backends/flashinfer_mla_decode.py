@@ -58,6 +58,7 @@ from app.backends._decode_gpu import (
     quantize_query_fp8,
 )
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.flashinfer import INSTALL_HINT
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -95,7 +96,6 @@ WORKSPACE_TRTLLM_GEN, WORKSPACE_WRAPPER = "flashinfer_mla.trtllm_gen", "flashinf
 #: Only the SM120 sparse backend reads it ("TODO: remove in 1.0?", mla/_core.py:4863);
 #: DeepSeek's no-rope query width, as vLLM passes.
 _QK_NOPE_HEAD_DIM = 128
-_INSTALL_HINT = "flashinfer-python is not installed (pip install 'app[flashinfer]')"
 
 
 @attrs.frozen
@@ -196,7 +196,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     @classmethod
     def unavailable_reason(cls) -> str:
         """The install hint."""
-        return _INSTALL_HINT
+        return INSTALL_HINT
 
     @classmethod
     def block_sizes_for(cls, device_capability: DeviceCapability, num_heads: int

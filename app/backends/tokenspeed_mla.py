@@ -28,10 +28,12 @@ import torch
 from app._types import DeviceCapability, MLADimensions
 from app.backends.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
-__all__ = ["TokenSpeedMLABackend"]
+__all__ = ["INSTALL_HINT", "TokenSpeedMLABackend"]
 
 logger = logging.getLogger(__name__)
 
+#: What to install for TOKENSPEED_MLA (prefill and decode).
+INSTALL_HINT = "tokenspeed-mla is not installed (pip install 'app[tokenspeed]')"
 #: (major, minor) of the GPUs tokenspeed-mla's prefill supports.
 _SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 _warmed: set[tuple[torch.dtype, int, int]] = set()
@@ -88,7 +90,7 @@ class TokenSpeedMLABackend(RaggedKernelBackend):
     @classmethod
     def unavailable_reason(cls) -> str:
         """The install hint."""
-        return "tokenspeed-mla is not installed (pip install 'app[tokenspeed]')"
+        return INSTALL_HINT
 
     def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The kernel always writes bf16."""

@@ -55,6 +55,7 @@ from app.backends._decode_gpu import (
     quantize_query_fp8,
 )
 from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.tokenspeed_mla import INSTALL_HINT
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -74,7 +75,6 @@ MAX_HEADS = 128
 _M_TILE, _MAX_SPLIT_KV = 128, 64
 #: The name of this backend's workspace in a shared ``WorkspaceSource``.
 WORKSPACE_NAME = "tokenspeed_mla.decode"
-_INSTALL_HINT = "tokenspeed-mla is not installed (pip install 'app[tokenspeed]')"
 
 
 @functools.cache
@@ -134,7 +134,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
     @classmethod
     def unavailable_reason(cls) -> str:
         """The install hint."""
-        return _INSTALL_HINT
+        return INSTALL_HINT
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
