@@ -37,8 +37,8 @@ import attrs
 import torch
 
 from app._validation import check_int_at_least
-from app.backends.base import MLAPrefillBackend
-from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.prefill.base import MLAPrefillBackend
 from app.backends.selector import (
     check_decode_block_size,
     get_mla_decode_backend,

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from app.backends.base import MLAPrefillBackend
-from app.backends.decode_base import MLADecodeBackend
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.mla.cache import PagedLatentCache
 from app.mla.decode import DecodePlan, MLADecodeExecutor

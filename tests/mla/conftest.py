@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from app.backends.base import MLAPrefillBackend
+from app.backends.prefill.base import MLAPrefillBackend
 from app.backends.selector import get_mla_prefill_backend
 from app.config import EngineConfig, ModelConfig
 from app.containers import Application, create_container
