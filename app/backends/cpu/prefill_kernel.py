@@ -16,8 +16,8 @@ are split into ``torch.get_num_threads()`` shares run by
 callers and returns only when every share is done. NaN and inf follow the rule of
 :mod:`app.backends.prefill._dense` (a non-finite score poisons its row; keys a row does
 not see never reach it, not even as ``0 * NaN``). ``APP_CPU_NATIVE_KERNEL=0`` turns the
-kernel off. A kernel that cannot be built or loaded is not an error: :func:`native_kernel_status` says why,
-and callers fall back.
+kernel off. A kernel that cannot be built or loaded is not an error:
+:func:`native_kernel_status` says why, and callers fall back.
 """
 
 from __future__ import annotations
