@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "app_native.h"
+#include "app_native_simd.h"
 
 /* Bump on any change to an exported function's signature or meaning (_peaks.ABI_VERSION). */
 APP_NATIVE_LIBRARY(1)
@@ -47,7 +48,7 @@ APP_NATIVE_EXPORT float cpu_peak_fma_f32(int64_t iters, float mul, float add) {
 #ifndef APP_NO_AVX512BF16
 /* iters x NACC vdpbf16ps zmm (acc += a.b over bf16 pairs); `bits` is the bf16 pair
  * broadcast into every 32-bit lane of both operands. */
-APP_NATIVE_EXPORT __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
+APP_NATIVE_EXPORT __attribute__((APP_AVX512BF16_ISA))
 float cpu_peak_dot_bf16(int64_t iters, uint32_t bits) {
   const __m512bh x = (__m512bh)_mm512_set1_epi32((int)bits);
 #define DECL(i) __m512 c##i = _mm512_set1_ps((float)(i));

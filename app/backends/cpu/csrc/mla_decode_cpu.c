@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "app_native_simd.h"
 #include "mla_decode_cpu.h"
 
 APP_NATIVE_LIBRARY(MLA_DECODE_CPU_ABI)
@@ -40,19 +41,6 @@ APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 #define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
 #define LN2 0.6931471805599453f
 #define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
-
-static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-static inline float load_elem(const void* p, int64_t i, int dt) {
-  if (dt == APP_DT_BF16) {
-    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
-  return ((const float*)p)[i];
-}
 
 /* 32 elements at p -> two float32 vectors in the cache order of dt (see the top). */
 static inline __attribute__((always_inline)) void load32(const char* p, const int dt, __m512* a,
@@ -99,23 +87,6 @@ static inline void to_natural(__m512 a, __m512 b, int order, __m512* lo, __m512*
   *hi = _mm512_permutex2var_ps(a, ih, b);
 }
 
-static inline void store16(void* p, int64_t i, __m512 x, int dt) {
-  if (dt == APP_DT_F32) {
-    _mm512_storeu_ps((float*)p + i, x);
-  } else if (dt == APP_DT_F16) {
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else { /* bf16, round to nearest even; a NaN stays a NaN */
-    __m512i bits = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-}
-
 /* lane r of the result = the sum of the lanes of v[r]: a 16 x 16 transpose-and-add. */
 static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
   __m512 x[8], y[4];
@@ -134,29 +105,43 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
-/* 2^x for x <= 0 (relative error ~1e-7); below -126 gives 2^-126; a NaN stays a NaN (the
- * clamp's NaN operand comes second: vmaxps returns its second operand for a NaN). */
-static inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-126.f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+/* Fetching the next chunk while this one computes. Pages are scattered (a hardware
+ * prefetcher stops at every 4 KiB page), so the next chunk's rows are prefetched by hand; but
+ * issued in one burst (1152 prefetches for 64 bf16 rows) they fill the core's miss queue and
+ * stall the loads of the work they were meant to hide behind. So they are dealt out evenly
+ * over the chunk's q.k and p.v: each call of pf_step() issues the next slice of rows (pos and
+ * step: rows in 32.32 fixed point), every cache line of each. Prefetches are hints and never
+ * fault; the rows are those of keys the item reads anyway. */
+typedef struct {
+  const char* const* rows; /* the next chunk's row pointers */
+  int64_t n_rows, lines;   /* rows, and 64-byte lines per row */
+  uint64_t pos, step;      /* the next row, and rows per call, in 32.32 fixed point */
+} pf_cursor;
+
+static inline __attribute__((always_inline)) void pf_step(pf_cursor* c) {
+  int64_t r = (int64_t)(c->pos >> 32);
+  c->pos += c->step;
+  int64_t end = (int64_t)(c->pos >> 32);
+  if (end > c->n_rows) end = c->n_rows;
+  for (; r < end; ++r)
+    for (int64_t l = 0; l < c->lines; ++l) _mm_prefetch(c->rows[r] + 64 * l, _MM_HINT_T1);
+}
+
+/* Whatever rows a cursor has not issued yet (its calls were fewer than planned). */
+static inline void pf_finish(pf_cursor* c) {
+  c->step = (uint64_t)c->n_rows << 32;
+  pf_step(c);
 }
 
 /* S[j][lane] = q row (g0 + lane) . key j for the n keys at rows[] (q rows past `valid` are
  * zero and their lanes unused). Two keys share each q load; 8 rows x 2 keys per pass. */
 static inline __attribute__((always_inline)) void scores(const float* qg, int64_t d,
                                                          const char* const* rows, int64_t n,
-                                                         int64_t valid, const int dt, float* S) {
+                                                         int64_t valid, const int dt, float* S,
+                                                         pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
   for (int64_t j = 0; j < n; j += 2) {
+    pf_step(pc);
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
     __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -205,10 +190,10 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
   /* A lane that has seen no key yet keeps max -inf; 0 is its reference (its p are 0). */
   const __mmask16 none = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ);
   const __m512 ref = _mm512_mask_mov_ps(vmax, none, _mm512_setzero_ps());
-  const __m512 alpha = exp2_nonpositive(_mm512_sub_ps(m_old, ref));
+  const __m512 alpha = app_exp2_nonpositive(_mm512_sub_ps(m_old, ref));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
+    __m512 p = app_exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
     if (pos0 + j >= tail)
       p = _mm512_maskz_mov_ps(
           _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim), p);
@@ -278,9 +263,10 @@ static inline __attribute__((always_inline)) void pv_tile(
 
 static inline __attribute__((always_inline)) void pv_group(
     const float* S, const char* const* rows, int64_t n, int64_t n_main, int64_t pos0,
-    const int32_t* limit, int64_t valid, float* acc, int64_t rank, const int dt) {
+    const int32_t* limit, int64_t valid, float* acc, int64_t rank, const int dt, pf_cursor* pc) {
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
     for (int r0 = 0; r0 < valid; r0 += PR) {
+      pf_step(pc);
       if (valid - r0 >= PR) pv_tile(S, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, dt);
       else pv_tile(S, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank, c0, dt);
     }
@@ -290,7 +276,7 @@ static inline __attribute__((always_inline)) void pv_group(
  * pairs of bf16 values and accumulates in float32, twice the multiply-adds of an fp32 FMA.
  * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
  * precision) and pairs keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
-#define BF16_ISA target("avx512f,avx512bw,avx512vl,avx512bf16")
+#define BF16_ISA APP_AVX512BF16_ISA
 #define BF16_TARGET __attribute__((BF16_ISA, noinline))
 
 /* As scores(), from q rows of bf16 bits; the scores are multiplied by mult afterwards. Four
@@ -298,9 +284,11 @@ static inline __attribute__((always_inline)) void pv_group(
  * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k, and a 4 x 4 transpose
  * of blocks turns the four passes into S[j..j+3]. */
 static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
-                                    int64_t n, int64_t valid, float mult, float* S) {
+                                    int64_t n, int64_t valid, float mult, float* S,
+                                    pf_cursor* pc) {
   const __m512 vm = _mm512_set1_ps(mult);
   for (int64_t j = 0; j < n; j += 4) {
+    pf_step(pc);
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
     const char* k2 = rows[j + 2 < n ? j + 2 : j];
@@ -411,11 +399,12 @@ static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
 static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows,
                                       int64_t n, int64_t n_main, int64_t pos0,
                                       const int32_t* limit, int64_t valid, float* acc,
-                                      int64_t rank) {
+                                      int64_t rank, pf_cursor* pc) {
   pack_p_bf16(S, n, P2);
   const uint32_t* P1 = (const uint32_t*)S;
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
     for (int r0 = 0; r0 < valid; r0 += PR) {
+      pf_step(pc);
       if (valid - r0 >= PR)
         pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0);
       else
@@ -441,7 +430,7 @@ static inline void row_pointers(const mla_decode_args* a, const int32_t* table, 
 }
 
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
-  const int64_t mp = round_up(qlen * heads, G);
+  const int64_t mp = app_round_up(qlen * heads, G);
   /* 16 to align, packed q, accumulators, m, l, limits (int32), scores (+1 key of slack),
    * bf16 probability pairs */
   return 16 + mp * (rank + rope) + mp * rank + 3 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
@@ -452,7 +441,7 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
                                                            int64_t k0, int64_t k1, int64_t part,
                                                            const int dt, const int dot) {
   const int64_t heads = a->heads, qlen = a->qlen, rows_m = qlen * heads, rank = a->rank;
-  const int64_t d = rank + a->rope, mp = round_up(rows_m, G), es = app_native_elem_size(dt);
+  const int64_t d = rank + a->rope, mp = app_round_up(rows_m, G), es = app_native_elem_size(dt);
   const int64_t seq_len = a->seq_lens[b], tail = seq_len - qlen + 1;
   float* qp = a->scratch + (16 - ((uintptr_t)a->scratch / sizeof(float)) % 16) % 16;
   float* acc = qp + mp * d;
@@ -471,7 +460,7 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     else if (r >= rows_m) memset(qp + r * d, 0, sizeof(float) * (size_t)d);
     else
       for (int64_t e = 0; e < d; ++e)
-        qp[r * d + e / 32 * 32 + cache_slot(e % 32, dt)] = load_elem(src, e, a->q_dt) * a->q_mult;
+        qp[r * d + e / 32 * 32 + cache_slot(e % 32, dt)] = app_load_elem(src, e, a->q_dt) * a->q_mult;
     limit[r] = (int32_t)(r >= rows_m ? seq_len - 1 : seq_len - qlen + i);
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -483,27 +472,34 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
   for (int64_t cs = k0; cs < k1; cs += BK) {
     const int64_t n = k1 - cs < BK ? k1 - cs : BK;
-    /* This chunk's row pointers were made (and prefetched) one chunk ago; make the next
-     * chunk's now and fetch its rows into L2 while this one computes: pages are scattered,
-     * and a hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
+    /* This chunk's row pointers were made one chunk ago (and its rows fetched meanwhile);
+     * make the next chunk's now, and deal their prefetches over this chunk's calls of
+     * pf_step(): per group, one per q.k step (kpass keys) and one per p.v tile. */
     memcpy(rows, next, sizeof(const char*) * (size_t)n);
     const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64, 0, 0};
     if (n_next > 0) {
       row_pointers(a, table, cs + BK, n_next, es, next);
-      for (int64_t j = 0; j < n_next; ++j)
-        for (int64_t byte = 0; byte < d * es; byte += 64)
-          _mm_prefetch(next[j] + byte, _MM_HINT_T1);
+      const int64_t kpass = dot ? 4 : 2;
+      int64_t calls = 0;
+      for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
+        const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
+        calls += (n + kpass - 1) / kpass + rank / 64 * ((valid + PR - 1) / PR);
+      }
+      pc.step = (((uint64_t)n_next << 32) + (uint64_t)calls - 1) / (uint64_t)calls;
     }
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
     for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
       const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
-      if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S);
-      else scores(qp + g0 * d, d, rows, n, valid, dt, S);
+      if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S, &pc);
+      else scores(qp + g0 * d, d, rows, n, valid, dt, S, &pc);
       softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, acc + g0 * rank, rank);
-      if (dot) pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank);
-      else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt);
+      if (dot)
+        pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, &pc);
+      else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt, &pc);
     }
+    pf_finish(&pc);
   }
   for (int64_t r = 0; r < rows_m; ++r) {
     const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];
@@ -524,8 +520,8 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
       to_natural(_mm512_mul_ps(_mm512_loadu_ps(row + c), vi),
                  _mm512_mul_ps(_mm512_loadu_ps(row + c + 16), vi), accumulator_order(a), &lo,
                  &hi);
-      store16(a->out, o + c, lo, a->out_dt);
-      store16(a->out, o + c + 16, hi, a->out_dt);
+      app_store16(a->out, o + c, lo, a->out_dt);
+      app_store16(a->out, o + c + 16, hi, a->out_dt);
     }
     if (a->lse) a->lse[b * rows_m + r] = lse2 * LN2;
   }
@@ -586,8 +582,8 @@ int32_t mla_decode_cpu_merge(const mla_decode_args* a) {
         __m512 lo, hi;
         to_natural(_mm512_mul_ps(s0, _mm512_set1_ps(inv)), _mm512_mul_ps(s1, _mm512_set1_ps(inv)),
                    accumulator_order(a), &lo, &hi);
-        store16(a->out, o + c, lo, a->out_dt);
-        store16(a->out, o + c + 16, hi, a->out_dt);
+        app_store16(a->out, o + c, lo, a->out_dt);
+        app_store16(a->out, o + c + 16, hi, a->out_dt);
       }
       if (a->lse) a->lse[b * rows_m + r] = tot == 0.f ? -INFINITY : (ref + log2f(tot)) * LN2;
     }
