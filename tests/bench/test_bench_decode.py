@@ -18,11 +18,17 @@ def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and result["ok"] is True and result["errors"] == []
     assert result["stream_gbs"] > 0 and result["matmul_fp32_gflops"] > 0
     assert result["block_size"] == 16 and result["cpu"]["model"]
+    assert result["cache_dtypes"] == ["bf16", "fp32"] and result["vllm_comparison"] is None
     names = {c.name for c in decode.default_cases(quick=True)}
     assert result["results"], result
+    assert {row["dtype"] for row in result["results"]} == {"bf16", "fp32"}
     for row in result["results"]:
         assert row["case"] in names and row["ms"] > 0 and row["gflops"] > 0
         assert row["roofline_fraction"] > 0 and row["bound_by"] in ("memory", "compute")
+        assert row["matmul_roofline_fraction"] > 0
+        # the roofline is max(bytes / stream, FLOPs / the bounding peak), over the best time
+        roofline = row["roofline_ms"] / row["ms"]
+        assert row["roofline_fraction"] == pytest.approx(roofline, rel=2e-2, abs=2e-3)
         if row["backend"] != "TORCH_SDPA":
             assert row["baseline"] == "TORCH_SDPA" and row["speedup_vs_baseline"] > 0
     assert result["targets"] == []  # the targets are on the full-size cases only
@@ -39,6 +45,7 @@ def test_bad_arguments() -> None:
     assert main(["bench", "decode", "--quick", "--backends", "NOPE"]) == 2
     assert main(["bench", "decode", "--quick", "--block-size", "0"]) == 2
     assert main(["bench", "decode", "--quick", "--stream-gib", "0"]) == 2
+    assert main(["bench", "decode", "--quick", "--dtypes", "fp8"]) == 2
 
 
 def test_flops_bytes_and_targets() -> None:
@@ -46,14 +53,21 @@ def test_flops_bytes_and_targets() -> None:
     seen = 4096 * 4 - 6                                   # rows see 4093, 4094, 4095, 4096
     assert case.flops() == 2 * (2 * 512 + 64) * 16 * 64 * seen
     assert case.cache_bytes(torch.bfloat16) == 64 * 4096 * 576 * 2
-    rows = [{"backend": "CPU_MLA", "case": "16x8k", "roofline_fraction": 0.69,
-             "speedup_vs_baseline": 7.0},
-            {"backend": "CPU_MLA", "case": "1x32k", "roofline_fraction": 0.1,
-             "speedup_vs_baseline": 4.0}]
-    verdicts = [(t["name"], t["pass"]) for t in decode._targets(rows)]
-    assert verdicts == [("CPU_MLA 16x8k roofline fraction", False),
-                        ("CPU_MLA 16x8k speed-up over TORCH_SDPA", True),
-                        ("CPU_MLA 1x32k speed-up over TORCH_SDPA", False)]
+    rows = [{"backend": "CPU_MLA", "case": "16x8k", "dtype": "bf16", "roofline_fraction": 0.9,
+             "roofline_fraction_paired": 0.69, "speedup_vs_baseline": 7.0},
+            {"backend": "CPU_MLA", "case": "1x32k", "dtype": "bf16", "roofline_fraction": 0.1,
+             "speedup_vs_baseline": 4.0},
+            {"backend": "CPU_MLA", "case": "16x8k h128", "dtype": "fp32",
+             "roofline_fraction": 0.71, "roofline_fraction_paired": None,
+             "speedup_vs_baseline": 2.0}]
+    targets = decode._targets(rows)
+    verdicts = [(t["name"], t["pass"]) for t in targets]
+    assert verdicts == [("CPU_MLA 16x8k bf16 roofline fraction", False),   # the paired figure
+                        ("CPU_MLA 16x8k bf16 speed-up over TORCH_SDPA", True),
+                        ("CPU_MLA 1x32k bf16 speed-up over TORCH_SDPA", False),
+                        ("CPU_MLA 16x8k h128 fp32 roofline fraction", True)]
+    assert [t.get("measure") for t in targets] == ["roofline_fraction_paired", None, None,
+                                                   "roofline_fraction"]
 
 
 def test_peak_extra_memory_sees_an_allocation() -> None:
