@@ -34,9 +34,15 @@ APP_NATIVE_LIBRARY(MLA_DECODE_CPU_ABI)
 APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 
 #define G 16   /* query rows per group: one per vector lane */
+#ifndef SMALL_BK
+#define SMALL_BK 32 /* keys per chunk for one group of query rows (see run_item) */
+#endif
 #ifndef BK
 #define BK 64 /* keys per chunk: their rows (72 KiB at D = 576, bf16) stay in L2; 64 rather
                  * than 32 halves the per-chunk costs (accumulator reloads, softmax set-up) */
+#endif
+#if SMALL_BK > BK || SMALL_BK % 4 || BK % 4
+#error "SMALL_BK <= BK, both multiples of 4 (the row pointer arrays have BK entries)"
 #endif
 #define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
 #define LN2 0.6931471805599453f
@@ -106,30 +112,40 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
 }
 
 /* Fetching the next chunk while this one computes. Pages are scattered (a hardware
- * prefetcher stops at every 4 KiB page), so the next chunk's rows are prefetched by hand; but
- * issued in one burst (1152 prefetches for 64 bf16 rows) they fill the core's miss queue and
- * stall the loads of the work they were meant to hide behind. So they are dealt out evenly
- * over the chunk's q.k and p.v: each call of pf_step() issues the next slice of rows (pos and
- * step: rows in 32.32 fixed point), every cache line of each. Prefetches are hints and never
- * fault; the rows are those of keys the item reads anyway. */
+ * prefetcher stops at every 4 KiB page, and prefetching only the first lines of each page
+ * does not start it), so every line of the next chunk's rows is prefetched by hand. Issued
+ * in bursts (the whole chunk at once, or a row per call) they fill the core's miss buffers
+ * and stall the loads of the work they were meant to hide behind; so they are dealt out a
+ * line or two at a time from the innermost loops of q.k (per register tile of scores) and
+ * p.v (per key or key pair of a tile). The cursor is copied into a local by each function
+ * that steps it, so it lives in registers. Prefetches are hints and never fault; the rows
+ * are those of keys the item reads anyway. */
 typedef struct {
-  const char* const* rows; /* the next chunk's row pointers */
-  int64_t n_rows, lines;   /* rows, and 64-byte lines per row */
-  uint64_t pos, step;      /* the next row, and rows per call, in 32.32 fixed point */
+  const char* const* rows;   /* the next chunk's row pointers */
+  int64_t n_rows, row_bytes; /* rows, and bytes per row rounded up to whole lines */
+  int64_t r, per_call;       /* the row being issued (-1: none yet), lines per call */
+  const char* p;             /* its next line */
+  const char* end;           /* its end */
 } pf_cursor;
 
 static inline __attribute__((always_inline)) void pf_step(pf_cursor* c) {
-  int64_t r = (int64_t)(c->pos >> 32);
-  c->pos += c->step;
-  int64_t end = (int64_t)(c->pos >> 32);
-  if (end > c->n_rows) end = c->n_rows;
-  for (; r < end; ++r)
-    for (int64_t l = 0; l < c->lines; ++l) _mm_prefetch(c->rows[r] + 64 * l, _MM_HINT_T1);
+  for (int64_t k = 0; k < c->per_call; ++k) {
+    if (c->p >= c->end) {
+      if (++c->r >= c->n_rows) {
+        c->per_call = 0;
+        return;
+      }
+      c->p = c->rows[c->r];
+      c->end = c->p + c->row_bytes;
+    }
+    _mm_prefetch(c->p, _MM_HINT_T1);
+    c->p += 64;
+  }
 }
 
-/* Whatever rows a cursor has not issued yet (its calls were fewer than planned). */
+/* Whatever lines a cursor has not issued yet (its calls were fewer than planned). */
 static inline void pf_finish(pf_cursor* c) {
-  c->step = (uint64_t)c->n_rows << 32;
+  c->per_call = INT64_MAX;
   pf_step(c);
 }
 
@@ -141,11 +157,11 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
                                                          pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
   for (int64_t j = 0; j < n; j += 2) {
-    pf_step(pc);
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
     __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int pass = 0; pass < 2 && pass * 8 < valid; ++pass) {
+      pf_step(pc);
       const float* qr = qg + pass * 8 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -219,7 +235,7 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
 static inline __attribute__((always_inline)) void pv_tile(
     const float* S, const char* const* rows, int64_t n, int64_t n_main, int64_t pos0,
     const int32_t* limit, int r0, const int pr, float* acc, int64_t rank, int64_t c0,
-    const int dt) {
+    const int dt, pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
   __m512 c[PR][4];
   _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
@@ -227,6 +243,7 @@ static inline __attribute__((always_inline)) void pv_tile(
       c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
                        : _mm512_setzero_ps();
   for (int64_t j = 0; j < n_main; ++j) {
+    pf_step(pc);
     const char* v = rows[j] + c0 * es;
     __m512 a0, b0, a1, b1;
     load32(v, dt, &a0, &b0);
@@ -266,9 +283,10 @@ static inline __attribute__((always_inline)) void pv_group(
     const int32_t* limit, int64_t valid, float* acc, int64_t rank, const int dt, pf_cursor* pc) {
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
     for (int r0 = 0; r0 < valid; r0 += PR) {
-      pf_step(pc);
-      if (valid - r0 >= PR) pv_tile(S, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, dt);
-      else pv_tile(S, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank, c0, dt);
+      if (valid - r0 >= PR)
+        pv_tile(S, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, dt, pc);
+      else
+        pv_tile(S, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank, c0, dt, pc);
     }
 }
 
@@ -287,8 +305,8 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
                                     int64_t n, int64_t valid, float mult, float* S,
                                     pf_cursor* pc) {
   const __m512 vm = _mm512_set1_ps(mult);
+  pf_cursor cur = *pc;
   for (int64_t j = 0; j < n; j += 4) {
-    pf_step(pc);
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
     const char* k2 = rows[j + 2 < n ? j + 2 : j];
@@ -297,6 +315,7 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
     for (int pass = 0; pass < 4; ++pass) {
       v[pass] = _mm512_setzero_ps();
       if (pass * 4 >= valid) continue;
+      pf_step(&cur);
       const uint16_t* qr = qg + pass * 4 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -324,6 +343,7 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
     if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
     if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
   }
+  *pc = cur;
 }
 
 /* The probabilities as bf16: P1[j][lane] = bits of p (low half), P2[j / 2][lane] = the pair of
@@ -355,7 +375,7 @@ static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m5
 static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
     const uint32_t* P1, const uint32_t* P2, const char* const* rows, int64_t n, int64_t n_main,
     int64_t pos0, const int32_t* limit, int r0, const int pr, float* acc, int64_t rank,
-    int64_t c0) {
+    int64_t c0, pf_cursor* pc) {
   __m512 c[PR][4];
   _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
@@ -363,6 +383,7 @@ static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
                        : _mm512_setzero_ps();
   const int64_t pairs = n_main / 2;
   for (int64_t jp = 0; jp < pairs; ++jp) {
+    pf_step(pc);
     const char* v0 = rows[2 * jp] + 2 * c0;
     const char* v1 = rows[2 * jp + 1] + 2 * c0;
     const __m512i x0 = _mm512_loadu_si512((const void*)v0);
@@ -402,15 +423,16 @@ static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const*
                                       int64_t rank, pf_cursor* pc) {
   pack_p_bf16(S, n, P2);
   const uint32_t* P1 = (const uint32_t*)S;
+  pf_cursor cur = *pc;
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
     for (int r0 = 0; r0 < valid; r0 += PR) {
-      pf_step(pc);
       if (valid - r0 >= PR)
-        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0);
+        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, &cur);
       else
         pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank,
-                     c0);
+                     c0, &cur);
     }
+  *pc = cur;
 }
 
 static int accumulator_order(const mla_decode_args* a) {
@@ -427,6 +449,21 @@ static inline void row_pointers(const mla_decode_args* a, const int32_t* table, 
                                        off * a->row_stride) * es;
     if (++off == a->block_size) off = 0, ++blk;
   }
+}
+
+/* How often a chunk of n keys calls pf_step() (see its call sites), so that the next chunk's
+ * lines are dealt evenly over it: per group of G rows, one per scores tile (4 keys x 4 rows
+ * on the dot path, 2 keys x 8 rows otherwise) and one per key pair (dot path) or key of
+ * each p.v tile. */
+static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int dot) {
+  int64_t calls = 0;
+  for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
+    const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
+    const int64_t tiles = rank / 64 * ((valid + PR - 1) / PR);
+    calls += dot ? (n + 3) / 4 * ((valid + 3) / 4) + tiles * (n / 2)
+                 : (n + 1) / 2 * ((valid + 7) / 8) + tiles * n;
+  }
+  return calls > 0 ? calls : 1;
 }
 
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
@@ -469,24 +506,21 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   const int32_t* table = a->block_table + b * a->bt_stride;
   const char* rows[BK];
   const char* next[BK];
-  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
-  for (int64_t cs = k0; cs < k1; cs += BK) {
-    const int64_t n = k1 - cs < BK ? k1 - cs : BK;
+  /* One group of query rows (16 heads): chunks of SMALL_BK keys (measured faster when the
+   * cache streams from memory); more groups: BK, which halves the per-chunk costs. */
+  const int64_t bk = rows_m <= G ? SMALL_BK : BK;
+  row_pointers(a, table, k0, k1 - k0 < bk ? k1 - k0 : bk, es, next);
+  for (int64_t cs = k0; cs < k1; cs += bk) {
+    const int64_t n = k1 - cs < bk ? k1 - cs : bk;
     /* This chunk's row pointers were made one chunk ago (and its rows fetched meanwhile);
-     * make the next chunk's now, and deal their prefetches over this chunk's calls of
-     * pf_step(): per group, one per q.k step (kpass keys) and one per p.v tile. */
+     * make the next chunk's now and deal their prefetches over this chunk's work. */
     memcpy(rows, next, sizeof(const char*) * (size_t)n);
-    const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
-    pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64, 0, 0};
+    const int64_t n_next = k1 - cs - bk < bk ? k1 - cs - bk : bk;
+    pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
-      row_pointers(a, table, cs + BK, n_next, es, next);
-      const int64_t kpass = dot ? 4 : 2;
-      int64_t calls = 0;
-      for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
-        const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
-        calls += (n + kpass - 1) / kpass + rank / 64 * ((valid + PR - 1) / PR);
-      }
-      pc.step = (((uint64_t)n_next << 32) + (uint64_t)calls - 1) / (uint64_t)calls;
+      row_pointers(a, table, cs + bk, n_next, es, next);
+      const int64_t calls = prefetch_calls(rows_m, n, rank, dot);
+      pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
