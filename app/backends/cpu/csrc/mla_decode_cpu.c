@@ -3,9 +3,12 @@
  * Built at first use by app/backends/decode/cpu_mla.py through the shared native loader and
  * called through ctypes (which releases the GIL): one call per worker thread, each with its
  * own items and scratch. The cache is read in place through the block table (a chunk of BK
- * keys is a list of row pointers, never a copy), and the latent cache has one KV head, so
- * every row loaded serves all query rows of the request (qlen x heads, in groups of 16: one
- * per vector lane) for both q.k (the whole row) and p.v (its first `rank` values).
+ * keys, SMALL_BK for one group of query rows, is a list of row pointers, never a copy), and
+ * the latent cache has one KV head, so every row loaded serves all query rows of the request
+ * (qlen x heads, in groups of 16: one per vector lane) for both q.k (the whole row) and p.v
+ * (its first `rank` values). At 16 heads that is 30 FLOPs per byte of a bf16 cache, so the
+ * kernel must stream the cache near the core's limit while it computes: the next chunk's rows
+ * are prefetched a line or two at a time from the inner loops (pf_cursor, below).
  *
  * Layout trick: a 32-element chunk of a bf16 row is loaded as one 512-bit vector and split
  * into its even and odd elements with a shift and a mask (no shuffles). The dot product does
