@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dependency_injector import containers, providers
@@ -43,6 +43,7 @@ __all__ = [
     "MLADecodeBackendClasses",
     "MLAPrefillBackendClasses",
     "build_backend",
+    "build_decode_backend",
     "create_container",
     "get_container",
     "reset_default_container",
@@ -88,6 +89,14 @@ def build_backend(cls: type[Any], config: EngineConfig, platform: Platform,
     return cls.from_config(config, device_capability=capability)
 
 
+def build_decode_backend(select: Callable[..., type[Any]], config: EngineConfig,
+                         platform: Platform, workspaces: KernelWorkspaces, *,
+                         query_len: int = 1) -> Any:
+    """An instance of the decode backend ``select(query_len=query_len)`` picks (the
+    container's ``mla_decode_backend_class`` provider), built as ``build_backend`` does."""
+    return build_backend(select(query_len=query_len), config, platform, workspaces)
+
+
 class Application(containers.DeclarativeContainer):
     """The application container.
 
@@ -101,9 +110,11 @@ class Application(containers.DeclarativeContainer):
       - ``kv_cache_spec_bindings``: the KV-cache spec -> manager bindings, given the platform
         and config (read on first use).
       - ``mla_prefill_backend_class`` / ``mla_decode_backend_class``: the selected class for
-        ``config`` on ``platform`` (decode with ``query_len`` 1).
+        ``config`` on ``platform`` (decode: ``mla_decode_backend_class(query_len=N)``, 1 by
+        default).
       - ``mla_prefill_backend`` / ``mla_decode_backend``: a new instance of the selected
-        class, built with the platform's device capability and the workspaces.
+        class, built with the platform's device capability and the workspaces (decode:
+        ``mla_decode_backend(query_len=N)`` selects for that query length).
       - ``applied_general_plugins``: which general plugins ran on this container.
     """
 
@@ -125,7 +136,8 @@ class Application(containers.DeclarativeContainer):
     mla_prefill_backend = providers.Factory(
         build_backend, mla_prefill_backend_class, config, platform, kernel_workspaces)
     mla_decode_backend = providers.Factory(
-        build_backend, mla_decode_backend_class, config, platform, kernel_workspaces)
+        build_decode_backend, mla_decode_backend_class.provider, config, platform,
+        kernel_workspaces)
     applied_general_plugins: providers.Singleton[dict[str, bool]] = providers.Singleton(dict)
 
 
