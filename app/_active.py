@@ -2,7 +2,8 @@
 
 Kept below everything (it imports nothing of the package) so that the plugin loader can make a
 container active while a plugin runs without importing the composition root. The process
-default container and ``get_container`` live in ``app.containers``.
+default container and ``get_container`` live in ``app.containers``; the seed API
+(``app.seed_api``) reads ``ACTIVE_CONTAINER`` to key what it keeps.
 """
 
 from __future__ import annotations
@@ -12,23 +13,24 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["activate", "active"]
+__all__ = ["ACTIVE_CONTAINER", "activate", "active"]
 
-_active_container: contextvars.ContextVar[Any] = contextvars.ContextVar(
+#: The container made active for this thread / task (None: the process default).
+ACTIVE_CONTAINER: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "app_active_container", default=None)
 
 
 def active() -> Any:
     """The container made active by the innermost ``activate`` block, or None."""
-    return _active_container.get()
+    return ACTIVE_CONTAINER.get()
 
 
 @contextlib.contextmanager
 def activate(container: Any) -> Iterator[Any]:
     """Make ``container`` the active one inside the ``with`` block (this thread / task only);
     the caller has checked it is a container."""
-    token = _active_container.set(container)
+    token = ACTIVE_CONTAINER.set(container)
     try:
         yield container
     finally:
-        _active_container.reset(token)
+        ACTIVE_CONTAINER.reset(token)

@@ -19,9 +19,9 @@ from app.backends import (
     register_mla_prefill_backend,
 )
 from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
-from app.backends.prefill.kernel_base import KernelWorkspaces
 from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.backends.selection import SelectionCache
+from app.backends.workspaces import KernelWorkspaces
 from app.config import EngineConfig
 from app.containers import Application, create_container, use_container
 from app.kvcache import FullAttentionSpec, KVCacheSpecBindings, KVCacheSpecRegistry

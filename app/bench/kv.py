@@ -93,15 +93,15 @@ def _timed(fn: Callable[[], Any]) -> float:
 def _bench_ours(w: dict[str, int]) -> dict[str, Any]:
     import torch
 
-    from app.kvcache import (
-        BlockPool,
+    from app.kvcache.block_pool import BlockPool
+    from app.kvcache.request import KVCacheRequest
+    from app.kvcache.specs import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
-        KVCacheRequest,
-        KVCacheSpecRegistry,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
+    from app.seed_api import KVCacheSpecRegistry
 
     n_req, n_tok, bs = w["requests"], w["tokens"], w["block_size"]
     num_blocks = n_req * -(-n_tok // bs) + 1

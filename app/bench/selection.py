@@ -94,13 +94,16 @@ def _us(timing: dict[str, float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time the cached and the uncached selection; the JSON result."""
-    from app.backends.kinds import PREFILL
-    from app.backends.registry import MLAPrefillBackendEnum, override_mla_prefill_backend
+    from app.backends.registry import PREFILL
     from app.backends.selection import explain_selection, select_backend
-    from app.backends.selector import get_mla_prefill_backend
     from app.config import EngineConfig
     from app.containers import create_container, use_container
     from app.platforms import platform_for_device
+    from app.seed_api import (
+        MLAPrefillBackendEnum,
+        get_mla_prefill_backend,
+        override_mla_prefill_backend,
+    )
 
     number = max(1, int(args.number))
     uncached_number = max(1, number // 100)

@@ -8,7 +8,7 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
-from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
 
 #: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.
@@ -52,7 +52,7 @@ class CudaPlatform(Platform):
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
         """Fastest first: SM100 family, SM90, then everything older or newer."""
         cap = self._capability
-        names = PREFILL_BACKENDS.names
+        names = PREFILL_BACKENDS.check
         if cap.is_family(10):
             order = names("FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER", "TOKENSPEED_MLA",
                           "TORCH_SDPA")
@@ -68,7 +68,7 @@ class CudaPlatform(Platform):
         """SM100 family: FLASHINFER_MLA, TOKENSPEED_MLA, TORCH_SDPA, except that TOKENSPEED_MLA
         goes first when ``selector_config.query_len > 1`` (its gains grow with multi-token
         prediction); SM90 and others: FLASHINFER_MLA, TORCH_SDPA."""
-        names = DECODE_BACKENDS.names
+        names = DECODE_BACKENDS.check
         if self._capability.is_family(10):
             if getattr(selector_config, "query_len", 1) > 1:
                 return names("TOKENSPEED_MLA", "FLASHINFER_MLA", "TORCH_SDPA")

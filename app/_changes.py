@@ -1,0 +1,110 @@
+"""A process-wide count of changes to the containers' providers, so that what was resolved
+through them can be remembered until something changes.
+
+Every provider the containers are built from is one of the ``Counted*`` types below. Their
+``override``, ``reset_override`` and ``reset_last_overriding`` (and a singleton's ``reset``) bump
+``CHANGES`` *after* they act, however they are reached: called directly, as a context manager,
+through ``container.override_providers(...)``, ``container.reset_override()`` or
+``container.reset_singletons()``. The registry bumps it too when it adds or removes a backend
+provider, and so does replacing the process-default container.
+
+A reader takes ``CHANGES.count`` *before* it resolves anything and keeps the result with that
+count; the result is current while the count is the same. (A change racing with the reader only
+makes the kept result unusable, never wrong.) ``app.seed_api`` keeps its last answers this way
+and ``app.backends.selection.SelectionCache`` keys its entries by the count.
+
+This module imports nothing from the package: it sits below everything that builds providers.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, TypeVar
+
+from dependency_injector import providers
+
+__all__ = [
+    "CHANGES",
+    "ChangeCounter",
+    "CountedCallable",
+    "CountedContainer",
+    "CountedFactory",
+    "CountedObject",
+    "CountedSingleton",
+]
+
+
+class ChangeCounter:
+    """A counter that only goes up (thread-safe); read ``count``, call ``bump()``."""
+
+    def __init__(self) -> None:
+        #: The number of changes so far.
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def bump(self) -> None:
+        """Count one change (call it after the change is complete)."""
+        with self._lock:
+            self.count += 1
+
+    def __repr__(self) -> str:
+        return f"ChangeCounter(count={self.count})"
+
+
+#: The one counter of this process.
+CHANGES = ChangeCounter()
+
+
+T = TypeVar("T")
+
+
+class _Counted:
+    """Bumps ``CHANGES`` after every change to the provider's override stack."""
+
+    def override(self, provider: Any) -> Any:
+        """As the provider's own ``override``; counted."""
+        try:
+            return super().override(provider)  # type: ignore[misc]
+        finally:
+            CHANGES.bump()
+
+    def reset_override(self) -> None:
+        """As the provider's own ``reset_override``; counted."""
+        try:
+            super().reset_override()  # type: ignore[misc]
+        finally:
+            CHANGES.bump()
+
+    def reset_last_overriding(self) -> None:
+        """As the provider's own ``reset_last_overriding``; counted."""
+        try:
+            super().reset_last_overriding()  # type: ignore[misc]
+        finally:
+            CHANGES.bump()
+
+
+class CountedObject(_Counted, providers.Object[T]):
+    """``providers.Object`` whose overrides are counted."""
+
+
+class CountedCallable(_Counted, providers.Callable[T]):
+    """``providers.Callable`` whose overrides are counted."""
+
+
+class CountedFactory(_Counted, providers.Factory[T]):
+    """``providers.Factory`` whose overrides are counted."""
+
+
+class CountedContainer(_Counted, providers.Container[T]):
+    """``providers.Container`` whose overrides are counted."""
+
+
+class CountedSingleton(_Counted, providers.Singleton[T]):
+    """``providers.Singleton`` whose overrides and resets are counted."""
+
+    def reset(self) -> Any:
+        """As ``Singleton.reset``; counted (the next call makes a new instance)."""
+        try:
+            return super().reset()
+        finally:
+            CHANGES.bump()
