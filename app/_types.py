@@ -105,11 +105,13 @@ class ComputeCapabilities:
                                                     converter=_capability_set)
 
     def __contains__(self, capability: object) -> bool:
+        # Compared as (major, minor) tuples: selection asks this for every backend it checks.
         if not isinstance(capability, DeviceCapability) or self.minimum is None:
             return False
         if self.only:
             return capability in self.only
-        return self.minimum <= capability and (self.below is None or capability < self.below)
+        key, low, high = (capability.major, capability.minor), self.minimum, self.below
+        return (low.major, low.minor) <= key and (high is None or key < (high.major, high.minor))
 
     def __str__(self) -> str:
         if self.minimum is None:

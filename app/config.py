@@ -11,6 +11,7 @@ one in code, from a plain dict (``EngineConfig.from_dict``) or from a TOML file
 from __future__ import annotations
 
 import enum
+import functools
 import keyword
 import math
 from collections.abc import Mapping
@@ -140,9 +141,9 @@ class ModelConfig:
             return float(self.softmax_scale)
         return 1.0 / math.sqrt(self.qk_head_dim)
 
-    @property
+    @functools.cached_property
     def mla_dimensions(self) -> MLADimensions:
-        """The model's MLA prefill dimensions."""
+        """The model's MLA prefill dimensions (built once: selection reads them every time)."""
         return MLADimensions(qk_nope_head_dim=self.qk_nope_head_dim,
                              qk_rope_head_dim=self.qk_rope_head_dim,
                              v_head_dim=self.v_head_dim)

@@ -228,7 +228,9 @@ def resolve_class(kind: BackendKind, name: str,
     if not (isinstance(obj, type) and issubclass(obj, kind.base)):
         raise TypeError(f"{kind.label} backend {name} resolves to {obj!r}, which is not an "
                         f"{kind.base.__name__} subclass")
-    return check_backend_class(kind, obj, f"{kind.label} backend {name}")
+    if inspect.isabstract(obj):
+        check_backend_class(kind, obj, f"{kind.label} backend {name}")  # raises, saying why
+    return obj
 
 
 # -- registering ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Usage (an engine, a scheduler, or the MLA prefill executor)
 Create a manager for ``{layer_name: spec}`` and a ``CacheConfig``::
 
     import torch
+    from app import get_container
     from app.config import CacheConfig
     from app.kvcache import KVCacheManager, MLAAttentionSpec
 
@@ -14,7 +15,7 @@ Create a manager for ``{layer_name: spec}`` and a ``CacheConfig``::
     manager = KVCacheManager.from_specs(
         {f"model.layers.{i}.self_attn": spec for i in range(num_layers)},
         CacheConfig(block_size=16, num_blocks=4096, enable_prefix_caching=True),
-        bindings=container.kv_cache_spec_bindings())
+        bindings=get_container().kv_cache_spec_bindings())
 
 ``from_specs`` groups the layers (``get_kv_cache_groups``: identical MLA layers form one
 group, group 0) and builds one ``BlockPool`` of ``num_blocks`` blocks (block 0 is the null
