@@ -10,8 +10,10 @@ provider, and so does replacing the process-default container.
 
 A reader takes ``CHANGES.count`` *before* it resolves anything and keeps the result with that
 count; the result is current while the count is the same. (A change racing with the reader only
-makes the kept result unusable, never wrong.) ``app.seed_api`` keeps its last answers this way
-and ``app.backends.selection.SelectionCache`` keys its entries by the count.
+makes the kept result unusable, never wrong.) ``app.backends.selection.SelectionCache`` keys its
+entries by the count; ``app.seed_api`` keeps its last answers with ``keep_if_unchanged`` and
+drops them on every change (``on_change``), so its hot path compares nothing but the active
+container.
 
 This module imports nothing from the package: it sits below everything that builds providers.
 """
@@ -19,6 +21,7 @@ This module imports nothing from the package: it sits below everything that buil
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dependency_injector import providers
@@ -35,17 +38,39 @@ __all__ = [
 
 
 class ChangeCounter:
-    """A counter that only goes up (thread-safe); read ``count``, call ``bump()``."""
+    """A counter that only goes up (thread-safe); read ``count``, call ``bump()``.
+
+    ``on_change(forget)`` registers a function called (under the counter's lock) on every
+    bump, so a reader can drop what it kept instead of comparing counts on every call; a
+    reader stores what it resolved with ``keep_if_unchanged``, which refuses a result computed
+    before a change that happened meanwhile."""
 
     def __init__(self) -> None:
         #: The number of changes so far.
         self.count = 0
         self._lock = threading.Lock()
+        self._forgetters: list[Callable[[], None]] = []
 
     def bump(self) -> None:
         """Count one change (call it after the change is complete)."""
         with self._lock:
             self.count += 1
+            for forget in self._forgetters:
+                forget()
+
+    def on_change(self, forget: Callable[[], None]) -> None:
+        """Call ``forget()`` on every change from now on."""
+        with self._lock:
+            self._forgetters.append(forget)
+
+    def keep_if_unchanged(self, count: int, keep: Callable[[], None]) -> bool:
+        """Call ``keep()`` only if nothing changed since ``count`` was read (atomically with
+        respect to ``bump``); whether it was called."""
+        with self._lock:
+            if self.count != count:
+                return False
+            keep()
+            return True
 
     def __repr__(self) -> str:
         return f"ChangeCounter(count={self.count})"

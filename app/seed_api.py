@@ -11,10 +11,10 @@ container is active.
 
 Each call resolves the active container (``app.containers.get_container()``; ``use_container``
 picks another one) and hands its providers to the library, which never looks a container up
-itself. The answers of the selectors and of ``KVCacheSpecRegistry.get_manager_class`` are kept
-while the active container and the count of provider changes (``app._changes``) stay the same:
-any override, reset or registration, made through this API or directly on a provider, takes
-effect on the next call.
+itself. The last answers of the selectors and of ``KVCacheSpecRegistry.get_manager_class`` are
+kept for the active container and dropped on every provider change (``app._changes``): any
+override, reset or registration, made through this API or directly on a provider, takes effect
+on the next call.
 """
 
 from __future__ import annotations
@@ -312,9 +312,11 @@ def override_mla_decode_backend(
 # -- selecting ---------------------------------------------------------------------------------
 
 _NOTHING = object()
-#: The last answer of each selector: ``(container key, config, query_len, changes, class)``.
-_last_prefill: tuple[Any, Any, int, int, Any] = (_NOTHING, _NOTHING, 0, -1, None)
-_last_decode: tuple[Any, Any, int, int, Any] = (_NOTHING, _NOTHING, 0, -1, None)
+#: The last answer of each selector: ``(container key, config, query_len, class)``; dropped
+#: on every provider change (``_forget``).
+_FORGOTTEN: tuple[Any, Any, int, Any] = (_NOTHING, _NOTHING, 0, None)
+_last_prefill = _FORGOTTEN
+_last_decode = _FORGOTTEN
 
 
 def _select(kind: BackendKind, config: EngineConfig | None, container: Application | None,
@@ -330,15 +332,14 @@ def get_mla_prefill_backend(config: EngineConfig | None = None, *,
     """The MLA prefill backend class for ``config`` (default: the container's config) on the
     platform of ``container`` (default: the active container). ``ValueError`` when a forced
     backend is invalid here, or when no backend in the platform's priority list is valid."""
-    global _last_prefill
     key = _active_key() if container is None else container
     last = _last_prefill
-    if last[0] is key and last[1] is config and last[3] == CHANGES.count:
-        found: type[MLAPrefillBackend] = last[4]
+    if last[0] is key and last[1] is config:
+        found: type[MLAPrefillBackend] = last[3]
         return found
     changes = CHANGES.count
     found = _select(PREFILL, config, container)
-    _last_prefill = (key, config, 1, changes, found)
+    CHANGES.keep_if_unchanged(changes, lambda: _keep("prefill", (key, config, 1, found)))
     return found
 
 
@@ -347,16 +348,14 @@ def get_mla_decode_backend(config: EngineConfig | None = None, *, query_len: int
     """The MLA decode backend class for ``config`` and ``query_len`` (tokens per request per
     step, 1..16; multi-token prediction selects differently) on ``container``'s platform.
     Errors as in ``get_mla_prefill_backend``."""
-    global _last_decode
     key = _active_key() if container is None else container
     last = _last_decode
-    if (last[0] is key and last[1] is config and last[2] == query_len
-            and last[3] == CHANGES.count):
-        found: type[MLADecodeBackend] = last[4]
+    if last[0] is key and last[1] is config and last[2] == query_len:
+        found: type[MLADecodeBackend] = last[3]
         return found
     changes = CHANGES.count
     found = _select(DECODE, config, container, query_len=query_len)
-    _last_decode = (key, config, query_len, changes, found)
+    CHANGES.keep_if_unchanged(changes, lambda: _keep("decode", (key, config, query_len, found)))
     return found
 
 
@@ -384,8 +383,31 @@ def explain_mla_decode_selection(config: EngineConfig | None = None, *, query_le
 
 # -- KV-cache specs ----------------------------------------------------------------------------
 
-#: ``(container key, changes, the bindings' manager classes by spec type)``.
-_last_bindings: tuple[Any, int, Mapping[type, Any]] = (_NOTHING, -1, {})
+#: ``(container key, the bindings' manager classes by spec type)``; dropped on every provider
+#: change (``_forget``).
+_NO_BINDINGS: tuple[Any, Mapping[type, Any]] = (_NOTHING, {})
+_last_bindings = _NO_BINDINGS
+
+
+def _keep(what: str, kept: tuple[Any, ...]) -> None:
+    """Keep an answer (called by ``CHANGES.keep_if_unchanged``, under its lock)."""
+    global _last_prefill, _last_decode, _last_bindings
+    if what == "prefill":
+        _last_prefill = kept
+    elif what == "decode":
+        _last_decode = kept
+    else:
+        _last_bindings = kept
+
+
+def _forget() -> None:
+    """Drop every kept answer (on every provider change, under the counter's lock)."""
+    global _last_prefill, _last_decode, _last_bindings
+    _last_prefill = _last_decode = _FORGOTTEN
+    _last_bindings = _NO_BINDINGS
+
+
+CHANGES.on_change(_forget)
 
 
 def _active_bindings() -> KVCacheSpecBindings:
@@ -403,11 +425,12 @@ def _active_bindings() -> KVCacheSpecBindings:
 
 def _manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager] | None:
     """``get_manager_class`` the long way, keeping the bindings' table for the next call."""
-    global _last_bindings
     key, changes = _active_key(), CHANGES.count
     bindings = _active_bindings()
     found = bindings.get_manager_class(kv_cache_spec)
-    _last_bindings = (key, changes, bindings.manager_classes_by_type)
+    if bindings_in_setup() is None:
+        table = bindings.manager_classes_by_type
+        CHANGES.keep_if_unchanged(changes, lambda: _keep("bindings", (key, table)))
     return found
 
 
@@ -438,9 +461,9 @@ class KVCacheSpecRegistry:
                           ) -> type[SingleTypeKVCacheManager] | None:
         """The manager class bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
         last = _last_bindings
-        if last[0] is _active_key() and last[1] == CHANGES.count:
+        if last[0] is _active_key():
             try:
-                found: type[SingleTypeKVCacheManager] | None = last[2][type(kv_cache_spec)]
+                found: type[SingleTypeKVCacheManager] | None = last[1][type(kv_cache_spec)]
                 return found
             except KeyError:
                 pass

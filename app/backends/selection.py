@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import attrs
 import torch
@@ -95,10 +95,11 @@ def check_backend(kind: BackendKind, backends: Any, name: str,
                   capability: DeviceCapability | None, selector_config: Any
                   ) -> tuple[type[Any] | None, list[str]]:
     """(class, reasons it is invalid) of backend ``name`` among ``backends``."""
-    if name not in kind.catalog:
+    provider = provider_of(backends, name)
+    if provider is None and name not in kind.catalog:
         return None, [f"unknown {kind.label} backend {name!r}"]
     try:
-        cls = resolve_class(kind, name, provider_of(backends, name))
+        cls = resolve_class(kind, name, provider)
     except ImportError as exc:
         return None, [f"ImportError: {exc}"]
     except TypeError as exc:
@@ -112,8 +113,7 @@ def check_backend(kind: BackendKind, backends: Any, name: str,
     return cls, reasons
 
 
-@attrs.frozen
-class Decision:
+class Decision(NamedTuple):
     """What ``decide`` concludes: the chosen backend, or the error selection raises."""
 
     name: str | None
