@@ -32,18 +32,6 @@ def time_calls(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
             "max_s": max(samples), "repeat": repeat}
 
 
-def time_loop(fn: Callable[[], Any], *, number: int, repeat: int = 5) -> dict[str, float]:
-    """Seconds per call of a cheap ``fn``, timed over ``number`` calls, ``repeat`` times."""
-    per_call = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        per_call.append((time.perf_counter() - start) / number)
-    return {"median_s": statistics.median(per_call), "min_s": min(per_call),
-            "max_s": max(per_call), "number": number, "repeat": repeat}
-
-
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: int = 1,
                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each of ``fns``, the calls interleaved round by round so drift on

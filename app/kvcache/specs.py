@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -481,8 +481,3 @@ def spec_summary(spec: KVCacheSpec) -> dict[str, Any]:
             value = [list(v) if isinstance(v, tuple) else v for v in value]
         out[field.name] = value
     return out
-
-
-def as_spec_list(specs: Sequence[KVCacheSpec] | Mapping[str, KVCacheSpec]) -> list[KVCacheSpec]:
-    """The specs of a mapping or sequence, as a list."""
-    return _values(specs)
