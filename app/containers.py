@@ -13,7 +13,7 @@ one active for a ``with`` block, per thread and per asyncio task (a ``ContextVar
 deployment is config plus overrides on a fresh container (``create_container``), never a
 subclass of ``Application``: dependents of a subclassed provider are not rewired.
 
-Every provider is one of ``app._changes``' counted types, so any override or reset of one is
+Every provider is one of ``app._container_state``' counted types, so any override or reset of one is
 counted and the seed API's kept answers (``app.seed_api``) are dropped on the next call.
 """
 
@@ -27,14 +27,15 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from app._active import activate, active
-from app._changes import (
+from app._container_state import (
     CHANGES,
     CountedCallable,
     CountedContainer,
     CountedFactory,
     CountedObject,
     CountedSingleton,
+    activate,
+    active,
 )
 from app._imports import import_object
 from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog

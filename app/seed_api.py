@@ -12,7 +12,7 @@ container is active.
 Each call resolves the active container (``app.containers.get_container()``; ``use_container``
 picks another one) and hands its providers to the library, which never looks a container up
 itself. The last answers of the selectors and of ``KVCacheSpecRegistry.get_manager_class`` are
-kept for the active container and dropped on every provider change (``app._changes``): any
+kept for the active container and dropped on every provider change (``app._container_state``): any
 override, reset or registration, made through this API or directly on a provider, takes effect
 on the next call.
 """
@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from enum import Enum, EnumMeta
 from typing import Any, Protocol, TypeVar
 
-from app._active import ACTIVE_CONTAINER
-from app._changes import CHANGES
+from app._container_state import ACTIVE_CONTAINER, CHANGES
 from app.backends.catalog import CUSTOM
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend

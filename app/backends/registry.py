@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from dependency_injector import containers, providers
 
-from app._changes import CHANGES, CountedObject
+from app._container_state import CHANGES, CountedObject
 from app._imports import import_object, object_path
 from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig

@@ -17,9 +17,9 @@ concrete subclass of the kind's base is invalid, with that as its reason.
 Everything is passed in (config, platform, the container's backend providers of the kind); the
 container's providers and the seed API (``app.seed_api``) call these with a container's.
 ``SelectionCache`` (one per container) keeps results keyed by the kind, the forced name, the
-selector config, the platform and the count of provider changes (``app._changes.CHANGES``), so a
-registration, a direct ``provider.override(...)`` or another platform is never answered from a
-stale entry.
+selector config, the platform and the count of provider changes
+(``app._container_state.CHANGES``), so a registration, a direct ``provider.override(...)`` or
+another platform is never answered from a stale entry.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 import attrs
 import torch
 
-from app._changes import CHANGES
+from app._container_state import CHANGES
 from app._imports import object_path
 from app.backends.registry import BackendKind, class_path, provider_of, resolve_class
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from dependency_injector import providers
 
-from app._changes import CHANGES
+from app._container_state import CHANGES
 from app._types import DeviceCapability
 from app.backends import (
     MLADecodeBackendEnum,

@@ -1,32 +1,40 @@
-"""A process-wide count of changes to the containers' providers, so that what was resolved
-through them can be remembered until something changes.
+"""The state of the containers that outlives a call: which container is active, and a count of
+every change to any container's providers.
 
-Every provider the containers are built from is one of the ``Counted*`` types below. Their
-``override``, ``reset_override`` and ``reset_last_overriding`` (and a singleton's ``reset``) bump
-``CHANGES`` *after* they act, however they are reached: called directly, as a context manager,
-through ``container.override_providers(...)``, ``container.reset_override()`` or
-``container.reset_singletons()``. The registry bumps it too when it adds or removes a backend
-provider, and so does replacing the process-default container.
+**Which container is active**: a ``ContextVar`` per thread and asyncio task, set by
+``activate`` (``app.containers.use_container``; the plugin loader makes a container active while
+a plugin runs). The process-default container and ``get_container`` live in
+``app.containers``.
+
+**What changed**: every provider the containers are built from is one of the ``Counted*``
+types below. Their ``override``, ``reset_override`` and ``reset_last_overriding`` (and a
+singleton's ``reset``) bump ``CHANGES`` *after* they act, however they are reached: called
+directly, as a context manager, through ``container.override_providers(...)``,
+``container.reset_override()`` or ``container.reset_singletons()``. The registry bumps it too
+when it adds or removes a backend provider, and so does replacing the process-default container.
 
 A reader takes ``CHANGES.count`` *before* it resolves anything and keeps the result with that
 count; the result is current while the count is the same. (A change racing with the reader only
 makes the kept result unusable, never wrong.) ``app.backends.selection.SelectionCache`` keys its
-entries by the count; ``app.seed_api`` keeps its last answers with ``keep_if_unchanged`` and
-drops them on every change (``on_change``), so its hot path compares nothing but the active
-container.
+entries by the count; ``app.seed_api`` keeps its last answers per active container with
+``keep_if_unchanged`` and drops them on every change (``on_change``), so its hot path compares
+nothing but the active container.
 
 This module imports nothing from the package: it sits below everything that builds providers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from dependency_injector import providers
 
 __all__ = [
+    "ACTIVE_CONTAINER",
     "CHANGES",
     "ChangeCounter",
     "CountedCallable",
@@ -34,7 +42,29 @@ __all__ = [
     "CountedFactory",
     "CountedObject",
     "CountedSingleton",
+    "activate",
+    "active",
 ]
+
+#: The container made active for this thread / task (None: the process default).
+ACTIVE_CONTAINER: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "app_active_container", default=None)
+
+
+def active() -> Any:
+    """The container made active by the innermost ``activate`` block, or None."""
+    return ACTIVE_CONTAINER.get()
+
+
+@contextlib.contextmanager
+def activate(container: Any) -> Iterator[Any]:
+    """Make ``container`` the active one inside the ``with`` block (this thread / task only);
+    the caller has checked it is a container."""
+    token = ACTIVE_CONTAINER.set(container)
+    try:
+        yield container
+    finally:
+        ACTIVE_CONTAINER.reset(token)
 
 
 class ChangeCounter:
