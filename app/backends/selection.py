@@ -34,11 +34,12 @@ import torch
 
 from app._container_state import CHANGES
 from app._imports import object_path
+from app._validation import is_int
+from app.backends.decode.base import MLADecodeBackend
 from app.backends.registry import BackendKind, class_path, provider_of, resolve_class
 
 if TYPE_CHECKING:
     from app._types import DeviceCapability
-    from app.backends.decode.base import MLADecodeBackend
     from app.config import EngineConfig
     from app.platforms.base import Platform
 
@@ -183,10 +184,17 @@ def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, 
 def check_decode_block_size(backend_class: type[MLADecodeBackend], block_size: int) -> None:
     """``ValueError`` when ``backend_class`` cannot use KV blocks of ``block_size`` tokens,
     listing the block sizes it accepts: what an engine calls at start-up, after selecting its
-    decode backend and before allocating the cache."""
+    decode backend and before allocating the cache. ``TypeError`` for a class that is not a
+    decode backend or a block size that is not an int."""
+    if not (isinstance(backend_class, type) and issubclass(backend_class, MLADecodeBackend)):
+        raise TypeError(f"check_decode_block_size: expected an MLADecodeBackend subclass, got "
+                        f"{backend_class!r}")
+    if not is_int(block_size):
+        raise TypeError(f"CacheConfig.block_size = {block_size!r}: expected an int, got "
+                        f"{type(block_size).__name__}")
     if backend_class.supports_block_size(block_size):
         return
-    accepted = ", ".join(str(b) for b in backend_class.supported_block_sizes) or "any"
+    accepted = ", ".join(str(b) for b in backend_class.supported_block_sizes) or "any >= 1"
     raise ValueError(f"CacheConfig.block_size = {block_size}: the selected MLA decode backend "
                      f"{backend_class.get_name()} cannot use it; it accepts block sizes "
                      f"{accepted}")
