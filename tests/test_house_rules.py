@@ -353,3 +353,10 @@ def test_only_the_platforms_package_builds_concrete_platforms() -> None:
                  if "platforms" not in p.relative_to(APP).parts
                  and pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_no_folder_holds_more_than_15_modules() -> None:
+    """A reader finds a module by its folder: none holds more than 15 modules directly."""
+    crowded = {str(folder.relative_to(APP.parent)): n for folder in [APP, *APP.rglob("*")]
+               if folder.is_dir() and (n := len(list(folder.glob("*.py")))) > 15}
+    assert crowded == {}
