@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import attrs
 import torch
 
+from app._validation import INT32_MAX
 from app.backends.lse import lse_rows_to_heads_tokens
 from app.backends.prefill.base import ContextChunkMetadata, MLAPrefillBackend, MLAPrefillMetadata
 
@@ -63,6 +64,9 @@ def check_cu_seqlens(cu: torch.Tensor, what: str, *, batch: int | None = None,
         if values[i] < values[i - 1]:
             raise ValueError(f"{what}: expected non-decreasing prefix sums, got "
                              f"{values[i - 1]} then {values[i]} at index {i}")
+    if values[-1] > INT32_MAX:  # int64 sums narrowed to the kernels' int32 would wrap around
+        raise ValueError(f"{what}: ends at {values[-1]}, beyond int32 (at most {INT32_MAX} "
+                         f"tokens in all); refused, not narrowed")
     if total is not None and values[-1] != total:
         raise ValueError(f"{what}: expected to end at the token count {total}, got {values[-1]}")
     return values
@@ -124,8 +128,10 @@ class RaggedLayout:
             if declared < actual:
                 raise ValueError(f"{what}: max {name} length is {actual}, but the metadata "
                                  f"declares {declared}")
-        return cls(cu_q=cu_q, cu_kv=cu_kv, cu_q_cpu=cu_q_cpu.to(torch.int32),
-                   cu_kv_cpu=cu_kv_cpu.to(torch.int32), q_lens=q_lens, kv_lens=kv_lens,
+        # Host copies of the checked values, never the caller's tensors (which it may reuse).
+        return cls(cu_q=cu_q, cu_kv=cu_kv, cu_q_cpu=cu_q_cpu.to(torch.int32, copy=True),
+                   cu_kv_cpu=cu_kv_cpu.to(torch.int32, copy=True), q_lens=q_lens,
+                   kv_lens=kv_lens,
                    q_starts=tuple(q[:-1]), kv_starts=tuple(kv[:-1]), total_q=total_q,
                    total_kv=total_kv, max_q=max(q_lens, default=0),
                    max_kv=max(kv_lens, default=0))
