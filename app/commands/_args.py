@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from app._files import check_writable_file
 from app._validation import INT32_MAX
 
 __all__ = ["bench_device", "int_in", "output_file", "positive_float", "positive_int",
@@ -77,14 +77,10 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def output_file(text: str) -> Path:
-    """An argparse ``type``: a file path the result can be written to (not a directory; its
-    folder exists and is writable), checked before the command runs."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file path")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
-    return path
+    """An argparse ``type``: a file path the result can be written to (a regular file, or a new
+    file in an existing, writable folder; never a directory, FIFO or device), checked before
+    the command runs."""
+    try:
+        return check_writable_file(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
