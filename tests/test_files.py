@@ -142,7 +142,7 @@ def test_writing_never_opens_a_fifo_or_device(fifo: FifoWatch, tmp_path: Path) -
         write_regular_file("/dev/zero", b"{}", "--output")
     with pytest.raises(ValueError, match="is a directory; expected a file path"):
         check_writable_file(tmp_path, "--output")
-    with pytest.raises(ValueError, match="folder .* does not exist"):
+    with pytest.raises(ValueError, match=r"folder .* does not exist"):
         check_writable_file(tmp_path / "no" / "x.json", "--output")
     target = tmp_path / "out.json"
     write_regular_file(target, b"first, longer", "--output")
