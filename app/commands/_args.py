@@ -12,9 +12,10 @@ import torch
 
 from app._files import check_writable_file
 from app._validation import INT32_MAX
+from app.commands._memory import available_host_bytes
 
-__all__ = ["bench_device", "int_in", "output_file", "positive_float", "positive_int",
-           "resolve_device"]
+__all__ = ["bench_device", "buffer_gib", "int_in", "output_file", "positive_float",
+           "positive_int", "resolve_device"]
 
 
 def int_in(minimum: int, maximum: int = INT32_MAX) -> Callable[[str], int]:
@@ -49,6 +50,26 @@ def positive_float(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
+    return value
+
+
+#: The smallest measurement buffer a benchmark takes (smaller ones time nothing but overhead).
+MIN_BUFFER_GIB = 2.0**-10
+
+
+def buffer_gib(text: str) -> float:
+    """An argparse ``type``: the size in GiB of a host buffer a benchmark allocates, a finite
+    number of at least 1 MiB and at most half the host memory available now (the benchmark
+    needs the rest): ``1e3`` would try to allocate 1 TiB."""
+    value = positive_float(text)
+    if value < MIN_BUFFER_GIB:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_BUFFER_GIB} GiB (1 MiB), got "
+                                         f"{text!r}")
+    have = available_host_bytes()
+    if have is not None and value * 2**30 > have / 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} GiB is more than half the host memory available now "
+            f"({have / 2**30:.1f} GiB); use at most {have / 2**31:.2f}")
     return value
 
 

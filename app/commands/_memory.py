@@ -13,7 +13,8 @@ import torch
 
 from app.config import EngineConfig
 
-__all__ = ["available_memory_bytes", "check_cache_fits", "check_request_fits"]
+__all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
+           "check_host_memory", "check_request_fits"]
 
 #: Host memory one block costs beyond its latent storage (the pool's Python block object).
 _BLOCK_OVERHEAD_BYTES = 256
@@ -31,6 +32,29 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def available_host_bytes() -> int | None:
+    """Host memory a new allocation can get now: ``MemAvailable`` of ``/proc/meminfo`` (free
+    plus reclaimable), else the physical memory; None when neither can be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return available_memory_bytes(torch.device("cpu"))
+
+
+def check_host_memory(what: str, needed: int) -> None:
+    """``ValueError`` naming ``what`` (a flag and its value) when ``needed`` bytes of host
+    memory are more than the host has available now: said up front, instead of an
+    allocation failing (or the OOM killer coming) minutes later."""
+    have = available_host_bytes()
+    if have is not None and needed > have:
+        raise ValueError(f"{what} needs {needed / 2**30:.1f} GiB of host memory; this machine "
+                         f"has {have / 2**30:.1f} GiB available now")
 
 
 def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
