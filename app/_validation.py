@@ -7,6 +7,12 @@ from typing import TypeGuard
 
 #: The largest value an int32 holds: token counts and block ids are stored as int32.
 INT32_MAX = 2**31 - 1
+#: The largest seed a user may give (an int64, as the command line's ``--seed``); what is
+#: derived from it (``seed + layer``, ``seed + 0x5EED``) stays within a torch generator's
+#: uint64 seed.
+MAX_SEED = 2**63 - 1
+#: The largest seed a ``torch.Generator`` takes (``manual_seed``: a uint64).
+MAX_GENERATOR_SEED = 2**64 - 1
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -60,3 +66,10 @@ def check_positive_finite(name: str, value: object) -> float:
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"{name}: expected a positive, finite float, got {value!r}")
     return number
+
+
+def check_seed(name: str, value: object, maximum: int = MAX_SEED) -> int:
+    """``value`` if it is an int (not a bool) in ``[0, maximum]`` (``MAX_SEED`` for a seed a
+    user gives); else ``TypeError``/``ValueError`` naming ``name`` and the allowed range (torch
+    would say only "Overflow when unpacking long long")."""
+    return check_int(name, value, 0, maximum)
