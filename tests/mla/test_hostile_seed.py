@@ -44,7 +44,7 @@ def test_the_weight_generators_name_seed_too() -> None:
     with pytest.raises(ValueError, match=r"MLALayerWeights.generate: seed: expected an int in "
                                          r"\[0, 18446744073709551615\], got 18446744073709551616"):
         MLALayerWeights.generate(ModelConfig(), 2**64)
-    with pytest.raises(ValueError, match="TokenEmbedding.generate: seed: expected an int in"):
+    with pytest.raises(ValueError, match=r"TokenEmbedding\.generate: seed: expected an int in"):
         TokenEmbedding.generate(8, 4, torch.float32, 2**64 - 1)
 
 
