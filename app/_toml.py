@@ -33,6 +33,8 @@ def load_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{source} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line "
                          f"{line}, column {column} ({exc.reason}); TOML files must be UTF-8"
                          ) from None
+    # A UTF-8 byte-order mark (some Windows editors write one) is not content.
+    text = text.removeprefix("\ufeff")
     try:
         data: dict[str, Any] = tomllib.loads(text)  # tomli (checked as 3.10) is untyped
     except tomllib.TOMLDecodeError as exc:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
+
+if TYPE_CHECKING:
+    import torch
 
 #: The largest value an int32 holds: token counts and block ids are stored as int32.
 INT32_MAX = 2**31 - 1
@@ -73,3 +76,20 @@ def check_seed(name: str, value: object, maximum: int = MAX_SEED) -> int:
     user gives); else ``TypeError``/``ValueError`` naming ``name`` and the allowed range (torch
     would say only "Overflow when unpacking long long")."""
     return check_int(name, value, 0, maximum)
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: the same storage and intersecting byte spans
+    (a kernel writing ``out`` while it reads ``q`` or the cache there would read its own
+    output: a silent wrong result)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

@@ -44,10 +44,15 @@ def check_positive_scale(what: str, value: object) -> float:
                              f"dtype {value.dtype}")
         value = float(value.detach().reshape(()).cpu())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a finite float > 0, got {value!r} "
+                         f"({type(value).__name__})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not math.isfinite(number) or not number > 0:
         raise ValueError(f"{what} must be a finite float > 0, got {value!r}")
-    if not math.isfinite(value) or not value > 0:
-        raise ValueError(f"{what} must be a finite float > 0, got {value!r}")
-    return float(value)
+    return number
 
 
 def check_query_len(what: str, query_len: object, batch: int, max_query_len: int) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import attrs
 import torch
 
-from app._validation import INT32_MAX
+from app._validation import INT32_MAX, tensors_overlap
 from app.backends.lse import lse_rows_to_heads_tokens
 from app.backends.prefill.base import ContextChunkMetadata, MLAPrefillBackend, MLAPrefillMetadata
 
@@ -432,7 +432,9 @@ class RaggedKernelBackend(MLAPrefillBackend):
         if self.requires_cuda and q.device.type != "cuda":
             raise ValueError(f"{name}: expected CUDA tensors (the kernel runs on a GPU), "
                              f"got device {q.device}")
-        result = out if out is not None and out.is_contiguous() else torch.empty(
+        # An out= sharing memory with an input is written after the kernel, never during it.
+        result = out if out is not None and out.is_contiguous() and not any(
+            tensors_overlap(out, t) for t in (q, k, v)) else torch.empty(
             layout.total_q, self.num_heads, self.v_head_dim, dtype=self._out_dtype(q.dtype),
             device=q.device)
         lse = (torch.empty(self.num_heads, layout.total_q, dtype=torch.float32, device=q.device)

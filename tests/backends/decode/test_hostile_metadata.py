@@ -133,3 +133,25 @@ def test_a_meta_tensor_is_refused() -> None:
     with pytest.raises(ValueError, match="block_table: a meta tensor has no values"):
         be.prepare_metadata(torch.zeros(1, 2, dtype=torch.int32, device="meta"),
                             torch.tensor([3], dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("cls", BACKENDS)
+@pytest.mark.parametrize("shared", ["q", "kv_cache"])
+def test_an_out_sharing_memory_with_an_input_gets_the_right_result(
+        cls: type[MLADecodeBackend], shared: str) -> None:
+    be = _backend(cls)
+    be.prepare_metadata(torch.tensor([[1, 2], [0, 3]], dtype=torch.int32),
+                        torch.tensor([20, 20], dtype=torch.int32), 1)
+    q, cache = _inputs()
+    expected = be.run_decode(q.clone(), cache.clone())
+    n = expected.numel()
+    if shared == "q":   # out starts inside request 1's query: written before it is read
+        buf = torch.cat([q.reshape(-1), torch.zeros(n)])
+        q_in, cache_in = buf[:q.numel()].view(q.shape), cache
+        out = buf[q[0].numel():q[0].numel() + n].view(expected.shape)
+    else:               # out is block 0 of the cache, which request 1 reads
+        cache_in, q_in = cache.clone(), q
+        out = cache_in[0].reshape(-1)[:n].view(expected.shape)
+    result = be.run_decode(q_in, cache_in, out=out)
+    assert result is out
+    torch.testing.assert_close(result, expected)

@@ -45,3 +45,19 @@ def test_the_layout_keeps_its_own_host_copies() -> None:
     ref.prepare_metadata(MLAPrefillMetadata.build([3, 5]))
     expected, _ = ref.run_prefill_new_tokens(q, k, v, True)
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("shared", ["q", "k", "v"])
+def test_an_out_sharing_memory_with_an_input_gets_the_right_result(shared: str) -> None:
+    be = TorchSDPABackend(num_heads=2, scale=0.1, kv_lora_rank=16, qk_nope_head_dim=48,
+                          qk_rope_head_dim=16, v_head_dim=64)
+    be.prepare_metadata(MLAPrefillMetadata.build([40, 24]))
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randn(64, 2, 64, generator=gen) for name in ("q", "k", "v")}
+    expected, _ = be.run_prefill_new_tokens(*inputs.values(), True)
+    buf = torch.cat([inputs[shared].reshape(-1), torch.zeros(1024)])
+    inputs[shared] = buf[:64 * 128].view(64, 2, 64)
+    out = buf[512:512 + 64 * 128].view(64, 2, 64)  # overlaps the input, shifted by 2 rows
+    result, _ = be.run_prefill_new_tokens(*inputs.values(), True, out=out)
+    assert result is out
+    torch.testing.assert_close(result, expected)
