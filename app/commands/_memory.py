@@ -7,10 +7,9 @@ fail; this says up front how much memory it needs, how much there is, and how ma
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from app._host import available_host_bytes, physical_memory_bytes
 from app.config import EngineConfig
 
 __all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
@@ -28,23 +27,7 @@ def available_memory_bytes(device: torch.device) -> int | None:
             return None
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def available_host_bytes() -> int | None:
-    """Host memory a new allocation can get now: ``MemAvailable`` of ``/proc/meminfo`` (free
-    plus reclaimable), else the physical memory; None when neither can be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return available_memory_bytes(torch.device("cpu"))
+    return physical_memory_bytes()
 
 
 def check_host_memory(what: str, needed: int) -> None:

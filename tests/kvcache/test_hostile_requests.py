@@ -4,8 +4,10 @@ value, nothing appended on an error, and bytes never read as raw int64 words."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from app.kvcache import KVCacheRequest
+from app.config import CacheConfig
+from app.kvcache import KVCacheManager, KVCacheRequest, MLAAttentionSpec
 from app.kvcache.request import hash_block_tokens
 
 
@@ -55,3 +57,40 @@ def test_good_tokens_still_hash_the_same() -> None:
     b.append_token_ids(4)
     b.append_token_ids((5, 6, 7))
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
+
+
+def _manager() -> tuple[KVCacheManager, KVCacheRequest]:
+    spec = MLAAttentionSpec.from_dims(block_size=16, kv_lora_rank=64, qk_rope_head_dim=32,
+                                      dtype=torch.bfloat16)
+    manager = KVCacheManager.from_specs({"l0": spec}, CacheConfig(block_size=16, num_blocks=8))
+    return manager, manager.new_request("r", list(range(40)))
+
+
+@pytest.mark.parametrize("count, error", [(True, TypeError), (1.5, TypeError), ("3", TypeError),
+                                          (-1, ValueError)])
+def test_token_counts_must_be_ints(count: object, error: type[Exception]) -> None:
+    # True was taken as 1 token and 1.5 as none: nothing said.
+    manager, req = _manager()
+    free = manager.num_free_blocks
+    with pytest.raises(error, match="allocate_slots: num_new_tokens: expected an int >= 0"):
+        manager.allocate_slots(req, count)  # type: ignore[arg-type]
+    with pytest.raises(error, match="allocate_slots: num_lookahead_tokens: expected an int"):
+        manager.allocate_slots(req, 1, num_lookahead_tokens=count)  # type: ignore[arg-type]
+    assert manager.num_free_blocks == free
+    with pytest.raises(error, match="cache_blocks: num_computed_tokens: expected an int >= 0"):
+        manager.cache_blocks(req, count)  # type: ignore[arg-type]
+    assert req.num_computed_tokens == 0
+
+
+def test_a_pool_beyond_int32_or_memory_is_refused_before_it_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.kvcache import block_pool
+
+    # 2**40 blocks: building them never ended (nor would 2**31 - 1, ~300 GB of objects).
+    with pytest.raises(ValueError, match="at most 2147483647 \\(block ids are int32\\)"):
+        block_pool.BlockPool(2**40)
+    monkeypatch.setattr(block_pool, "available_host_bytes", lambda: 1 << 30)
+    with pytest.raises(ValueError, match=r"2147483647 blocks need 320.0 GiB of host memory .* "
+                                         r"use at most 6710886 blocks"):
+        block_pool.BlockPool(2**31 - 1)
+    assert block_pool.BlockPool(1000).num_free_blocks == 999
