@@ -82,6 +82,11 @@ def _check_device_copy(device_cu: torch.Tensor, host: torch.Tensor, what: str) -
                          f"got {list(device_cu.shape)}")
 
 
+def _device_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The checked host prefix sums on ``device`` (the host tensor itself on the CPU)."""
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
 @attrs.frozen
 class RaggedLayout:
     """One ragged attention call's layout, read once from the host ``cu_seqlens``.
@@ -128,10 +133,13 @@ class RaggedLayout:
             if declared < actual:
                 raise ValueError(f"{what}: max {name} length is {actual}, but the metadata "
                                  f"declares {declared}")
-        # Host copies of the checked values, never the caller's tensors (which it may reuse).
-        return cls(cu_q=cu_q, cu_kv=cu_kv, cu_q_cpu=cu_q_cpu.to(torch.int32, copy=True),
-                   cu_kv_cpu=cu_kv_cpu.to(torch.int32, copy=True), q_lens=q_lens,
-                   kv_lens=kv_lens,
+        # Copies of the checked values, never the caller's tensors: the caller may reuse
+        # them, and a device copy that disagreed with the host one would be read unchecked.
+        q_host = cu_q_cpu.to(torch.int32, copy=True)
+        kv_host = cu_kv_cpu.to(torch.int32, copy=True)
+        return cls(cu_q=_device_copy(q_host, cu_q.device),
+                   cu_kv=_device_copy(kv_host, cu_kv.device), cu_q_cpu=q_host,
+                   cu_kv_cpu=kv_host, q_lens=q_lens, kv_lens=kv_lens,
                    q_starts=tuple(q[:-1]), kv_starts=tuple(kv[:-1]), total_q=total_q,
                    total_kv=total_kv, max_q=max(q_lens, default=0),
                    max_kv=max(kv_lens, default=0))

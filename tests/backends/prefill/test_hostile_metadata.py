@@ -61,3 +61,21 @@ def test_an_out_sharing_memory_with_an_input_gets_the_right_result(shared: str) 
     result, _ = be.run_prefill_new_tokens(*inputs.values(), True, out=out)
     assert result is out
     torch.testing.assert_close(result, expected)
+
+
+def test_the_kernels_read_the_checked_values_not_the_callers_device_copy() -> None:
+    # A device copy that disagrees with the host one (a hand-built metadata, or a buffer the
+    # caller reused) was handed to the GPU kernels unchecked.
+    md = MLAPrefillMetadata.build([3, 5])
+    bad_device = torch.tensor([0, 7, 8], dtype=torch.int32)   # says 7 + 1, the host 3 + 5
+    be = _backend()
+    be.prepare_metadata(MLAPrefillMetadata(
+        cu_seqlens_q=bad_device, cu_seqlens_q_cpu=md.cu_seqlens_q_cpu, max_query_len=5,
+        total_q=8, cu_seqlens_kv_new=bad_device, cu_seqlens_kv_new_cpu=md.cu_seqlens_kv_new_cpu,
+        max_new_kv_len=5, total_new_kv=8))
+    layout = be._step().new_tokens
+    assert layout.cu_q.tolist() == [0, 3, 8] and layout.cu_kv.tolist() == [0, 3, 8]
+    for t in (layout.cu_q, layout.cu_kv, layout.cu_q_cpu, layout.cu_kv_cpu):
+        assert t.untyped_storage().data_ptr() not in (
+            bad_device.untyped_storage().data_ptr(),
+            md.cu_seqlens_q_cpu.untyped_storage().data_ptr())
