@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from app._files import check_writable_file
+from app._host import available_host_bytes
 from app._validation import INT32_MAX
-from app.commands._memory import available_host_bytes
 
 __all__ = ["bench_device", "buffer_gib", "int_in", "output_file", "positive_float",
            "positive_int", "resolve_device"]

@@ -55,7 +55,7 @@ def weights_bytes(config: EngineConfig, num_layers: int, vocab_size: int) -> int
 
 def check_weights_fit(config: EngineConfig, num_layers: int, vocab_size: int) -> None:
     """``ValueError`` when the model's weights cannot fit in host memory (a deployment's
-    ``hidden_size = 262144, num_heads = 1024`` is 600 GiB of weights): said before they are
+    ``hidden_size = 262144, num_heads = 1024`` is nearly 1 TiB of weights): said before they are
     drawn, instead of an allocation failing or the OOM killer coming."""
     m = config.model
     check_host_memory(f"a model of {num_layers} layer(s) with num_heads {m.num_heads}, "
