@@ -41,8 +41,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from app._types import DeviceCapability
+from app._validation import check_seed
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.testing.conformance import DEFAULT_TOLERANCES, CaseResult, ConformanceReport
+from app.testing.conformance import (
+    DEFAULT_TOLERANCES,
+    CaseResult,
+    ConformanceReport,
+    kit_device,
+)
 
 __all__ = [
     "DECODE_CASES",
@@ -319,7 +325,8 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, MLADecodeBackend)):
         raise TypeError(f"run_decode_conformance: expected an MLADecodeBackend subclass, "
                         f"got {backend_cls!r}")
-    device = torch.device(device)
+    device = kit_device("run_decode_conformance", device)
+    check_seed("run_decode_conformance: seed", seed)
     if dtype not in DEFAULT_TOLERANCES and tolerances is None:
         raise ValueError(f"run_decode_conformance: no default tolerances for {dtype}; "
                          f"pass tolerances")

@@ -129,3 +129,24 @@ def test_reference_decode_matches_a_dense_computation() -> None:
     s0 = (q[0, 0, 0] @ keys[:4].t()) * 0.5            # row 0 sees keys 0..3
     assert torch.allclose(lse[0, 0, 0], torch.logsumexp(s0, 0))
     assert torch.allclose(out[0, 0, 0], torch.softmax(s0, 0) @ keys[:4, :4])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"device": "tpu"}, ValueError, "run_decode_conformance: device 'tpu': Expected one of"),
+    ({"device": 3j}, TypeError, "device must be a name ('cpu', 'cuda:0') or a torch.device"),
+    ({"seed": 2**70}, ValueError, "run_decode_conformance: seed: expected an int in [0, "),
+    ({"seed": -1}, ValueError, "run_decode_conformance: seed: expected an int in [0, "),
+])
+def test_kit_arguments_get_typed_errors(kwargs: dict[str, object], error: type[Exception],
+                                        message: str) -> None:
+    # issue 21: "tpu" was a bare RuntimeError, 2**70 "Overflow when unpacking long long".
+    with pytest.raises(error) as info:
+        run_decode_conformance(TorchSDPADecodeBackend, **kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_kit_on_cuda_without_cuda_says_so() -> None:
+    # It was an AssertionError from torch ("Torch not compiled with CUDA enabled").
+    with pytest.raises(ValueError, match="device 'cuda': CUDA is not available here"):
+        run_decode_conformance(TorchSDPADecodeBackend, device="cuda")
