@@ -38,8 +38,8 @@ from typing import Any
 
 import attrs
 
+from app._files import load_toml
 from app._imports import import_object
-from app._toml import load_toml
 from app.backends.registry import (
     DECODE,
     PREFILL,

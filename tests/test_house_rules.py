@@ -221,7 +221,7 @@ def test_the_cycle_check_sees_deferred_and_type_checking_imports(tmp_path: Path)
 #: ``__init__`` modules that re-export the seed API from above the container; nothing in the
 #: library imports them (library modules import the module that defines a name).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("app._types", "app._validation", "app._toml", "app._imports", "app._cpu",
+    ("leaves", ("app._types", "app._validation", "app._imports", "app._cpu",
                 "app._files", "app._host", "app._container_state", "app.backends.catalog")),
     ("config", ("app.config",)),
     ("platforms and plugin discovery", ("app.platforms", "app.platforms.*", "app.plugins")),
@@ -313,7 +313,7 @@ def test_config_and_specs_sit_at_the_bottom(bottom: str) -> None:
         if name not in seen:
             seen.add(name)
             todo.extend(_imports_of(name, modules[name], modules))
-    assert seen - {bottom} <= {"app._toml", "app._types", "app._validation",
+    assert seen - {bottom} <= {"app._files", "app._types", "app._validation",
                                "app.backends.catalog", "app.config"}, sorted(seen)
 
 
