@@ -53,8 +53,8 @@ import torch
 
 from app._imports import import_object
 from app._types import DeviceCapability
+from app.backends.catalog import DECODE_BACKENDS as DECODE_BACKEND_CATALOG
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._decode_cases import RANK, ROPE, Case, Step, default_cases, make_step
 from app.bench._decode_vllm import compare_with_vllm
 from app.bench._memory import peak_extra_bytes
@@ -62,11 +62,18 @@ from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV
-from app.commands._args import bench_device, positive_float, positive_int, resolve_device
+from app.commands._args import (
+    bench_device,
+    buffer_gib,
+    positive_float,
+    positive_int,
+    resolve_device,
+)
+from app.commands._memory import check_host_memory
 
 __all__ = ["BASELINE", "HELP", "TARGET_ROOFLINE", "TARGET_ROOFLINE_CASES", "TARGET_SPEEDUP",
-           "Case", "StreamProbe", "add_arguments", "default_cases", "peak_extra_bytes",
-           "render", "run", "stream_bandwidth"]
+           "Case", "StreamProbe", "add_arguments", "check_bench_memory", "default_cases",
+           "peak_extra_bytes", "render", "run", "stream_bandwidth"]
 
 HELP = "MLA decode backends over a paged cache: ms, GB/s, GFLOP/s, roofline fraction"
 
@@ -77,7 +84,7 @@ BASELINE = "TORCH_SDPA"
 #: The figure the roofline targets read (``roofline_fraction`` where it is missing).
 TARGET_MEASURE = "roofline_fraction_paired"
 #: The built-in decode backends (imported lazily; a missing package skips one).
-DECODE_BACKENDS: dict[str, str] = DECODE_BACKEND_TABLE.as_dict()
+DECODE_BACKENDS: dict[str, str] = dict(DECODE_BACKEND_CATALOG.builtins)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: The paired stream read beside every call reads at most this many GiB.
 _PAIRED_STREAM_GIB = 0.25
@@ -96,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=64, help="cache block size (64)")
     parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed calls per case (default 5, 2 with --quick)")
-    parser.add_argument("--stream-gib", type=positive_float, default=None,
+    parser.add_argument("--stream-gib", type=buffer_gib, default=None,
                         help="GiB read to measure the stream bandwidth (default 1; 0.0625 quick)")
     parser.add_argument("--no-baseline", action="store_true",
                         help=f"do not time {BASELINE} beside each backend")
@@ -140,6 +147,31 @@ class StreamProbe:
         return measure
 
 
+def check_bench_memory(device: torch.device, cases: list[Case], block_size: int,
+                       stream_gib: float, dtypes: dict[str, torch.dtype] | None = None,
+                       vllm: bool = False) -> None:
+    """``ValueError`` before anything is allocated when the largest case's cache (made in
+    float32 on the host, then in each of ``dtypes`` on ``device``; a huge ``--block-size`` pads
+    every request to a whole block) and the stream buffer cannot fit in memory. With ``vllm``
+    the comparison's subprocess holds a copy of the largest block-16 cache too."""
+    itemsize = max((d.itemsize for d in (dtypes or {"bf16": torch.bfloat16}).values()),
+                   default=2)
+    rows = max(c.batch * -(-c.context // block_size) * block_size for c in cases)
+    cache = rows * (RANK + ROPE)
+    stream = int(stream_gib * 2**30)
+    what = f"bench decode with --block-size {block_size} and --stream-gib {stream_gib}"
+    if device.type == "cuda":
+        check_host_memory(what, cache * 4)
+        free, _ = torch.cuda.mem_get_info(device)
+        if cache * itemsize + stream > free:
+            raise ValueError(f"{what} needs {(cache * itemsize + stream) / 2**30:.1f} GiB on "
+                             f"{device}; it has {free / 2**30:.1f} GiB free")
+    else:
+        other = 2 * max(c.batch * c.context for c in cases) * (RANK + ROPE) * itemsize \
+            if vllm else 0
+        check_host_memory(what, cache * (4 + itemsize) + stream + other)
+
+
 def _capability(device: torch.device) -> DeviceCapability | None:
     if device.type != "cuda":
         return None
@@ -151,8 +183,9 @@ def _backend_classes(names: str, device: torch.device
     wanted = list(DECODE_BACKENDS) if names == "valid" else [
         n.strip().upper() for n in names.split(",") if n.strip()]
     unknown = sorted(set(wanted) - set(DECODE_BACKENDS))
-    if unknown:
-        raise ValueError(f"--backends: unknown {unknown}; known: {sorted(DECODE_BACKENDS)}")
+    if unknown or not wanted:
+        raise ValueError(f"--backends: unknown {unknown or names!r}; known: "
+                         f"{sorted(DECODE_BACKENDS)}, or 'valid'")
     valid, skipped = [], {}
     config = MLADecodeSelectorConfig(dtype=torch.bfloat16, kv_lora_rank=RANK,
                                      qk_rope_head_dim=ROPE, num_heads=16, block_size=64)
@@ -329,6 +362,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not gib > 0:
         raise ValueError(f"--stream-gib must be > 0, got {gib}")
     dtypes = _dtypes(str(getattr(args, "dtypes", "bf16")))
+    check_bench_memory(device, default_cases(args.quick), args.block_size, gib, dtypes,
+                       vllm=bool(args.vllm_python) and device.type == "cpu")
     repeat = args.repeat or (2 if args.quick else 5)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     classes, skipped = _backend_classes(args.backends, device)

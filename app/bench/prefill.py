@@ -215,9 +215,8 @@ def _backend_classes(names: str, container: Any
                      ) -> tuple[list[Callable[[], MLAPrefillBackend]], dict[str, list[str]]]:
     """Builders of the backends to time (``names``: a comma list of any names registered in
     ``container``, or ``valid``: every backend valid there) and why the others are skipped."""
-    from app.backends.registry import MLAPrefillBackendEnum
-    from app.backends.selector import explain_mla_prefill_selection
     from app.containers import build_backend
+    from app.seed_api import MLAPrefillBackendEnum, explain_mla_prefill_selection
 
     verdicts = explain_mla_prefill_selection(container=container)["backends"]
     registered = [n for n, v in verdicts.items() if v["class_path"] is not None]
@@ -232,6 +231,9 @@ def _backend_classes(names: str, container: Any
                 raise ValueError(f"--backends: unknown or unregistered backend {raw!r}; "
                                  f"registered: {registered}")
             wanted.append(name)
+        if not wanted:
+            raise ValueError(f"--backends: expected 'valid' or a comma list of backend names, "
+                             f"got {names!r}; registered: {registered}")
     builders: list[Callable[[], MLAPrefillBackend]] = []
     skipped: dict[str, list[str]] = {}
     for name in wanted:

@@ -39,8 +39,8 @@ from typing import Any
 
 import attrs
 
+from app._files import load_toml
 from app._imports import import_object
-from app._toml import load_toml
 from app._validation import INT32_MAX, check_int
 from app.commands._args import positive_int
 from app.commands._output import format_table, print_json, print_text
@@ -71,8 +71,11 @@ _LAYER_KEYS = ("name", "count", "indices", "spec")
 #: Tables of the file.
 _TABLES = ("cache", "plan", "defaults", "layers")
 _PLAN_KEYS = ("memory", "max_model_len", "max_num_batched_tokens")
-#: Most layers one ``[[layers]]`` entry may name, and the largest head size / rank accepted.
+#: Most layers the file may name (in all its ``[[layers]]`` entries), the longest layer name,
+#: and the largest head size / rank accepted. A 100 KB file naming 100000 layers of 100 KB
+#: names would otherwise expand to 10 GB of names.
 _MAX_LAYERS = 100_000
+_MAX_NAME_CHARS = 1024
 _MAX_DIM = 2**16
 
 
@@ -111,7 +114,7 @@ def parse_memory(value: object, where: str = "memory") -> int:
 
 
 def _spec_class(kind: object, where: str) -> type[Any]:
-    import app.kvcache as kv
+    import app.kvcache.specs as kv
 
     where = f"{where}.spec"
     if not isinstance(kind, str) or not kind:
@@ -138,6 +141,9 @@ def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name = {name!r}: expected a non-empty string")
+    if len(name) > _MAX_NAME_CHARS:
+        raise ValueError(f"{where}.name: {len(name)} characters; a layer name may have at most "
+                         f"{_MAX_NAME_CHARS}")
     count, indices = entry.get("count"), entry.get("indices")
     if count is not None and indices is not None:
         raise ValueError(f"{where}: give 'count' or 'indices', not both")
@@ -237,6 +243,8 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     for index, entry in enumerate(layers):
         where = f"{path}: layers[{index}]"
         names = _layer_names(_table(entry, where), where)
+        if len(specs) + len(names) > _MAX_LAYERS:
+            raise ValueError(f"{where}: the file names more than {_MAX_LAYERS} layers in all")
         cls = _spec_class(entry.get("spec"), where)
         spec = _build_spec(cls, entry, defaults, cache.block_size, where)
         for name in names:
@@ -250,16 +258,12 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
               max_model_len: int | None = None,
               max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """Groups, managers and page sizes of ``specs``; blocks in ``memory``; per-request needs."""
-    from app.kvcache import (
-        KVCacheSpecRegistry,
-        SinkFullAttentionSpec,
-        get_kv_cache_bytes_per_block,
-        get_kv_cache_groups,
-    )
-    from app.kvcache.specs import spec_summary
+    from app.kvcache.grouping import get_kv_cache_bytes_per_block, get_kv_cache_groups
+    from app.kvcache.specs import SinkFullAttentionSpec, spec_summary
+    from app.seed_api import KVCacheSpecRegistry
 
-    groups = get_kv_cache_groups(specs)
-    bindings = KVCacheSpecRegistry.bindings()
+    bindings = KVCacheSpecRegistry.bindings()  # the active container's
+    groups = get_kv_cache_groups(specs, bindings)
     bytes_per_block = get_kv_cache_bytes_per_block(groups)
     plan: dict[str, Any] = {"num_layers": len(specs), "groups": [],
                             "bytes_per_block": bytes_per_block}

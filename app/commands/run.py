@@ -28,7 +28,7 @@ import torch
 
 from app import deployment
 from app.commands._args import int_in, positive_int
-from app.commands._memory import check_cache_fits, check_request_fits
+from app.commands._memory import check_cache_fits, check_request_fits, check_weights_fit
 from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -280,16 +280,13 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
 
 def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the job; the summary as a dict (``ok`` False when the check fails)."""
-    from app.backends.selector import (
-        explain_mla_decode_selection,
-        explain_mla_prefill_selection,
-    )
     from app.containers import create_container
-    from app.mla.engine import MLAEngine
+    from app.mla.engine import DEFAULT_VOCAB_SIZE, MLAEngine
     from app.mla.process import tune_malloc_for_large_tensors
     from app.mla.reference import reference_tolerance
     from app.mla.requests import Request
     from app.mla.workload import make_workload
+    from app.seed_api import explain_mla_decode_selection, explain_mla_prefill_selection
 
     wall_start = time.perf_counter()
     malloc_tuned = False if args.no_malloc_tuning else tune_malloc_for_large_tensors()
@@ -300,7 +297,13 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     else:
         config = build_config(args, EngineConfig())
         container = create_container(config)
-    check_cache_fits(config, container.platform().device)
+    try:
+        check_cache_fits(config, container.platform().device)
+        check_weights_fit(config, args.layers, DEFAULT_VOCAB_SIZE)
+    except ValueError as exc:  # the sizes may come from the deployment: name it
+        if args.deployment is None:
+            raise
+        raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     check_request_fits(config, args.max_len)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(

@@ -1,7 +1,8 @@
 """``KVCacheManager``: what a scheduler calls, over every KV-cache group of a model.
 
 One ``BlockPool`` is shared by all groups; each group has the single-type manager its spec is
-bound to in the active container's registry. See ``app.kvcache`` for the calling sequence.
+bound to in the bindings it is given (the container's ``KVCacheSpecBindings``). See
+``app.kvcache`` for the calling sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from app._validation import check_int
 from app.config import CacheConfig
 from app.kvcache.bindings import KVCacheSpecBindings
 from app.kvcache.block_pool import BlockPool, KVCacheBlock
@@ -59,15 +61,18 @@ class KVCacheManager:
 
     ``KVCacheManager(groups, cache_config, bindings=...)`` or ``KVCacheManager.from_specs({layer:
     spec}, cache_config, bindings=...)``; ``bindings`` is the container's ``KVCacheSpecBindings``
-    (None asks the active container, the seed API's way). ``cache_config.num_blocks`` sizes the pool
+    (``container.kv_cache_spec_bindings()``). ``cache_config.num_blocks`` sizes the pool
     (block 0 is the null block) and ``cache_config.enable_prefix_caching`` turns caching on.
     Requests must hash their tokens at ``hash_block_size`` (``new_request`` does that).
     """
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec],
-                 cache_config: CacheConfig | None = None, *,
-                 num_blocks: int | None = None, enable_caching: bool | None = None,
-                 bindings: KVCacheSpecBindings | None = None) -> None:
+                 cache_config: CacheConfig | None = None, *, bindings: KVCacheSpecBindings,
+                 num_blocks: int | None = None, enable_caching: bool | None = None) -> None:
+        if not isinstance(bindings, KVCacheSpecBindings):
+            raise TypeError(f"KVCacheManager: bindings must be KVCacheSpecBindings (the "
+                            f"container's kv_cache_spec_bindings()), got "
+                            f"{type(bindings).__name__}")
         if not kv_cache_groups:
             raise ValueError("KVCacheManager: no KV-cache groups (the model has no KV cache)")
         config = CacheConfig() if cache_config is None else cache_config
@@ -77,10 +82,6 @@ class KVCacheManager:
                                else bool(enable_caching))
         self.block_pool = BlockPool(config.num_blocks if num_blocks is None else num_blocks,
                                     enable_caching=self.enable_caching)
-        if bindings is None:
-            from app.kvcache.registry import KVCacheSpecRegistry
-
-            bindings = KVCacheSpecRegistry.bindings()
         self.managers: list[SingleTypeKVCacheManager] = []
         for group_id, group in enumerate(self.kv_cache_groups):
             manager_class = bindings.get_manager_class(group.kv_cache_spec)
@@ -100,9 +101,9 @@ class KVCacheManager:
 
     @classmethod
     def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec],
-                   cache_config: CacheConfig | None = None, *, num_blocks: int | None = None,
-                   enable_caching: bool | None = None,
-                   bindings: KVCacheSpecBindings | None = None) -> KVCacheManager:
+                   cache_config: CacheConfig | None = None, *, bindings: KVCacheSpecBindings,
+                   num_blocks: int | None = None,
+                   enable_caching: bool | None = None) -> KVCacheManager:
         """Group ``{layer_name: spec}`` (``get_kv_cache_groups``) and manage those groups."""
         return cls(get_kv_cache_groups(kv_cache_specs, bindings), cache_config,
                    num_blocks=num_blocks, enable_caching=enable_caching, bindings=bindings)
@@ -176,9 +177,8 @@ class KVCacheManager:
         window (or chunk) are freed first.
         """
         self._check_request(request)
-        if num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError(f"allocate_slots: token counts must be >= 0, got "
-                             f"{num_new_tokens} new and {num_lookahead_tokens} lookahead")
+        check_int("allocate_slots: num_new_tokens", num_new_tokens, 0)
+        check_int("allocate_slots: num_lookahead_tokens", num_lookahead_tokens, 0)
         managers = self.managers
         request_id = request.request_id
         hit_blocks: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in managers)
@@ -218,6 +218,7 @@ class KVCacheManager:
         the full blocks among those tokens to the prefix cache. Call it after each step.
         """
         if num_computed_tokens is not None:
+            check_int("cache_blocks: num_computed_tokens", num_computed_tokens, 0)
             if num_computed_tokens > request.num_tokens:
                 raise ValueError(f"cache_blocks: {num_computed_tokens} computed tokens, but "
                                  f"request {request.request_id!r} has {request.num_tokens}")

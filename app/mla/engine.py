@@ -36,17 +36,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from app._validation import check_int_at_least
+from app._validation import check_int_at_least, check_seed
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.prefill.base import MLAPrefillBackend
-from app.backends.selector import (
-    check_decode_block_size,
-    get_mla_decode_backend,
-    get_mla_prefill_backend,
-)
+from app.backends.registry import DECODE, PREFILL
+from app.backends.selection import check_decode_block_size, select_backend
 from app.config import EngineConfig
 from app.containers import get_container
-from app.kvcache import KVCacheGroupSpec, KVCacheManager, MLAAttentionSpec, get_kv_cache_groups
+from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
+from app.kvcache.kv_cache_manager import KVCacheManager
+from app.kvcache.specs import MLAAttentionSpec
 from app.mla.decode import plan_decode_step
 from app.mla.executor import PrefillSlice
 from app.mla.layer import MLALayerWeights, TokenEmbedding, default_compute_dtype
@@ -157,6 +156,7 @@ class MLAEngine:
                  keep_outputs: bool = True, timer: PhaseTimer | None = None,
                  prefill_backend_class: type[MLAPrefillBackend] | None = None,
                  decode_backend_class: type[MLADecodeBackend] | None = None) -> None:
+        check_seed("MLAEngine: seed", seed)
         check_int_at_least("num_layers", num_layers, 1)
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("num_speculative_tokens", num_speculative_tokens, 0)
@@ -170,11 +170,13 @@ class MLAEngine:
         self.platform: Platform = container.platform()
         self.backend_class: type[MLAPrefillBackend] = (
             prefill_backend_class if prefill_backend_class is not None
-            else get_mla_prefill_backend(config, container=container))
+            else select_backend(PREFILL, config, self.platform, container.mla_prefill_backends(),
+                                container.selection_cache()))
         query_len = 1 + num_speculative_tokens
         self.decode_backend_class: type[MLADecodeBackend] = (
             decode_backend_class if decode_backend_class is not None
-            else get_mla_decode_backend(config, query_len=query_len, container=container))
+            else select_backend(DECODE, config, self.platform, container.mla_decode_backends(),
+                                container.selection_cache(), query_len=query_len))
         capability = self.platform.get_device_capability()
         check_decode_block_size(self.decode_backend_class, config.cache.block_size)
         reasons = self.decode_backend_class.validate_configuration(

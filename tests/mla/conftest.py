@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from app.backends.prefill.base import MLAPrefillBackend
-from app.backends.selector import get_mla_prefill_backend
 from app.config import EngineConfig, ModelConfig
 from app.containers import Application, create_container
 from app.mla.cache import PagedLatentCache
 from app.mla.executor import MLAPrefillExecutor, PrefillSlice
 from app.mla.layer import MLALayer, MLALayerWeights, TokenEmbedding
 from app.mla.reference import reference_forward
+from app.seed_api import get_mla_prefill_backend
 
 #: A tiny DeepSeek-shaped layer: the same structure, small enough for fast tests.
 TINY = {"num_heads": 2, "hidden_size": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
