@@ -10,9 +10,13 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["RANK", "ROPE", "Case", "Step", "default_cases", "make_step"]
+__all__ = ["OMP_SETTLE_S", "RANK", "ROPE", "Case", "Step", "default_cases", "make_step"]
 
 RANK, ROPE = 512, 64
+#: Seconds to wait after a call that ran on OpenMP threads (torch ops, vLLM's kernel) before
+#: the next timed call: they spin for milliseconds after a parallel region, and a CPU_MLA call
+#: timed right after a torch op measured 1.6x slower on a 2-core machine.
+OMP_SETTLE_S = 0.03
 
 
 @attrs.frozen

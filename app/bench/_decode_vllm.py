@@ -9,7 +9,8 @@ per command read from stdin. For each (dtype, case) this side builds the step (s
 size 16), decodes it once with CPU_MLA, saves the tensors and that output to a private
 temporary file, and has the subprocess load them (so both kernels read the same cache
 contents; it reports the max abs difference of its output from ours). Then the calls are
-timed round by round, one of ours, one of vLLM's (through the pipe), so a slow spell of the
+timed round by round, one of ours, one of vLLM's (through the pipe; then a 30 ms pause while
+its OpenMP threads stop spinning, which would slow our next call), so a slow spell of the
 shared machine hits both; ``speedup`` is vLLM's best time over ours, ``speedup_median`` the
 same for the medians. Both sides use ``torch.get_num_threads()`` threads.
 """
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend
-from app.bench._decode_cases import RANK, ROPE, Case, make_step
+from app.bench._decode_cases import OMP_SETTLE_S, RANK, ROPE, Case, make_step
 
 __all__ = ["TARGET_SPEEDUP", "VLLM_BLOCK_SIZE", "VLLM_DECODE_SCRIPT", "VllmDecodeWorker",
            "compare_with_vllm"]
@@ -210,6 +211,7 @@ def _compare_case(worker: VllmDecodeWorker, case: Case, dtype_name: str, dtype: 
         backend.run_decode(step.q, step.cache)
         ours_s.append(time.perf_counter() - start)
         vllm_s.append(worker.time_call())
+        time.sleep(OMP_SETTLE_S)  # its OpenMP threads spin a while: not into our next call
     best, median = min(ours_s), statistics.median(ours_s)
     return {"case": case.name, "dtype": dtype_name, "batch": case.batch,
             "context": case.context, "heads": case.heads, "block_size": VLLM_BLOCK_SIZE,

@@ -15,12 +15,15 @@ fraction**: roofline = max(cache bytes / stream bandwidth, FLOPs / the peak rate
 arithmetic the kernel multiplies in), fraction = roofline / time. The peak is measured in the
 same run (``app.bench._peaks``): ``bf16_dot`` (``vdpbf16ps``) where CPU_MLA runs a bf16 cache on
 the CPU's bf16 dot products, else ``fp32_fma`` (``bound_peak``); the stream bandwidth is a
-``sum()`` over a float32 tensor far larger than the caches (``--stream-gib``).
+read of a buffer far larger than the caches (``--stream-gib``) on this package's threads
+(``PeakProbe.stream_gbs``; ``sum()`` where the native probe is missing).
 ``roofline_fraction`` is best over best: the best call against the best peak and the best
 bandwidth of the whole run (a low reading would flatter it). ``roofline_fraction_paired``: in
 every timed round the call is followed by a probe of its peak and a stream read; the round's
 fraction uses those, and the figure is the median over the rounds (what the targets read:
-a slow spell of the machine hits the call and its probes alike). ``fraction_of_peak`` (FLOPs
+a slow spell of the machine hits the call and its probes alike). After TORCH_SDPA's call a
+round waits 30 ms: its OpenMP threads spin for milliseconds after each torch op and would
+slow the next call (measured: 1.6x). ``fraction_of_peak`` (FLOPs
 only) and ``matmul_roofline_fraction`` (issue 14's definition: torch's fp32 matmul rate as
 the compute bound, far below this CPU's peaks) are kept beside it. Peak extra memory per call:
 the growth of the peak RSS during one untimed call (``app.bench._memory``); CPU_MLA's
@@ -55,7 +58,15 @@ from app._imports import import_object
 from app._types import DeviceCapability
 from app.backends.catalog import DECODE_BACKENDS as DECODE_BACKEND_CATALOG
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.bench._decode_cases import RANK, ROPE, Case, Step, default_cases, make_step
+from app.bench._decode_cases import (
+    OMP_SETTLE_S,
+    RANK,
+    ROPE,
+    Case,
+    Step,
+    default_cases,
+    make_step,
+)
 from app.bench._decode_vllm import compare_with_vllm
 from app.bench._memory import peak_extra_bytes
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
@@ -90,6 +101,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _PAIRED_STREAM_GIB = 0.25
 
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quick``, ``--device``, ``--backends``, ``--dtypes``, ``--block-size``, ``--repeat``,
     ``--stream-gib``, ``--no-baseline``, ``--vllm-python``, ``--vllm-timeout``."""
@@ -120,31 +132,44 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def stream_bandwidth(device: torch.device, gib: float, repeat: int = 5) -> float:
-    """Best GB/s of ``sum()`` over a float32 tensor of ``gib`` GiB (a streaming read)."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)
-    best = time_calls(x.sum, repeat=repeat, sync=_sync(device))["min_s"]
-    return x.numel() * 4 / best / 1e9
-
-
 class StreamProbe:
-    """A stream read to time beside every call: one ``sum()`` over a float32 tensor of
-    ``gib`` GiB, kept for the run; :meth:`beside` appends each reading's GB/s to a list."""
+    """The memory bound of the roofline: a read of a buffer of ``gib`` GiB (far larger than the
+    caches), kept for the run. On the CPU it is this package's native stream read
+    (``PeakProbe.stream_gbs``: a slice per thread on its own threads), falling back to
+    ``sum()`` over a float32 tensor where the probe cannot be built, and on CUDA; ``sum()``
+    runs on OpenMP threads, which spin for milliseconds after it and slow what is timed next.
+    :meth:`rate` is the best GB/s of some reads; :meth:`beside` a function for
+    ``time_interleaved`` that appends one reading to a list."""
 
-    def __init__(self, device: torch.device, gib: float) -> None:
-        self._x = torch.ones(max(1, int(gib * (1 << 30)) // 4), dtype=torch.float32,
+    def __init__(self, device: torch.device, gib: float, meter: PeakMeter | None = None) -> None:
+        self._probe = meter.probe if meter is not None and meter.enabled else None
+        self._x = torch.ones(max(64, int(gib * (1 << 30)) // 4), dtype=torch.float32,
                              device=device)
         self._sync = _sync(device)
+        self.native = self._probe is not None
+
+    def rate(self, repeat: int = 1) -> float:
+        """Best GB/s of ``repeat`` reads of the buffer."""
+        if self._probe is not None:
+            return self._probe.stream_gbs(self._x, repeat=repeat)
+        best = time_calls(self._x.sum, repeat=repeat, sync=self._sync)["min_s"]
+        return self._x.numel() * 4 / best / 1e9
 
     def beside(self, into: list[float]) -> Callable[[], None]:
-        """A function for ``time_interleaved`` that reads the tensor once, timing itself."""
-        def measure() -> None:
-            self._sync()
-            start = time.perf_counter()
-            self._x.sum()
-            self._sync()
-            into.append(self._x.numel() * 4 / max(time.perf_counter() - start, 1e-9) / 1e9)
-        return measure
+        """A function that reads the buffer once and appends the GB/s to ``into``."""
+        return lambda: into.append(self.rate())
+
+
+def stream_bandwidth(device: torch.device, gib: float, repeat: int = 5,
+                     meter: PeakMeter | None = None) -> float:
+    """Best GB/s of ``repeat`` reads of a ``gib`` GiB buffer (:class:`StreamProbe`)."""
+    return StreamProbe(device, gib, meter).rate(repeat)
+
+
+def _settle() -> None:
+    """Wait while the OpenMP threads of the call before (TORCH_SDPA's torch ops) stop
+    spinning, so that the next timed call has the cores to itself."""
+    time.sleep(OMP_SETTLE_S)
 
 
 def check_bench_memory(device: torch.device, cases: list[Case], block_size: int,
@@ -251,6 +276,7 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_si
     if baseline is not None and baseline is not cls:
         base = _backend(baseline, case, step, device)
         fns["baseline"] = lambda: base.run_decode(step.q, step.cache, return_softmax_lse=True)
+        fns["settle"] = _settle   # untimed in effect: its samples are not read
     peak_kind = _bound_peak(cls, dtype)
     peak_s: list[float] = []
     stream_s: list[float] = []
@@ -375,8 +401,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     meter = PeakMeter(device)
     meter.sample(repeat=1 if args.quick else 3)
     mm_runs = [matmul_rate(device, mm_n, mm_rep)]
-    bw_runs = [stream_bandwidth(device, gib)]
-    stream = StreamProbe(device, min(gib, _PAIRED_STREAM_GIB))
+    big = StreamProbe(device, gib, meter)
+    bw_runs = [big.rate(5)]
+    stream = StreamProbe(device, min(gib, _PAIRED_STREAM_GIB), meter)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     for dtype_name in dtypes:
@@ -386,14 +413,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue  # timed beside every other backend
                 if not args.quick:
                     mm_runs.append(matmul_rate(device, mm_n, 3))
-                    bw_runs.append(stream_bandwidth(device, gib, 3))
+                    bw_runs.append(big.rate(3))
+                    _settle()
                 try:
                     rows.append(_run_case(cls, case, dtype_name, args.block_size, device,
                                           repeat, baseline, meter, stream))
                 except (RuntimeError, ValueError) as exc:
                     errors.append(f"{cls.get_name()} {case.name} {dtype_name}: {exc}")
     mm_runs.append(matmul_rate(device, mm_n, mm_rep))
-    bw_runs.append(stream_bandwidth(device, gib))
+    bw_runs.append(big.rate(5))
+    del big
     meter.sample(repeat=1 if args.quick else 3)
     meter.finish(rows)
     paired_bw = [x for row in rows for x in row.get("stream_gbs_paired", [])]
@@ -415,7 +444,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quick": bool(args.quick), "cache_dtypes": list(dtypes), "kv_lora_rank": RANK,
         "qk_rope_head_dim": ROPE, "block_size": args.block_size,
         "stream_gbs": round(bw, 2), "stream_gbs_runs": [round(x, 2) for x in bw_runs],
-        "stream_gib": gib, "matmul_fp32_gflops": round(mm, 1),
+        "stream_gib": gib, "stream_probe": "native" if stream.native else "torch sum()",
+        "matmul_fp32_gflops": round(mm, 1),
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
