@@ -43,6 +43,7 @@ __all__ = [
     "MLADecodeBackendClasses",
     "MLAPrefillBackendClasses",
     "build_backend",
+    "build_decode_backend",
     "create_container",
     "get_container",
     "reset_default_container",
@@ -88,6 +89,14 @@ def build_backend(cls: type[Any], config: EngineConfig, platform: Platform,
     return cls.from_config(config, device_capability=capability)
 
 
+def build_decode_backend(class_provider: Any, config: EngineConfig, platform: Platform,
+                         workspaces: KernelWorkspaces, query_len: int = 1) -> Any:
+    """A decode backend instance for steps of ``query_len`` query tokens: the class
+    ``class_provider(query_len=query_len)`` selects (the container's
+    ``mla_decode_backend_class``, overrides honoured), built by ``build_backend``."""
+    return build_backend(class_provider(query_len=query_len), config, platform, workspaces)
+
+
 class Application(containers.DeclarativeContainer):
     """The application container.
 
@@ -103,7 +112,8 @@ class Application(containers.DeclarativeContainer):
       - ``mla_prefill_backend_class`` / ``mla_decode_backend_class``: the selected class for
         ``config`` on ``platform`` (decode with ``query_len`` 1).
       - ``mla_prefill_backend`` / ``mla_decode_backend``: a new instance of the selected
-        class, built with the platform's device capability and the workspaces.
+        class, built with the platform's device capability and the workspaces
+        (``mla_decode_backend(query_len=N)``: selected for steps of ``N`` query tokens).
       - ``applied_general_plugins``: which general plugins ran on this container.
     """
 
@@ -125,7 +135,8 @@ class Application(containers.DeclarativeContainer):
     mla_prefill_backend = providers.Factory(
         build_backend, mla_prefill_backend_class, config, platform, kernel_workspaces)
     mla_decode_backend = providers.Factory(
-        build_backend, mla_decode_backend_class, config, platform, kernel_workspaces)
+        build_decode_backend, mla_decode_backend_class.provider, config, platform,
+        kernel_workspaces)
     applied_general_plugins: providers.Singleton[dict[str, bool]] = providers.Singleton(dict)
 
 
