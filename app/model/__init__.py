@@ -112,4 +112,5 @@ __all__ = [
     "route",
     "routing_margins",
     "slot_indices",
+    "weight_specs",
 ]

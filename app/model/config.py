@@ -86,23 +86,23 @@ class _Reader:
             return self.defaults[key]
         raise ValueError(f"{self.source}: required key {key!r} is missing")
 
-    def int(self, key: str, minimum: int = 1) -> int:
+    def integer(self, key: str, minimum: int = 1) -> int:
         value = self.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.error(key, f"an int >= {minimum}")
         return value
 
     def opt_int(self, key: str, minimum: int = 1) -> int | None:
-        return None if self.get(key) is None else self.int(key, minimum)
+        return None if self.get(key) is None else self.integer(key, minimum)
 
-    def float(self, key: str, positive: bool = True) -> float:
+    def number(self, key: str, positive: bool = True) -> float:
         value = self.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or (positive and value <= 0):
             raise self.error(key, "a positive finite number" if positive else "a number")
         return float(value)
 
-    def bool(self, key: str) -> bool:
+    def boolean(self, key: str) -> bool:
         value = self.get(key)
         if not isinstance(value, bool):
             raise self.error(key, "true or false")
@@ -177,9 +177,9 @@ class RopeConfig:
         if rope_type not in ("default", "linear", "yarn"):
             raise ValueError(f"{source}: rope_type = {rope_type!r}: expected one of "
                              "['default', 'linear', 'yarn']")
-        if r.float("partial_rotary_factor") != 1.0:
+        if r.number("partial_rotary_factor") != 1.0:
             raise r.error("partial_rotary_factor", "1.0 (DeepSeek ropes every rope dim)")
-        theta = r.float("rope_theta")
+        theta = r.number("rope_theta")
         if rope_type == "default":
             return cls(theta=theta)
         original = r.opt_int("original_max_position_embeddings") \
@@ -188,12 +188,12 @@ class RopeConfig:
         if factor is None and rope_type == "yarn" and original:
             factor = max_positions / original
         r = _Reader({**raw, "factor": factor}, source, r.defaults)
-        optional = {k: (r.float(k, positive=False) if raw.get(k) is not None else None)
+        optional = {k: (r.number(k, positive=False) if raw.get(k) is not None else None)
                     for k in ("mscale", "mscale_all_dim", "attention_factor")}
-        return cls(theta=theta, rope_type=str(rope_type), factor=r.float("factor"),
+        return cls(theta=theta, rope_type=str(rope_type), factor=r.number("factor"),
                    original_max_position_embeddings=original or max_positions,
                    beta_fast=float(raw.get("beta_fast") or 32.0),
-                   beta_slow=float(raw.get("beta_slow") or 1.0), truncate=r.bool("truncate"),
+                   beta_slow=float(raw.get("beta_slow") or 1.0), truncate=r.boolean("truncate"),
                    **optional)
 
 
@@ -286,7 +286,7 @@ class DeepseekConfig:
     @property
     def softmax_scale(self) -> float:
         """``qk_head_dim ** -0.5`` times yarn's ``mscale(factor, mscale_all_dim) ** 2``."""
-        return self.qk_head_dim ** -0.5 * self.rope.softmax_scale_multiplier
+        return float(self.qk_head_dim ** -0.5) * self.rope.softmax_scale_multiplier
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has routed experts."""
@@ -361,21 +361,22 @@ class DeepseekConfig:
         for key in ("attention_bias", "mlp_bias"):
             if raw.get(key):
                 raise r.error(key, "false (DeepSeek checkpoints have no biases)")
-        max_positions = r.int("max_position_embeddings")
+        max_positions = r.integer("max_position_embeddings")
         return cls(
-            architecture=arch, vocab_size=r.int("vocab_size"), hidden_size=r.int("hidden_size"),
-            intermediate_size=r.int("intermediate_size"),
-            num_hidden_layers=r.int("num_hidden_layers"),
-            num_attention_heads=r.int("num_attention_heads"),
-            q_lora_rank=r.opt_int("q_lora_rank"), kv_lora_rank=r.int("kv_lora_rank"),
-            qk_nope_head_dim=r.int("qk_nope_head_dim"),
-            qk_rope_head_dim=_even(r, "qk_rope_head_dim"), v_head_dim=r.int("v_head_dim"),
-            rms_norm_eps=r.float("rms_norm_eps"), max_position_embeddings=max_positions,
-            rope=_rope(raw, r, max_positions), rope_interleave=r.bool("rope_interleave"),
-            tie_word_embeddings=r.bool("tie_word_embeddings"), moe=_moe(raw, r),
-            first_k_dense_replace=r.int("first_k_dense_replace", 0),
-            moe_layer_freq=r.int("moe_layer_freq"),
-            num_nextn_predict_layers=r.int("num_nextn_predict_layers", 0),
+            architecture=arch, vocab_size=r.integer("vocab_size"),
+            hidden_size=r.integer("hidden_size"),
+            intermediate_size=r.integer("intermediate_size"),
+            num_hidden_layers=r.integer("num_hidden_layers"),
+            num_attention_heads=r.integer("num_attention_heads"),
+            q_lora_rank=r.opt_int("q_lora_rank"), kv_lora_rank=r.integer("kv_lora_rank"),
+            qk_nope_head_dim=r.integer("qk_nope_head_dim"),
+            qk_rope_head_dim=_even(r, "qk_rope_head_dim"), v_head_dim=r.integer("v_head_dim"),
+            rms_norm_eps=r.number("rms_norm_eps"), max_position_embeddings=max_positions,
+            rope=_rope(raw, r, max_positions), rope_interleave=r.boolean("rope_interleave"),
+            tie_word_embeddings=r.boolean("tie_word_embeddings"), moe=_moe(raw, r),
+            first_k_dense_replace=r.integer("first_k_dense_replace", 0),
+            moe_layer_freq=r.integer("moe_layer_freq"),
+            num_nextn_predict_layers=r.integer("num_nextn_predict_layers", 0),
             dtype=_dtype(raw, source), quantization=_quantization(raw, source),
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int)
             else None, eos_token_ids=_eos(raw.get("eos_token_id")))
@@ -398,7 +399,7 @@ def _architecture(raw: Mapping[str, Any], source: str) -> str:
 
 
 def _even(r: _Reader, key: str) -> int:
-    value = r.int(key, 0)
+    value = r.integer(key, 0)
     if value % 2:
         raise r.error(key, "an even int (rope rotates pairs)")
     return value
@@ -409,16 +410,16 @@ def _rope(raw: Mapping[str, Any], r: _Reader, max_positions: int) -> RopeConfig:
     if params is not None:
         if isinstance(params, Mapping) and "rope_theta" not in params and "rope_theta" in raw:
             params = {**params, "rope_theta": raw["rope_theta"]}
-        return RopeConfig.from_dict(params, r.float("rope_theta"), max_positions,
+        return RopeConfig.from_dict(params, r.number("rope_theta"), max_positions,
                                     f"{r.source}: rope_parameters")
-    return RopeConfig.from_dict(raw.get("rope_scaling"), r.float("rope_theta"), max_positions,
+    return RopeConfig.from_dict(raw.get("rope_scaling"), r.number("rope_theta"), max_positions,
                                 f"{r.source}: rope_scaling")
 
 
 def _moe(raw: Mapping[str, Any], r: _Reader) -> MoEConfig | None:
     if raw.get("n_routed_experts") is None:
         return None
-    experts = r.int("n_routed_experts")
+    experts = r.integer("n_routed_experts")
     scoring = r.choice("scoring_func", ("softmax", "sigmoid"))
     methods = ("noaux_tc",) if scoring == "sigmoid" else ("greedy", "group_limited_greedy")
     method = r.choice("topk_method", methods)
@@ -431,16 +432,16 @@ def _moe(raw: Mapping[str, Any], r: _Reader) -> MoEConfig | None:
         raise r.error("topk_group", f"<= n_group ({n_group})")
     if scoring == "sigmoid" and experts // n_group < 2:
         raise r.error("n_group", "at most n_routed_experts / 2 (a group scores its best two)")
-    top_k = r.int("num_experts_per_tok")
+    top_k = r.integer("num_experts_per_tok")
     if top_k > topk_group * (experts // n_group):
         raise r.error("num_experts_per_tok", f"<= the experts of the chosen groups "
                       f"({topk_group * (experts // n_group)})")
     return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k,
-                     moe_intermediate_size=r.int("moe_intermediate_size"),
+                     moe_intermediate_size=r.integer("moe_intermediate_size"),
                      n_shared_experts=r.opt_int("n_shared_experts", 0) or 0,
                      scoring_func=scoring, topk_method=method, n_group=n_group,
                      topk_group=topk_group, norm_topk_prob=bool(r.get("norm_topk_prob")),
-                     routed_scaling_factor=r.float("routed_scaling_factor"))
+                     routed_scaling_factor=r.number("routed_scaling_factor"))
 
 
 def _dtype(raw: Mapping[str, Any], source: str) -> torch.dtype | None:

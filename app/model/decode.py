@@ -23,8 +23,8 @@ import attrs
 import torch
 
 from app.backends.decode_base import MLADecodeBackend
-from app.model.cache import PagedLatentCache
 from app.model.attention import MLAAttention
+from app.model.cache import PagedLatentCache
 from app.model.profiling import NULL_TIMER, PhaseTimer
 
 __all__ = ["DecodePlan", "MLADecodeExecutor", "plan_decode_step"]

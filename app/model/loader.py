@@ -175,7 +175,7 @@ def _entries(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, 
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     view = f.get_slice(key)
                     if key in entries:
                         raise ValueError(f"{path}: tensor {key!r} is also in "
@@ -256,11 +256,10 @@ def _plan(config: DeepseekConfig, entries: dict[str, _Entry]) -> _Plan:
         if key in scales:
             continue
         layer = _LAYER.match(key)
-        if layer is not None and int(layer.group(1)) >= n:
-            if int(layer.group(1)) < n + config.num_nextn_predict_layers:
-                skipped.append(key)
-                skipped_layers.add(int(layer.group(1)))
-                continue
+        if layer is not None and n <= int(layer.group(1)) < n + config.num_nextn_predict_layers:
+            skipped.append(key)
+            skipped_layers.add(int(layer.group(1)))
+            continue
         piece = _piece(key, specs, config)
         if piece is None:
             raise ValueError(f"{entry.file}: tensor {key!r} is not part of this "
@@ -278,9 +277,12 @@ def _plan(config: DeepseekConfig, entries: dict[str, _Entry]) -> _Plan:
         parts[piece.part] = key
         pieces[key] = (piece, scale)
     used_scales = {s for _, s in pieces.values() if s is not None}
+    skipped_set = set(skipped)
     for key in sorted(scales - used_scales):
         base = key.removesuffix("_scale_inv")
-        if not any(key.startswith(s.rsplit(".", 1)[0]) for s in skipped):
+        if base in skipped_set:
+            skipped.append(key)
+        else:
             raise ValueError(f"{entries[key].file}: tensor {key!r} scales {base!r}, which is "
                              "not an FP8 weight of this model")
     for name, spec in specs.items():
@@ -396,7 +398,7 @@ def _copy_file(path: Path, keys: list[str], plan: _Plan, entries: dict[str, _Ent
     from safetensors import SafetensorError, safe_open
 
     window = 0
-    handle = None
+    handle: Any = None
     try:
         for key in keys:
             if handle is None or window >= REOPEN_BYTES:

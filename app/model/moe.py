@@ -61,10 +61,7 @@ def _group_mask(choice: torch.Tensor, moe: MoEConfig, best_two: bool) -> torch.T
     """Bool ``[T, E]``: experts in the ``topk_group`` best groups of ``choice [T, E]`` (a group
     scores its best two (V3) or its best one (V2))."""
     grouped = choice.view(choice.shape[0], moe.n_group, moe.experts_per_group)
-    if best_two:
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-    else:
-        group_scores = grouped.amax(dim=-1)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if best_two else grouped.amax(dim=-1)
     keep = group_scores.topk(moe.topk_group, dim=-1).indices
     mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
     return mask.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)

@@ -24,8 +24,8 @@ import torch
 from app._validation import check_int_at_least
 from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.backends.merge import merge_attn_states
-from app.model.cache import PagedLatentCache, slot_indices
 from app.model.attention import MLAAttention
+from app.model.cache import PagedLatentCache, slot_indices
 from app.model.profiling import NULL_TIMER, PhaseTimer
 
 __all__ = ["MLAPrefillExecutor", "PrefillSlice", "StepPlan", "plan_context_chunks"]

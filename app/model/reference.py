@@ -190,7 +190,7 @@ class _Layer64:
         routing = route(logits, moe, bias)
         out = torch.zeros_like(x)
         inter = moe.moe_intermediate_size
-        for expert in routing.experts.unique().tolist():
+        for expert in torch.unique(routing.experts).tolist():
             hit = routing.experts == expert
             rows = hit.any(dim=1).nonzero().flatten()
             weight = (routing.weights * hit).sum(dim=1)[rows]

@@ -26,8 +26,8 @@ __all__ = [
     "AttentionWeights",
     "LayerWeights",
     "MLPWeights",
-    "ModelWeights",
     "MoEWeights",
+    "ModelWeights",
     "WeightSpec",
     "weight_specs",
 ]
@@ -158,7 +158,8 @@ def _layer(c: DeepseekConfig, t: Mapping[str, torch.Tensor], i: int) -> LayerWei
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
     attention = AttentionWeights(
-        kv_a_proj=t[f"{a}.kv_a_proj_with_mqa.weight"], kv_a_layernorm=t[f"{a}.kv_a_layernorm.weight"],
+        kv_a_proj=t[f"{a}.kv_a_proj_with_mqa.weight"],
+        kv_a_layernorm=t[f"{a}.kv_a_layernorm.weight"],
         kv_b_proj=t[f"{a}.kv_b_proj.weight"], o_proj=t[f"{a}.o_proj.weight"],
         q_proj=t.get(f"{a}.q_proj.weight"), q_a_proj=t.get(f"{a}.q_a_proj.weight"),
         q_a_layernorm=t.get(f"{a}.q_a_layernorm.weight"), q_b_proj=t.get(f"{a}.q_b_proj.weight"))
@@ -227,8 +228,8 @@ class ModelWeights:
             if isinstance(item, torch.Tensor):
                 seen.setdefault(id(item), item)
             elif attrs.has(type(item)):
-                stack.extend(getattr(item, f.name) for f in attrs.fields(type(item))
-                             if f.name != "config")
+                fields = attrs.fields(type(item))  # type: ignore[arg-type]
+                stack.extend(getattr(item, f.name) for f in fields if f.name != "config")
         return list(seen.values())
 
     @property

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.cli import main
-from app.commands.run import ProgressBar
+from app.commands._output import ProgressBar
 from tests.mla.conftest import TINY
 
 SMALL = ["--num-requests", "4", "--min-len", "8", "--max-len", "72", "--step-tokens", "48",
