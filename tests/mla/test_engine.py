@@ -10,7 +10,6 @@ import torch
 from dependency_injector import providers
 
 from app.config import EngineConfig
-
 from app.mla.checks import check_generation
 from app.mla.engine import MLAEngine, RequestTooLargeError
 from app.mla.requests import FinishReason, Request, RequestOutput, RowKind
