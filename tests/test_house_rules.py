@@ -14,8 +14,8 @@ import pytest
 
 APP = Path(__file__).parent.parent / "app"
 PUBLIC_PACKAGES = ["app", "app.backends", "app.kvcache", "app.platforms", "app.testing",
-                   "app.mla", "app.deployment", "app.plugins", "app.config", "app.containers",
-                   "app.integrations"]
+                   "app.mla", "app.model", "app.deployment", "app.plugins", "app.config",
+                   "app.containers", "app.integrations"]
 
 
 def _sources() -> list[Path]:
@@ -236,4 +236,20 @@ def test_only_the_platforms_package_builds_concrete_platforms() -> None:
     offenders = [str(p.relative_to(APP)) for p in _sources()
                  if "platforms" not in p.relative_to(APP).parts
                  and pattern.search(p.read_text())]
+    assert offenders == []
+
+
+@pytest.mark.parametrize(("floor", "above"), [
+    ("app.model", ("app.mla", "app.containers", "app.commands", "app.bench", "app.cli")),
+    ("app.backends", ("app.model", "app.mla", "app.commands", "app.bench")),
+])
+def test_the_model_sits_between_the_engine_and_the_backends(floor: str,
+                                                            above: tuple[str, ...]) -> None:
+    """The engine (``app.mla``) -> the model (``app.model``) -> the backends: no module of a
+    floor imports one above it (deferred imports included)."""
+    modules = _module_names(APP)
+    offenders = sorted(f"{name} -> {target}" for name, path in modules.items()
+                       if name == floor or name.startswith(floor + ".")
+                       for target in _imports_of(name, path, modules)
+                       if any(target == a or target.startswith(a + ".") for a in above))
     assert offenders == []

@@ -227,14 +227,18 @@ def _piece(key: str, specs: dict[str, WeightSpec], config: DeepseekConfig) -> _P
     return None if spec is None else _Piece(key, "all", None, None, spec.shape)
 
 
-def _required_parts(name: str, spec: WeightSpec) -> set[object]:
+def _required_parts(name: str, spec: WeightSpec) -> dict[object, str]:
+    """The parts a tensor of the model is assembled from, each with its Hub checkpoint name."""
     if name.endswith("mlp.experts.gate_up_proj"):
-        return {(e, p) for e in range(spec.shape[0]) for p in ("gate_proj", "up_proj")}
+        base = name.removesuffix(".gate_up_proj")
+        return {(e, p): f"{base}.{e}.{p}.weight" for e in range(spec.shape[0])
+                for p in ("gate_proj", "up_proj")}
     if name.endswith("mlp.experts.down_proj"):
-        return {(e, "down") for e in range(spec.shape[0])}
+        base = name.removesuffix(".down_proj")
+        return {(e, "down"): f"{base}.{e}.down_proj.weight" for e in range(spec.shape[0])}
     if name.endswith("gate_up_proj.weight"):
-        return {"gate_proj", "up_proj"}
-    return {"all"}
+        return {p: name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")}
+    return {"all": name}
 
 
 @attrs.frozen
@@ -289,12 +293,13 @@ def _plan(config: DeepseekConfig, entries: dict[str, _Entry]) -> _Plan:
         parts = covered.get(name, {})
         if "all" in parts:
             continue
-        missing = sorted(map(str, _required_parts(name, spec) - set(parts)))
+        required = _required_parts(name, spec)
+        missing = [key for part, key in required.items() if part not in parts]
         if missing:
             files = sorted({e.file.name for e in entries.values()})
-            raise ValueError(f"tensor {name!r} ({missing[:4]}{'...' if len(missing) > 4 else ''}"
-                             f") is missing: it is in none of {files} "
-                             f"({next(iter(entries.values())).file.parent})")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"tensor {missing[0]!r}{more} is missing: it is in none of "
+                             f"{files} ({next(iter(entries.values())).file.parent})")
     return _Plan(pieces, tuple(skipped), tuple(sorted(skipped_layers)))
 
 
@@ -344,6 +349,9 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None, *,
     tensor. See the module docstring for what is checked first."""
     start = time.perf_counter()
     directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory (a Hugging Face checkpoint directory "
+                         "holds config.json and *.safetensors)")
     config = DeepseekConfig.from_json_file(directory / "config.json")
     files, weight_map = _files(directory)
     entries = _entries(files, weight_map)
