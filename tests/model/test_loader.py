@@ -143,7 +143,7 @@ def test_bad_checkpoints_are_refused_naming_the_tensor_and_the_file(
 
 
 def test_a_bad_directory_or_index_is_refused(plain: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="not a directory"):
         load_checkpoint(plain / "config.json")
@@ -161,5 +161,5 @@ def test_a_bad_directory_or_index_is_refused(plain: Path, tmp_path: Path) -> Non
         load_checkpoint(sharded)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text((plain / "config.json").read_text())
-    with pytest.raises(ValueError, match="expected model.safetensors"):
+    with pytest.raises(ValueError, match=r"expected model\.safetensors"):
         load_checkpoint(tmp_path / "empty")
