@@ -94,10 +94,13 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("generate needs --model DIR (a Hugging Face checkpoint directory)")
     if not args.prompt_ids and not args.prompt:
         raise ValueError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
+    tokenizer = None
+    if args.prompt:   # before loading: a missing tokenizer fails at once
+        path = args.model / "tokenizer.json"
+        tokenizer = _tokenizer(path if path.is_file() else None, args.model)
     start = time.perf_counter()
     built = build_model(args, EngineConfig(), progress=not args.no_progress)
     load_seconds = time.perf_counter() - start
-    tokenizer = _tokenizer(built.tokenizer_path, args.model) if args.prompt else None
     prompts = [list(p) for p in args.prompt_ids]
     prompts += [tokenizer.encode(text).ids for text in args.prompt] if tokenizer else []
     if any(not p for p in prompts):

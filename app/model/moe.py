@@ -15,7 +15,8 @@
 5. ``sum_k w_k expert_k(x) + shared(x)``.
 
 Experts run grouped: the ``(token, expert)`` pairs are sorted by expert once, and each expert
-with work runs one matmul over all its tokens (no per-token loop), accumulated in float32.
+with work runs one matmul over all its tokens (no per-token loop), accumulated in float32 (or
+the compute dtype when wider).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class MoE:
         counts = torch.bincount(flat_experts, minlength=self.config.n_routed_experts).tolist()
         tokens = order // k
         weights = routing.weights.reshape(-1).index_select(0, order)
-        out = torch.zeros(t, xc.shape[1], dtype=torch.float32, device=xc.device)
+        acc = torch.promote_types(self.compute_dtype, torch.float32)
+        out = torch.zeros(t, xc.shape[1], dtype=acc, device=xc.device)
         inter = self.intermediate_size
         start = 0
         for expert, count in enumerate(counts):
@@ -128,8 +130,8 @@ class MoE:
             rows = tokens[start:start + count]
             h = F.linear(xc.index_select(0, rows), self._gate_up[expert])
             y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], self._down[expert])
-            out.index_add_(0, rows, y.float() * weights[start:start + count, None])
+            out.index_add_(0, rows, y.to(acc) * weights[start:start + count, None])
             start += count
         if self.shared is not None:
-            out += self.shared(xc).float()
+            out += self.shared(xc).to(acc)
         return out.to(self.compute_dtype)
