@@ -9,7 +9,7 @@ import json
 from app.commands._args import output_file
 from app.commands._output import print_json, print_text
 
-HELP = "run a benchmark (selection, prefill, decode, kv, run) and report JSON"
+HELP = "run a benchmark (selection, prefill, decode, kv, run, model) and report JSON"
 
 #: Benchmark name -> module with ``add_arguments(parser)``, ``run(args) -> dict`` and
 #: ``render(result) -> str``.
@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "decode": "app.bench.decode",
     "kv": "app.bench.kv",
     "run": "app.bench.run",
+    "model": "app.bench.model",
     "vllm-prefill": "app.bench.vllm_prefill",
 }
 

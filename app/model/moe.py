@@ -121,8 +121,8 @@ class MoE:
         tokens = order // k
         weights = routing.weights.reshape(-1).index_select(0, order)
         acc = torch.promote_types(self.compute_dtype, torch.float32)
-        out = torch.zeros(t, xc.shape[1], dtype=acc, device=xc.device)
         inter = self.intermediate_size
+        pieces: list[torch.Tensor] = []
         start = 0
         for expert, count in enumerate(counts):
             if not count:
@@ -130,8 +130,13 @@ class MoE:
             rows = tokens[start:start + count]
             h = F.linear(xc.index_select(0, rows), self._gate_up[expert])
             y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], self._down[expert])
-            out.index_add_(0, rows, y.to(acc) * weights[start:start + count, None])
+            pieces.append(y.to(acc) * weights[start:start + count, None])
             start += count
+        # Back from expert order to (token, k) order, then the sum over k. (index_add_ would
+        # enter a parallel region per expert however small: slow when threads contend.)
+        routed = torch.empty(t * k, xc.shape[1], dtype=acc, device=xc.device)
+        routed.index_copy_(0, order, torch.cat(pieces))
+        out = routed.view(t, k, -1).sum(dim=1)
         if self.shared is not None:
             out += self.shared(xc).to(acc)
         return out.to(self.compute_dtype)
