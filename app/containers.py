@@ -26,8 +26,8 @@ from dependency_injector import containers, providers
 
 from app._active import activate, active
 from app._imports import import_object
-from app.backends.kernel_base import KernelWorkspaces
 from app.backends.kinds import DECODE, PREFILL, BackendKind
+from app.backends.prefill.kernel_base import KernelWorkspaces
 from app.backends.selection import SelectionCache, select_backend
 from app.backends.table import CUSTOM, PREFILL_BACKENDS
 from app.config import EngineConfig

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from app.backends._cpu_native import native_kernel_status
+from app.backends.cpu.prefill_kernel import native_kernel_status
 from app.cli import main
 
 

@@ -18,10 +18,10 @@ from app.backends import (
     get_mla_prefill_backend,
     register_mla_prefill_backend,
 )
-from app.backends.kernel_base import KernelWorkspaces
+from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
+from app.backends.prefill.kernel_base import KernelWorkspaces
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.backends.selection import SelectionCache
-from app.backends.torch_sdpa import TorchSDPABackend
-from app.backends.torch_sdpa_decode import TorchSDPADecodeBackend
 from app.config import EngineConfig
 from app.containers import Application, create_container, use_container
 from app.kvcache import FullAttentionSpec, KVCacheSpecBindings, KVCacheSpecRegistry

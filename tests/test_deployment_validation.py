@@ -11,7 +11,7 @@ import pytest
 from app import deployment
 from app.backends import MLAPrefillBackendEnum
 
-SDPA = "app.backends.torch_sdpa.TorchSDPABackend"
+SDPA = "app.backends.prefill.torch_sdpa.TorchSDPABackend"
 
 
 def _write(tmp_path: Path, text: str) -> Path:

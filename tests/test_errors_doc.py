@@ -29,10 +29,10 @@ from app.backends import (
     get_mla_prefill_backend,
     register_mla_prefill_backend,
 )
-from app.backends._cpu_native import enabled_by_environment
-from app.backends._cpu_native_bf16 import BF16_SWITCH_ENV
-from app.backends._native_loader import read_switch
-from app.backends.torch_sdpa import TorchSDPABackend
+from app.backends.cpu.loader import read_switch
+from app.backends.cpu.prefill_kernel import enabled_by_environment
+from app.backends.cpu.prefill_kernel_bf16 import BF16_SWITCH_ENV
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.cli import main
 from app.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig
 from app.containers import create_container, use_container
@@ -204,7 +204,7 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("deployment", "`num_heads = 9223372036854775807`",
      _deployment("[model]\nnum_heads = 9223372036854775807\n")),
     ("deployment", "`[backends] _X = ...`",
-     _deployment('[backends]\n_X = "app.backends.torch_sdpa.TorchSDPABackend"\n')),
+     _deployment('[backends]\n_X = "app.backends.prefill.torch_sdpa.TorchSDPABackend"\n')),
     ("deployment", "`platform = \"cuda:-1.0\"`",
      _deployment('[deployment]\nplatform = "cuda:-1.0"\n')),
     ("deployment", "a class path whose module raises on import",

@@ -15,7 +15,7 @@ from app.backends import (
     override_mla_prefill_backend,
     register_mla_prefill_backend,
 )
-from app.backends.torch_sdpa import TorchSDPABackend
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.config import AttentionConfig, EngineConfig, ModelConfig
 from app.containers import create_container, use_container
 from app.platforms import CpuPlatform

@@ -1,22 +1,22 @@
 """MLA attention backends, prefill and decode: the base classes, one registry implementation
 parameterized by kind, and the selectors.
 
-The kernel backends (``app.backends.torch_sdpa``, ``flash_attn``, ``flashinfer``,
+The kernel backends (``app.backends.prefill.torch_sdpa``, ``flash_attn``, ``flashinfer``,
 ``trtllm_ragged``, ``tokenspeed_mla``, and the decode modules) are not imported here: the
 container's providers import each one the first time it is asked for (the built-ins are listed
 in ``app.backends.table``), and a backend whose kernel package is missing says so through
-``validate_configuration``. ``app.backends.kernel_base`` is the public base kernel backends
+``validate_configuration``. ``app.backends.prefill.kernel_base`` is the public base kernel backends
 build on.
 """
 
 from app._types import DeviceCapability, MLADimensions
-from app.backends.base import (
+from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.prefill.base import (
     ContextChunkMetadata,
     MLAPrefillBackend,
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
 )
-from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.registry import (
     MLADecodeBackendEnum,
     MLAPrefillBackendEnum,

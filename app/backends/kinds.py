@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from app.backends.base import MLAPrefillBackend, MLAPrefillSelectorConfig
-from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillSelectorConfig
 from app.backends.table import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendTable
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from app.backends.selection import (
 )
 
 if TYPE_CHECKING:
-    from app.backends.base import MLAPrefillBackend
-    from app.backends.decode_base import MLADecodeBackend
+    from app.backends.decode.base import MLADecodeBackend
+    from app.backends.prefill.base import MLAPrefillBackend
     from app.config import EngineConfig
     from app.containers import Application
 

@@ -56,17 +56,17 @@ class BackendTable:
 
 #: MLA prefill backends.
 PREFILL_BACKENDS = BackendTable("prefill", [
-    BackendEntry("TORCH_SDPA", "app.backends.torch_sdpa.TorchSDPABackend"),
-    BackendEntry("FLASH_ATTN", "app.backends.flash_attn.FlashAttnBackend"),
-    BackendEntry("FLASHINFER", "app.backends.flashinfer.FlashInferBackend"),
-    BackendEntry("TRTLLM_RAGGED", "app.backends.trtllm_ragged.TrtllmRaggedBackend"),
-    BackendEntry("TOKENSPEED_MLA", "app.backends.tokenspeed_mla.TokenSpeedMLABackend"),
+    BackendEntry("TORCH_SDPA", "app.backends.prefill.torch_sdpa.TorchSDPABackend"),
+    BackendEntry("FLASH_ATTN", "app.backends.prefill.flash_attn.FlashAttnBackend"),
+    BackendEntry("FLASHINFER", "app.backends.prefill.flashinfer.FlashInferBackend"),
+    BackendEntry("TRTLLM_RAGGED", "app.backends.prefill.trtllm_ragged.TrtllmRaggedBackend"),
+    BackendEntry("TOKENSPEED_MLA", "app.backends.prefill.tokenspeed_mla.TokenSpeedMLABackend"),
 ])
 
 #: MLA decode backends (the modules of the decode contract).
 DECODE_BACKENDS = BackendTable("decode", [
-    BackendEntry("CPU_MLA", "app.backends.cpu_mla_decode.CpuMLADecodeBackend"),
-    BackendEntry("TORCH_SDPA", "app.backends.torch_sdpa_decode.TorchSDPADecodeBackend"),
-    BackendEntry("FLASHINFER_MLA", "app.backends.flashinfer_mla_decode.FlashInferMLADecodeBackend"),
-    BackendEntry("TOKENSPEED_MLA", "app.backends.tokenspeed_mla_decode.TokenSpeedMLADecodeBackend"),
+    BackendEntry("CPU_MLA", "app.backends.decode.cpu_mla.CpuMLADecodeBackend"),
+    BackendEntry("TORCH_SDPA", "app.backends.decode.torch_sdpa.TorchSDPADecodeBackend"),
+    BackendEntry("FLASHINFER_MLA", "app.backends.decode.flashinfer_mla.FlashInferMLADecodeBackend"),
+    BackendEntry("TOKENSPEED_MLA", "app.backends.decode.tokenspeed_mla.TokenSpeedMLADecodeBackend"),
 ])

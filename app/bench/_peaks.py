@@ -3,7 +3,7 @@
 Why measured and not a matmul: on CPUs with AVX512-BF16 torch's float32 matmul is not the
 machine's limit (it swung 65-209 GFLOP/s in one run on a 2-core EPYC where the native kernel
 reached 329), so "fraction of the matmul rate" said little. A peak probe
-(``app/backends/_native/cpu_peaks.c``) runs a loop of independent multiply-adds held in
+(``app/backends/cpu/csrc/cpu_peaks.c``) runs a loop of independent multiply-adds held in
 registers, one call on each of ``torch.get_num_threads()`` threads at once (the kernels'
 threads), and reports the summed rate:
 
@@ -14,7 +14,7 @@ threads), and reports the summed rate:
 
 AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds` says so.
 The probe is built, cached and checked by the shared native loader
-(:mod:`app.backends._native_loader`: private cache directories, ABI version).
+(:mod:`app.backends.cpu.loader`: private cache directories, ABI version).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from app._cpu import detect_cpu_features
-from app.backends._native_loader import (
+from app.backends.cpu.loader import (
     NativeLibrary,
     NativeLibrarySpec,
     NativeLibraryStatus,
@@ -45,7 +45,7 @@ __all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
 FP32_FMA = "fp32_fma"
 BF16_DOT = "bf16_dot"
 
-#: ``APP_NATIVE_LIBRARY(...)`` in ``app/backends/_native/cpu_peaks.c``.
+#: ``APP_NATIVE_LIBRARY(...)`` in ``app/backends/cpu/csrc/cpu_peaks.c``.
 ABI_VERSION = 1
 #: Seconds one probe call aims for (one per thread; the best of ``repeat`` is kept).
 PROBE_SECONDS = 0.03

@@ -50,7 +50,7 @@ import torch
 
 from app._imports import import_object
 from app._types import DeviceCapability
-from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
@@ -233,7 +233,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | No
 def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
     if cls.get_name() != "CPU_MLA":
         return None
-    from app.backends.cpu_mla_decode import load_decode_kernel
+    from app.backends.decode.cpu_mla import load_decode_kernel
 
     kernel = load_decode_kernel()
     if kernel is None:
@@ -248,11 +248,11 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: 
     step = _step(case, block_size, device)
     be = _backend(cls, case, step, device)
     fns: dict[str, Callable[[], object]] = {
-        "backend": lambda: be.forward_decode(step.q, step.cache, return_lse=True)}
+        "backend": lambda: be.run_decode(step.q, step.cache, return_softmax_lse=True)}
     base = None
     if baseline is not None and baseline is not cls:
         base = _backend(baseline, case, step, device)
-        fns["baseline"] = lambda: base.forward_decode(step.q, step.cache, return_lse=True)
+        fns["baseline"] = lambda: base.run_decode(step.q, step.cache, return_softmax_lse=True)
     # The peak that bounds the kernel, beside every call: bf16 dot products where CPU_MLA
     # runs the bench's bf16 cache on them, else the fp32 FMA peak (float32 math).
     peak_kind = BF16_DOT if cls.get_name() == "CPU_MLA" and _bf16_dot() else FP32_FMA
@@ -305,7 +305,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _bf16_dot() -> bool | None:
     """Whether CPU_MLA runs bf16 on the CPU's bf16 dot products here (None: not x86)."""
     try:
-        from app.backends.cpu_mla_decode import has_bf16_dot
+        from app.backends.decode.cpu_mla import has_bf16_dot
     except ImportError:  # pragma: no cover - the module is part of the package
         return None
     return has_bf16_dot()

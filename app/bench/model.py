@@ -176,8 +176,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name, runner in (("ours", ours), ("baseline", baseline)):
                     for slot, new in enumerate((1, args.new_tokens)):
                         best[name][slot] = min(best[name][slot], runner(prompts, new))
-            mine = _rates(*best["ours"], batch, args.prompt_len, args.new_tokens)
-            theirs = _rates(*best["baseline"], batch, args.prompt_len, args.new_tokens)
+            mine = _rates(best["ours"][0], best["ours"][1], batch, args.prompt_len,
+                          args.new_tokens)
+            theirs = _rates(best["baseline"][0], best["baseline"][1], batch, args.prompt_len,
+                            args.new_tokens)
             results.append({
                 "batch": batch, "ours": mine, args.baseline: theirs,
                 "prefill_speedup": round(mine["prefill_tokens_per_s"]

@@ -45,7 +45,7 @@ import attrs
 import torch
 
 from app._types import MLADimensions
-from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
+from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.commands._args import bench_device, int_in, positive_int, resolve_device
@@ -271,9 +271,9 @@ def _stats(samples: list[float]) -> dict[str, float]:
 def bound_peak(dtype: torch.dtype) -> str:
     """The peak that bounds TORCH_SDPA's CPU kernel on ``dtype`` inputs: ``bf16_dot`` where
     it multiplies in bf16, ``fp32_fma`` where it computes in float32."""
-    from app.backends._cpu_native import native_kernel_status
-    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
-    from app.backends.torch_sdpa import TorchSDPABackend, cpu_compute_dtype
+    from app.backends.cpu.prefill_kernel import native_kernel_status
+    from app.backends.cpu.prefill_kernel_bf16 import native_bf16_kernel_status
+    from app.backends.prefill.torch_sdpa import TorchSDPABackend, cpu_compute_dtype
 
     if dtype == torch.bfloat16 and TorchSDPABackend.cpu_bf16_kernel \
             and native_bf16_kernel_status().available:
@@ -525,7 +525,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cpu_kernel() -> str:
     """Which kernel TORCH_SDPA's float32 CPU path ran: the native one, or aten's and why."""
-    from app.backends._cpu_native import native_kernel_status
+    from app.backends.cpu.prefill_kernel import native_kernel_status
 
     status = native_kernel_status()
     if status.available:

@@ -11,7 +11,7 @@ measure the attention engine around the backends.
   64 x 5k tokens of context costs 8 x 8k tokens of prefill; each request still reads its whole
   context through its own block table every step. After every request has started decoding,
   ``--decode-steps`` steps are timed. Reported: steps/s, decode tokens/s, the decode attention
-  kernel's share of the step (``attention_decode``: the decode backend's ``forward_decode``),
+  kernel's share of the step (``attention_decode``: the decode backend's ``run_decode``),
   and the scheduler + KV bookkeeping share (``schedule``: scheduling, ``allocate_slots``,
   ``cache_blocks``, drafting, token bookkeeping; ``decode_metadata``: block tables, slots,
   ``prepare_metadata``; ``cache_write``; and the step time no phase claimed). Target: <= 5%.

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _selector_config(config: Any) -> Any:
-    from app.backends.base import MLAPrefillSelectorConfig
+    from app.backends.prefill.base import MLAPrefillSelectorConfig
 
     return MLAPrefillSelectorConfig.from_engine_config(config)
 

@@ -65,7 +65,7 @@ def collect() -> dict[str, Any]:
 def cpu_native_kernel() -> str:
     """TORCH_SDPA's native CPU kernel: ``available (<library>)`` or ``unavailable: <why>``,
     then ``; note: <what>`` for each loader note (builds it on first use, ~1 s)."""
-    from app.backends._cpu_native import native_kernel_status
+    from app.backends.cpu.prefill_kernel import native_kernel_status
 
     status = native_kernel_status()
     text = (f"available ({status.library})" if status.available
@@ -78,7 +78,7 @@ def cpu_native_kernel() -> str:
 def cpu_bf16_kernel() -> str:
     """The native kernel's bf16-products build (bf16 inputs on AVX512-BF16 CPUs):
     ``available (<library>)`` or ``unavailable: <why> (bf16 inputs use float32 math)``."""
-    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
+    from app.backends.cpu.prefill_kernel_bf16 import native_bf16_kernel_status
 
     status = native_bf16_kernel_status()
     if status.available:

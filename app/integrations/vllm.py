@@ -37,8 +37,12 @@ except ImportError as _exc:  # pragma: no cover - exercised where vLLM is absent
                       f"(see README, 'Use inside vLLM')") from _exc
 
 from app._types import MLADimensions
-from app.backends._cpu_native import native_kernel_status
-from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
+from app.backends.cpu.prefill_kernel import native_kernel_status
+from app.backends.prefill.base import (
+    MLAPrefillBackend,
+    MLAPrefillMetadata,
+    MLAPrefillSelectorConfig,
+)
 from app.containers import get_container
 
 if TYPE_CHECKING:
@@ -58,7 +62,7 @@ def _resolve(container: Application) -> type[MLAPrefillBackend]:
     cls = backends.TORCH_SDPA()
     if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
         raise TypeError(f"the container's {_BACKEND} provider gave {cls!r}, expected an "
-                        f"app.backends.base.MLAPrefillBackend subclass")
+                        f"app.backends.prefill.base.MLAPrefillBackend subclass")
     return cls
 
 

@@ -41,8 +41,8 @@ import torch
 from dependency_injector import containers
 
 from app._validation import check_int_at_least
-from app.backends.base import MLAPrefillBackend
-from app.backends.decode_base import MLADecodeBackend
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.containers import get_container
 from app.kvcache import KVCacheGroupSpec, KVCacheManager, MLAAttentionSpec, get_kv_cache_groups

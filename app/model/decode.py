@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from app.backends.decode_base import MLADecodeBackend
+from app.backends.decode.base import MLADecodeBackend
 from app.model.attention import MLAAttention
 from app.model.cache import PagedLatentCache
 from app.model.profiling import NULL_TIMER, PhaseTimer
@@ -120,11 +120,11 @@ class MLADecodeExecutor:
             q_abs = layer.absorb_query(q)
         b, n = plan.batch, plan.query_len
         with timer.phase("attention_decode"):
-            out = self.backend.forward_decode(
+            out = self.backend.run_decode(
                 q_abs.view(b, n, layer.num_heads, layer.latent_dim), self.cache.data)
         if not isinstance(out, torch.Tensor):  # pragma: no cover - no LSE was asked for
-            raise TypeError(f"{type(self.backend).__name__}.forward_decode returned a tuple "
-                            "although return_lse=False")
+            raise TypeError(f"{type(self.backend).__name__}.run_decode returned a tuple "
+                            "although return_softmax_lse=False")
         with timer.phase("absorption"):
             attn = layer.unabsorb_output(out.view(b * n, layer.num_heads, layer.kv_lora_rank))
         with timer.phase("projection"):

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from app._cpu import detect_cpu_features
-from app.backends.base import MLAPrefillBackend
-from app.backends.decode_base import MLADecodeBackend
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.model.attention import MLAAttention, rms_norm
 from app.model.cache import PagedLatentCache

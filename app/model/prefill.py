@@ -22,8 +22,8 @@ import attrs
 import torch
 
 from app._validation import check_int_at_least
-from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.backends.merge import merge_attn_states
+from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillMetadata
 from app.model.attention import MLAAttention
 from app.model.cache import PagedLatentCache, slot_indices
 from app.model.profiling import NULL_TIMER, PhaseTimer

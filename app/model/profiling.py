@@ -27,7 +27,7 @@ PHASES: tuple[str, ...] = (
     "merge",             # LSE merges
     "decode_metadata",   # decode: block tables, slots, positions, prepare_metadata, inputs
     "absorption",        # decode: q_nope x W_UK, and W_UV over the latent output
-    "attention_decode",  # decode backend: forward_decode over the latent cache
+    "attention_decode",  # decode backend: run_decode over the latent cache
     "mlp",               # RMSNorms around attention and MLP, the SwiGLU MLP or the MoE (router,
                          # grouped experts, shared experts), the final norm
     "lm_head",           # LM head (hidden x lm_head^T)

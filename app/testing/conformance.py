@@ -43,8 +43,12 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app.backends.base import MLAPrefillBackend, MLAPrefillMetadata, MLAPrefillSelectorConfig
 from app.backends.merge import merge_attn_states
+from app.backends.prefill.base import (
+    MLAPrefillBackend,
+    MLAPrefillMetadata,
+    MLAPrefillSelectorConfig,
+)
 
 __all__ = [
     "CASES",

@@ -21,7 +21,7 @@ the same inputs). The cases:
                        non-finite; NaN in unused rows of a block changes nothing
 =====================  ======================================================================
 
-Every case checks the LSE (``return_lse=True``) and the plain call. Run it on your backend::
+Every case checks the LSE (``return_softmax_lse=True``) and the plain call. Run it on your backend::
 
     from app.testing import assert_decode_conformance
     assert_decode_conformance(MyDecodeBackend, device="cuda", dtype=torch.bfloat16)
@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from app._types import DeviceCapability
-from app.backends.decode_base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.testing.conformance import DEFAULT_TOLERANCES, CaseResult, ConformanceReport
 
 __all__ = [
@@ -61,8 +61,9 @@ def reference_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     """Absorbed paged decode in float64 on the host.
 
     ``q [B, Q, H, D]``, ``kv_cache [num_blocks, block_size, D]``, ``block_table [B, *]``.
-    Returns ``out [B, Q, H, kv_lora_rank]`` and ``lse [B, Q, H]`` (float64, natural log);
-    row i of request b sees keys ``[0, seq_lens[b] - Q + i]``."""
+    Returns ``out [B, Q, H, kv_lora_rank]`` and ``lse [H, B, Q]`` (float64, natural log;
+    head-major, as ``MLADecodeBackend.run_decode`` returns it); row i of request b sees keys
+    ``[0, seq_lens[b] - Q + i]``."""
     batch, qlen, heads, _ = q.shape
     bs = int(kv_cache.shape[1])
     out = torch.zeros(batch, qlen, heads, kv_lora_rank, dtype=torch.float64)
@@ -79,7 +80,7 @@ def reference_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
             lg = torch.logsumexp(s, dim=-1)
             out[b, i] = torch.exp(s - lg.unsqueeze(-1)) @ seen[:, :kv_lora_rank]
             lse[b, i] = lg
-    return out, lse
+    return out, lse.permute(2, 0, 1).contiguous()
 
 
 class _CaseFailure(Exception):
@@ -147,17 +148,17 @@ class _DecodeKit:
                                    softmax_scale or self.scale, k_scale or 1.0)
             buf = torch.full((*shape[:3], self.rank), float("nan"), dtype=self.dtype,
                              device=self.device) if out_buffer else None
-            result = be.forward_decode(q, cache, out=buf, return_lse=True,
+            result = be.run_decode(q, cache, out=buf, return_softmax_lse=True,
                                        softmax_scale=softmax_scale, k_scale=k_scale)
             if not isinstance(result, tuple) or len(result) != 2:
-                raise _CaseFailure("forward_decode(return_lse=True) must return (out, lse)")
+                raise _CaseFailure("run_decode(return_softmax_lse=True) must return (out, lse)")
             if buf is not None and result[0] is not buf:
                 raise _CaseFailure("out= was not returned as the output")
             self.compare(f"scales {softmax_scale}, {k_scale}", result[0], result[1], ref,
                          errors)
-            plain = be.forward_decode(q, cache, softmax_scale=softmax_scale, k_scale=k_scale)
+            plain = be.run_decode(q, cache, softmax_scale=softmax_scale, k_scale=k_scale)
             if isinstance(plain, tuple):
-                raise _CaseFailure("forward_decode(return_lse=False) must return a tensor")
+                raise _CaseFailure("run_decode(return_softmax_lse=False) must return a tensor")
             self.compare("no LSE", plain, None, ref, errors)
 
     def compare(self, what: str, out: object, lse: object,
@@ -175,7 +176,7 @@ class _DecodeKit:
             return
         if not isinstance(lse, torch.Tensor) or list(lse.shape) != list(ref_lse.shape) \
                 or lse.dtype != torch.float32:
-            raise _CaseFailure(f"{what}: LSE must be float32 {list(ref_lse.shape)} [B, Q, H], "
+            raise _CaseFailure(f"{what}: LSE must be float32 {list(ref_lse.shape)} [H, B, Q], "
                                f"got {_describe(lse)}")
         got_lse = lse.detach().to("cpu", torch.float64)
         if not torch.isfinite(got_lse).all():
@@ -207,11 +208,11 @@ class _DecodeKit:
         be.prepare_metadata(torch.zeros(0, 4, dtype=torch.int32, device=self.device),
                             torch.zeros(0, dtype=torch.int32, device=self.device), 2)
         q = self.randn(0, 2, self.heads, self.dim)
-        result = be.forward_decode(q, self.randn(3, self.bs, self.dim), return_lse=True)
+        result = be.run_decode(q, self.randn(3, self.bs, self.dim), return_softmax_lse=True)
         if not isinstance(result, tuple) or list(result[0].shape) != [0, 2, self.heads,
                                                                        self.rank] \
-                or list(result[1].shape) != [0, 2, self.heads]:
-            raise _CaseFailure(f"empty batch: expected out [0, 2, H, rank] and lse [0, 2, H], "
+                or list(result[1].shape) != [self.heads, 0, 2]:
+            raise _CaseFailure(f"empty batch: expected out [0, 2, H, rank] and lse [H, 0, 2], "
                                f"got {_describe(result)}")
 
     def out_buffer(self, errors: dict[str, float]) -> None:
@@ -241,7 +242,7 @@ class _DecodeKit:
         be.prepare_metadata(table, torch.tensor(seq_lens, dtype=torch.int32,
                                                 device=self.device), qlen)
         q = self.randn(len(seq_lens), qlen, self.heads, self.dim)
-        result = be.forward_decode(q, cache, return_lse=True)
+        result = be.run_decode(q, cache, return_softmax_lse=True)
         out, lse = result[0].cpu(), result[1].cpu()
         finite = torch.isfinite(out.float()).all(dim=-1).cpu()          # [B, Q, H]
         expected = torch.ones_like(finite)
@@ -256,8 +257,9 @@ class _DecodeKit:
                 clean[int(table[b, (n - 1) // bs]), n % bs:] = 0
         ref = reference_decode(q, clean, table, seq_lens, self.rank, self.scale)
         keep = expected.unsqueeze(-1)
-        self.compare("visible rows", torch.where(keep, out, 0), lse.masked_fill(~expected, 0),
-                     (torch.where(keep, ref[0], 0), ref[1].masked_fill(~expected, 0)), errors)
+        hidden = ~expected.permute(2, 0, 1)                             # [H, B, Q], as the LSE
+        self.compare("visible rows", torch.where(keep, out, 0), lse.masked_fill(hidden, 0),
+                     (torch.where(keep, ref[0], 0), ref[1].masked_fill(hidden, 0)), errors)
 
 
 def _describe(value: object) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.backends.base import MLAPrefillBackend
+from app.backends.prefill.base import MLAPrefillBackend
 
 __all__ = ["SelectionOnlyBackend"]
 

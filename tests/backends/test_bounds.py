@@ -7,7 +7,7 @@ import math
 import pytest
 
 from app.backends import MLAPrefillMetadata
-from app.backends.torch_sdpa import TorchSDPABackend
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
 
 
 @pytest.mark.parametrize("lengths", [[2**32, 5], [2**31, 0], [2**31 - 1, 1], [2**30] * 3])

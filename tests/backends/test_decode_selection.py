@@ -18,7 +18,7 @@ from app.backends import (
     override_mla_decode_backend,
     register_mla_decode_backend,
 )
-from app.backends.torch_sdpa_decode import TorchSDPADecodeBackend
+from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
 from app.config import EngineConfig
 from app.containers import Application, create_container, use_container
 from app.platforms import CpuPlatform, CudaPlatform, DeviceCapability

@@ -474,7 +474,7 @@ def test_abstract_classes_are_refused_at_registration(app_container: Application
     assert not MLAPrefillBackendEnum.CUSTOM.is_registered()
     # A path is imported on first use: the abstract class is refused there, with the reason.
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM,
-                                 "app.backends.base.MLAPrefillBackend")
+                                 "app.backends.prefill.base.MLAPrefillBackend")
     with pytest.raises(TypeError, match="abstract"):
         MLAPrefillBackendEnum.CUSTOM.get_class()
     explanation = explain_mla_prefill_selection()
@@ -486,6 +486,6 @@ def test_deployment_refuses_an_abstract_backend(tmp_path: Any) -> None:
     from app import deployment
 
     path = tmp_path / "d.toml"
-    path.write_text('[backends]\nMYABS = "app.backends.base.MLAPrefillBackend"\n')
+    path.write_text('[backends]\nMYABS = "app.backends.prefill.base.MLAPrefillBackend"\n')
     with pytest.raises(TypeError, match="abstract"):
         deployment.load(path)

@@ -438,6 +438,6 @@ def test_explain_agrees_with_the_errors(stubbed: Callable[..., None]) -> None:
 
 
 def test_cpu_default_is_the_builtin_torch_sdpa(app_container: Application) -> None:
-    module = pytest.importorskip("app.backends.torch_sdpa")
+    module = pytest.importorskip("app.backends.prefill.torch_sdpa")
     app_container.platform.override(providers.Object(CpuPlatform()))
     assert get_mla_prefill_backend(engine_config()) is module.TorchSDPABackend

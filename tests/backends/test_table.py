@@ -16,8 +16,8 @@ from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
 APP = Path(__file__).parent.parent.parent / "app"
 
 FAKE_MODULE = '''
-from app.backends.torch_sdpa import TorchSDPABackend
-from app.backends.torch_sdpa_decode import TorchSDPADecodeBackend
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
+from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
 
 
 class FakePrefill(TorchSDPABackend):

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (  # noqa: E402
 )
 from vllm.v1.attention.ops.merge_attn_states import merge_attn_states  # noqa: E402
 
-from app.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
+from app.backends.prefill.torch_sdpa import TorchSDPABackend  # noqa: E402
 from app.containers import create_container  # noqa: E402
 from app.integrations.vllm import AppCPUMLAPrefillBackend  # noqa: E402
 from app.testing import reference_attention  # noqa: E402

@@ -132,7 +132,7 @@ def test_registering_twice_is_harmless(fresh_vllm: None,
     register_vllm_plugin()
     register_vllm_plugin()   # vLLM may load plugins in several processes, or again
     assert MLAPrefillBackendEnum.CPU.get_class() is AppCPUMLAPrefillBackend
-    assert "running app.backends.torch_sdpa.TorchSDPABackend (TORCH_SDPA" in plugin_log.text
+    assert "running app.backends.prefill.torch_sdpa.TorchSDPABackend (TORCH_SDPA" in plugin_log.text
 
 
 def test_our_methods_have_vllms_signatures() -> None:

@@ -262,16 +262,16 @@ def test_the_engine_resolves_through_the_container_only_at_start_up() -> None:
 def test_the_engine_takes_its_backends_from_the_container_providers() -> None:
     """One config (the container's); backend instances from the container's providers, the
     decode one selected for the step's query length; replacing one goes through overrides."""
-    from app.backends.torch_sdpa_decode import TorchSDPADecodeBackend
+    from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
 
     class MyDecode(TorchSDPADecodeBackend):
         """A decode backend that counts its calls."""
 
         calls = 0
 
-        def forward_decode(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        def run_decode(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
             type(self).calls += 1
-            return super().forward_decode(*args, **kwargs)  # type: ignore[arg-type]
+            return super().run_decode(*args, **kwargs)  # type: ignore[arg-type]
 
     cfg, weights = tiny_config()
     container = tiny_container(cfg)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from app.backends.base import MLAPrefillBackend
+from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig, ModelConfig
 from app.containers import create_container
 from app.model import (

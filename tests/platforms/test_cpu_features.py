@@ -117,7 +117,7 @@ def test_platform_command_lists_the_features(
 
 def test_platform_command_says_whether_bf16_products_run(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from app.backends._cpu_native_bf16 import native_bf16_kernel_status
+    from app.backends.cpu.prefill_kernel_bf16 import native_bf16_kernel_status
 
     assert main(["platform", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app._types import MLADimensions
-from app.backends.base import MLAPrefillSelectorConfig
+from app.backends.prefill.base import MLAPrefillSelectorConfig
 from app.platforms import CpuPlatform, CudaPlatform, DeviceCapability, Platform, detect_platform
 
 R1 = MLAPrefillSelectorConfig(torch.bfloat16, MLADimensions(128, 64, 128))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from app._types import DeviceCapability
-from app.backends.base import MLAPrefillSelectorConfig
-from app.backends.torch_sdpa import TorchSDPABackend
+from app.backends.prefill.base import MLAPrefillSelectorConfig
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.testing import (
     CASES,
     ConformanceReport,

@@ -7,8 +7,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from app.backends.decode_base import DecodeMetadata
-from app.backends.torch_sdpa_decode import TorchSDPADecodeBackend, decode_one_request
+from app.backends.decode.base import DecodeMetadata
+from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend, decode_one_request
 from app.testing import DECODE_CASES, reference_decode, run_decode_conformance
 
 

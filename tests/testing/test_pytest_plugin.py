@@ -13,7 +13,7 @@ from app.backends import (
     explain_mla_prefill_selection,
     get_mla_prefill_backend,
 )
-from app.backends.torch_sdpa import TorchSDPABackend
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.config import EngineConfig, ModelConfig
 from app.containers import Application, get_container
 from app.platforms import CpuPlatform, CudaPlatform, DeviceCapability, Platform

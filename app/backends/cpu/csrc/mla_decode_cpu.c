@@ -1,0 +1,596 @@
+/* MLA decode over a paged latent cache on an AVX-512 CPU, float32 math.
+ *
+ * Built at first use by app/backends/decode/cpu_mla.py through the shared native loader and
+ * called through ctypes (which releases the GIL): one call per worker thread, each with its
+ * own items and scratch. The cache is read in place through the block table (a chunk of BK
+ * keys is a list of row pointers, never a copy), and the latent cache has one KV head, so
+ * every row loaded serves all query rows of the request (qlen x heads, in groups of 16: one
+ * per vector lane) for both q.k (the whole row) and p.v (its first `rank` values).
+ *
+ * Layout trick: a 32-element chunk of a bf16 row is loaded as one 512-bit vector and split
+ * into its even and odd elements with a shift and a mask (no shuffles). The dot product does
+ * not care about order, so q is packed in the same order; the p.v accumulators are kept in
+ * it too and put back in natural order (one permute per 16 values) when the output is
+ * written. fp16 and fp32 rows load in natural order.
+ *
+ * q.k: 8 query rows x 2 keys per register tile (16 accumulators along the head dim; the bf16
+ * dot path: 4 rows x 4 keys, fewer loads per product), reduced to one vector of 16 scores per
+ * key (lane = query row); the softmax is then lane-wise over
+ * the keys (base 2: q is pre-scaled by scale * log2(e)); p.v: 6 rows x 64 columns tiles.
+ * Causal (multi-token prediction): row i sees keys <= seq_len - qlen + i, so only the last
+ * qlen - 1 keys are hidden from some rows; those keys are masked in the scores and skipped
+ * (not multiplied by 0: 0 * NaN is NaN) in p.v, and rows past seq_len are never read.
+ * A non-finite value in a visible key makes exactly the rows that see it non-finite.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "mla_decode_cpu.h"
+
+APP_NATIVE_LIBRARY(MLA_DECODE_CPU_ABI)
+APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
+
+#define G 16   /* query rows per group: one per vector lane */
+#ifndef BK
+#define BK 64 /* keys per chunk: their rows (72 KiB at D = 576, bf16) stay in L2; 64 rather
+                 * than 32 halves the per-chunk costs (accumulator reloads, softmax set-up) */
+#endif
+#define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
+#define LN2 0.6931471805599453f
+#define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static inline float load_elem(const void* p, int64_t i, int dt) {
+  if (dt == APP_DT_BF16) {
+    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
+  return ((const float*)p)[i];
+}
+
+/* 32 elements at p -> two float32 vectors in the cache order of dt (see the top). */
+static inline __attribute__((always_inline)) void load32(const char* p, const int dt, __m512* a,
+                                                         __m512* b) {
+  if (dt == APP_DT_BF16) {
+    const __m512i x = _mm512_loadu_si512((const void*)p);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+  } else if (dt == APP_DT_F16) {
+    *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    *b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p + 1));
+  } else {
+    *a = _mm512_loadu_ps((const float*)p);
+    *b = _mm512_loadu_ps((const float*)p + 16);
+  }
+}
+
+/* Where natural element e (0..31) of a chunk sits in the cache order of dt. */
+static inline int64_t cache_slot(int64_t e, int dt) {
+  return dt == APP_DT_BF16 ? (e & 1) * 16 + (e >> 1) : e;
+}
+
+/* Accumulator orders of a 32-column chunk: ORDER_NATURAL (fp16/fp32 rows), ORDER_EVEN_ODD
+ * (bf16 rows split by shift and mask), ORDER_PAIRS (the bf16 dot path: 16-bit unpacks put
+ * columns 8k..8k+3 of each 128-bit lane k in the first vector and 8k+4..8k+7 in the second). */
+enum { ORDER_NATURAL = 0, ORDER_EVEN_ODD = 1, ORDER_PAIRS = 2 };
+
+/* A chunk's two accumulator vectors -> its natural first and second halves. */
+static inline void to_natural(__m512 a, __m512 b, int order, __m512* lo, __m512* hi) {
+  if (order == ORDER_NATURAL) {
+    *lo = a;
+    *hi = b;
+    return;
+  }
+  __m512i il, ih;
+  if (order == ORDER_EVEN_ODD) {
+    il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  } else {
+    il = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    ih = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  }
+  *lo = _mm512_permutex2var_ps(a, il, b);
+  *hi = _mm512_permutex2var_ps(a, ih, b);
+}
+
+static inline void store16(void* p, int64_t i, __m512 x, int dt) {
+  if (dt == APP_DT_F32) {
+    _mm512_storeu_ps((float*)p + i, x);
+  } else if (dt == APP_DT_F16) {
+    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else { /* bf16, round to nearest even; a NaN stays a NaN */
+    __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
+    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+
+/* lane r of the result = the sum of the lanes of v[r]: a 16 x 16 transpose-and-add. */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                                  _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88),
+                                  _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+/* 2^x for x <= 0 (relative error ~1e-7); below -126 gives 2^-126; a NaN stays a NaN (the
+ * clamp's NaN operand comes second: vmaxps returns its second operand for a NaN). */
+static inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-126.f), x);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* S[j][lane] = q row (g0 + lane) . key j for the n keys at rows[] (q rows past `valid` are
+ * zero and their lanes unused). Two keys share each q load; 8 rows x 2 keys per pass. */
+static inline __attribute__((always_inline)) void scores(const float* qg, int64_t d,
+                                                         const char* const* rows, int64_t n,
+                                                         int64_t valid, const int dt, float* S) {
+  const int64_t es = app_native_elem_size(dt);
+  for (int64_t j = 0; j < n; j += 2) {
+    const char* k0 = rows[j];
+    const char* k1 = rows[j + 1 < n ? j + 1 : j];
+    __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int pass = 0; pass < 2 && pass * 8 < valid; ++pass) {
+      const float* qr = qg + pass * 8 * d;
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 32) {
+        __m512 a0, b0, a1, b1;
+        load32(k0 + c * es, dt, &a0, &b0);
+        load32(k1 + c * es, dt, &a1, &b1);
+        _Pragma("GCC unroll 8") for (int r = 0; r < 8; ++r) {
+          const __m512 qa = _mm512_load_ps(qr + r * d + c);
+          const __m512 qb = _mm512_load_ps(qr + r * d + c + 16);
+          acc[r] = _mm512_fmadd_ps(qa, a0, acc[r]);
+          acc[8 + r] = _mm512_fmadd_ps(qa, a1, acc[8 + r]);
+          acc[r] = _mm512_fmadd_ps(qb, b0, acc[r]);
+          acc[8 + r] = _mm512_fmadd_ps(qb, b1, acc[8 + r]);
+        }
+      }
+      half[pass] = hsum16(acc); /* lanes 0-7: key j, rows 8 pass..; lanes 8-15: key j + 1 */
+    }
+    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(half[0], half[1], 0x44));
+    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(half[0], half[1], 0xEE));
+  }
+}
+
+/* Online softmax of one group over one chunk: mask hidden keys (position >= tail only),
+ * update the running max m and sum l of each lane, rescale the accumulator rows, and turn
+ * S into the probabilities (exactly 0 for hidden keys). */
+static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const int32_t* limit,
+                          float* m, float* l, float* acc, int64_t rank) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i lim = _mm512_loadu_si512((const void*)limit);
+  const __m512 m_old = _mm512_loadu_ps(m);
+  __m512 vmax = m_old;
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 s = _mm512_load_ps(S + j * G);
+    if (pos0 + j >= tail) {
+      const __mmask16 vis = _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim);
+      s = _mm512_mask_mov_ps(ninf, vis, s);
+      _mm512_store_ps(S + j * G, s);
+    }
+    vmax = _mm512_max_ps(vmax, s);
+  }
+  /* A lane that has seen no key yet keeps max -inf; 0 is its reference (its p are 0). */
+  const __mmask16 none = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ);
+  const __m512 ref = _mm512_mask_mov_ps(vmax, none, _mm512_setzero_ps());
+  const __m512 alpha = exp2_nonpositive(_mm512_sub_ps(m_old, ref));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
+    if (pos0 + j >= tail)
+      p = _mm512_maskz_mov_ps(
+          _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim), p);
+    _mm512_store_ps(S + j * G, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+  _mm512_storeu_ps(m, vmax);
+  __mmask16 rescale = _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ);
+  if (!rescale) return;
+  float a[G];
+  _mm512_storeu_ps(a, alpha);
+  for (int r = 0; r < G; ++r) {
+    if (!((rescale >> r) & 1)) continue;
+    const __m512 va = _mm512_set1_ps(a[r]);
+    for (int64_t c = 0; c < rank; c += 16)
+      _mm512_storeu_ps(acc + r * rank + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * rank + c), va));
+  }
+}
+
+/* acc rows r0 .. r0 + pr (64 columns from c0) += p . v over the chunk's keys. Keys before
+ * n_main are seen by every row; a later key only by the rows whose limit reaches it. */
+static inline __attribute__((always_inline)) void pv_tile(
+    const float* S, const char* const* rows, int64_t n, int64_t n_main, int64_t pos0,
+    const int32_t* limit, int r0, const int pr, float* acc, int64_t rank, int64_t c0,
+    const int dt) {
+  const int64_t es = app_native_elem_size(dt);
+  __m512 c[PR][4];
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
+                       : _mm512_setzero_ps();
+  for (int64_t j = 0; j < n_main; ++j) {
+    const char* v = rows[j] + c0 * es;
+    __m512 a0, b0, a1, b1;
+    load32(v, dt, &a0, &b0);
+    load32(v + 32 * es, dt, &a1, &b1);
+    const float* p = S + j * G + r0;
+    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i) {
+      if (i >= pr) continue;
+      const __m512 pi = _mm512_set1_ps(p[i]);
+      c[i][0] = _mm512_fmadd_ps(pi, a0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(pi, b0, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(pi, a1, c[i][2]);
+      c[i][3] = _mm512_fmadd_ps(pi, b1, c[i][3]);
+    }
+  }
+  for (int64_t j = n_main; j < n; ++j) { /* the step's own keys: skip the rows they hide */
+    const char* v = rows[j] + c0 * es;
+    __m512 a0, b0, a1, b1;
+    load32(v, dt, &a0, &b0);
+    load32(v + 32 * es, dt, &a1, &b1);
+    const float* p = S + j * G + r0;
+    for (int i = 0; i < pr; ++i) {
+      if (pos0 + j > limit[r0 + i]) continue;
+      const __m512 pi = _mm512_set1_ps(p[i]);
+      c[i][0] = _mm512_fmadd_ps(pi, a0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(pi, b0, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(pi, a1, c[i][2]);
+      c[i][3] = _mm512_fmadd_ps(pi, b1, c[i][3]);
+    }
+  }
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      if (i < pr) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
+}
+
+static inline __attribute__((always_inline)) void pv_group(
+    const float* S, const char* const* rows, int64_t n, int64_t n_main, int64_t pos0,
+    const int32_t* limit, int64_t valid, float* acc, int64_t rank, const int dt) {
+  for (int64_t c0 = 0; c0 < rank; c0 += 64)
+    for (int r0 = 0; r0 < valid; r0 += PR) {
+      if (valid - r0 >= PR) pv_tile(S, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, dt);
+      else pv_tile(S, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank, c0, dt);
+    }
+}
+
+/* ---- the bf16 dot path (bf16 cache and q, a CPU with AVX512-BF16): vdpbf16ps multiplies
+ * pairs of bf16 values and accumulates in float32, twice the multiply-adds of an fp32 FMA.
+ * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
+ * precision) and pairs keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
+#define BF16_ISA target("avx512f,avx512bw,avx512vl,avx512bf16")
+#define BF16_TARGET __attribute__((BF16_ISA, noinline))
+
+/* As scores(), from q rows of bf16 bits; the scores are multiplied by mult afterwards. Four
+ * keys x 4 rows per pass (4 key loads + 4 q loads per 16 dot products, not 2 + 8): pass p's
+ * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k, and a 4 x 4 transpose
+ * of blocks turns the four passes into S[j..j+3]. */
+static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
+                                    int64_t n, int64_t valid, float mult, float* S) {
+  const __m512 vm = _mm512_set1_ps(mult);
+  for (int64_t j = 0; j < n; j += 4) {
+    const char* k0 = rows[j];
+    const char* k1 = rows[j + 1 < n ? j + 1 : j];
+    const char* k2 = rows[j + 2 < n ? j + 2 : j];
+    const char* k3 = rows[j + 3 < n ? j + 3 : j];
+    __m512 v[4];
+    for (int pass = 0; pass < 4; ++pass) {
+      v[pass] = _mm512_setzero_ps();
+      if (pass * 4 >= valid) continue;
+      const uint16_t* qr = qg + pass * 4 * d;
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 32) {
+        const __m512bh a0 = (__m512bh)_mm512_loadu_si512((const void*)(k0 + 2 * c));
+        const __m512bh a1 = (__m512bh)_mm512_loadu_si512((const void*)(k1 + 2 * c));
+        const __m512bh a2 = (__m512bh)_mm512_loadu_si512((const void*)(k2 + 2 * c));
+        const __m512bh a3 = (__m512bh)_mm512_loadu_si512((const void*)(k3 + 2 * c));
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; ++r) {
+          const __m512bh qv = (__m512bh)_mm512_load_si512((const void*)(qr + r * d + c));
+          acc[r] = _mm512_dpbf16_ps(acc[r], qv, a0);
+          acc[4 + r] = _mm512_dpbf16_ps(acc[4 + r], qv, a1);
+          acc[8 + r] = _mm512_dpbf16_ps(acc[8 + r], qv, a2);
+          acc[12 + r] = _mm512_dpbf16_ps(acc[12 + r], qv, a3);
+        }
+      }
+      v[pass] = _mm512_mul_ps(hsum16(acc), vm);
+    }
+    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+    const __m512 t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+    const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+    const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(t0, t1, 0x88));
+    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
+    if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
+  }
+}
+
+/* The probabilities as bf16: P1[j][lane] = bits of p (low half), P2[j / 2][lane] = the pair of
+ * keys 2 (j / 2) and 2 (j / 2) + 1 (P1 overwrites S in place). */
+static BF16_TARGET void pack_p_bf16(float* S, int64_t n, uint32_t* P2) {
+  uint32_t* P1 = (uint32_t*)S;
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(S + j * G));
+    _mm512_store_si512((void*)(P1 + j * G), _mm512_cvtepu16_epi32(h));
+  }
+  for (int64_t j = 0; j + 1 < n; j += 2)
+    _mm512_store_si512((void*)(P2 + j / 2 * G),
+                       _mm512_or_si512(_mm512_load_si512((const void*)(P1 + j * G)),
+                                       _mm512_slli_epi32(_mm512_load_si512(
+                                           (const void*)(P1 + (j + 1) * G)), 16)));
+}
+
+static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m512bh p, __m512bh a0,
+                                                       __m512bh b0, __m512bh a1, __m512bh b1) {
+  c[0] = _mm512_dpbf16_ps(c[0], a0, p);
+  c[1] = _mm512_dpbf16_ps(c[1], b0, p);
+  c[2] = _mm512_dpbf16_ps(c[2], a1, p);
+  c[3] = _mm512_dpbf16_ps(c[3], b1, p);
+}
+
+/* As pv_tile() in ORDER_PAIRS: pairs of keys over [0, n_main), then single keys (paired
+ * with a zero) for an odd one left and the step's own keys, skipping the rows they hide.
+ * Inlined with a constant pr, like pv_tile(), so that the tile stays in registers. */
+static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
+    const uint32_t* P1, const uint32_t* P2, const char* const* rows, int64_t n, int64_t n_main,
+    int64_t pos0, const int32_t* limit, int r0, const int pr, float* acc, int64_t rank,
+    int64_t c0) {
+  __m512 c[PR][4];
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
+                       : _mm512_setzero_ps();
+  const int64_t pairs = n_main / 2;
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const char* v0 = rows[2 * jp] + 2 * c0;
+    const char* v1 = rows[2 * jp + 1] + 2 * c0;
+    const __m512i x0 = _mm512_loadu_si512((const void*)v0);
+    const __m512i x1 = _mm512_loadu_si512((const void*)v1);
+    const __m512i y0 = _mm512_loadu_si512((const void*)(v0 + 64));
+    const __m512i y1 = _mm512_loadu_si512((const void*)(v1 + 64));
+    const __m512bh a0 = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+    const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y0, y1);
+    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y0, y1);
+    const uint32_t* p = P2 + jp * G + r0;
+    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+      if (i < pr) dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 2 * pairs; j < n; ++j) {
+    const char* v = rows[j] + 2 * c0;
+    const __m512i x = _mm512_loadu_si512((const void*)v);
+    const __m512i y = _mm512_loadu_si512((const void*)(v + 64));
+    const __m512bh a0 = (__m512bh)_mm512_unpacklo_epi16(x, zero);
+    const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x, zero);
+    const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y, zero);
+    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y, zero);
+    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i) {
+      if (i >= pr || (j >= n_main && pos0 + j > limit[r0 + i])) continue; /* 0 * NaN: skip */
+      dot4(c[i], (__m512bh)_mm512_set1_epi32((int)P1[j * G + r0 + i]), a0, b0, a1, b1);
+    }
+  }
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      if (i < pr) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
+}
+
+static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows,
+                                      int64_t n, int64_t n_main, int64_t pos0,
+                                      const int32_t* limit, int64_t valid, float* acc,
+                                      int64_t rank) {
+  pack_p_bf16(S, n, P2);
+  const uint32_t* P1 = (const uint32_t*)S;
+  for (int64_t c0 = 0; c0 < rank; c0 += 64)
+    for (int r0 = 0; r0 < valid; r0 += PR) {
+      if (valid - r0 >= PR)
+        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0);
+      else
+        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank,
+                     c0);
+    }
+}
+
+static int accumulator_order(const mla_decode_args* a) {
+  if (a->cache_dt != APP_DT_BF16) return ORDER_NATURAL;
+  return a->bf16_dot ? ORDER_PAIRS : ORDER_EVEN_ODD;
+}
+
+/* rows[j] = the cache row of key start + j (j < n): one division per chunk, not per key. */
+static inline void row_pointers(const mla_decode_args* a, const int32_t* table, int64_t start,
+                                int64_t n, int64_t es, const char** rows) {
+  int64_t blk = start / a->block_size, off = start % a->block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    rows[j] = (const char*)a->cache + ((int64_t)table[blk] * a->block_stride +
+                                       off * a->row_stride) * es;
+    if (++off == a->block_size) off = 0, ++blk;
+  }
+}
+
+int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
+  const int64_t mp = round_up(qlen * heads, G);
+  /* 16 to align, packed q, accumulators, m, l, limits (int32), scores (+1 key of slack),
+   * bf16 probability pairs */
+  return 16 + mp * (rank + rope) + mp * rank + 3 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
+}
+
+/* The key range [k0, k1) of request b, for all its query rows; see mla_decode_args. */
+static inline __attribute__((always_inline)) void run_item(const mla_decode_args* a, int64_t b,
+                                                           int64_t k0, int64_t k1, int64_t part,
+                                                           const int dt, const int dot) {
+  const int64_t heads = a->heads, qlen = a->qlen, rows_m = qlen * heads, rank = a->rank;
+  const int64_t d = rank + a->rope, mp = round_up(rows_m, G), es = app_native_elem_size(dt);
+  const int64_t seq_len = a->seq_lens[b], tail = seq_len - qlen + 1;
+  float* qp = a->scratch + (16 - ((uintptr_t)a->scratch / sizeof(float)) % 16) % 16;
+  float* acc = qp + mp * d;
+  float* m = acc + mp * rank;
+  float* l = m + mp;
+  int32_t* limit = (int32_t*)(l + mp);
+  float* S = (float*)(limit + mp);
+  uint32_t* P2 = (uint32_t*)(S + (BK + 1) * G);
+  uint16_t* q16 = (uint16_t*)qp; /* the dot path keeps q as bf16 bits, unscaled */
+  const int64_t qes = app_native_elem_size(a->q_dt);
+  for (int64_t r = 0; r < mp; ++r) {
+    const int64_t i = r / heads, h = r % heads;
+    const char* src = (const char*)a->q + (b * a->q_sb + i * a->q_si + h * a->q_sh) * qes;
+    if (dot && r >= rows_m) memset(q16 + r * d, 0, sizeof(uint16_t) * (size_t)d);
+    else if (dot) memcpy(q16 + r * d, src, sizeof(uint16_t) * (size_t)d);
+    else if (r >= rows_m) memset(qp + r * d, 0, sizeof(float) * (size_t)d);
+    else
+      for (int64_t e = 0; e < d; ++e)
+        qp[r * d + e / 32 * 32 + cache_slot(e % 32, dt)] = load_elem(src, e, a->q_dt) * a->q_mult;
+    limit[r] = (int32_t)(r >= rows_m ? seq_len - 1 : seq_len - qlen + i);
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  memset(acc, 0, sizeof(float) * (size_t)(mp * rank));
+  const int32_t* table = a->block_table + b * a->bt_stride;
+  const char* rows[BK];
+  const char* next[BK];
+  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
+  for (int64_t cs = k0; cs < k1; cs += BK) {
+    const int64_t n = k1 - cs < BK ? k1 - cs : BK;
+    /* This chunk's row pointers were made (and prefetched) one chunk ago; make the next
+     * chunk's now and fetch its rows into L2 while this one computes: pages are scattered,
+     * and a hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
+    memcpy(rows, next, sizeof(const char*) * (size_t)n);
+    const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    if (n_next > 0) {
+      row_pointers(a, table, cs + BK, n_next, es, next);
+      for (int64_t j = 0; j < n_next; ++j)
+        for (int64_t byte = 0; byte < d * es; byte += 64)
+          _mm_prefetch(next[j] + byte, _MM_HINT_T1);
+    }
+    int64_t n_main = tail - cs;
+    n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
+    for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
+      const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
+      if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S);
+      else scores(qp + g0 * d, d, rows, n, valid, dt, S);
+      softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, acc + g0 * rank, rank);
+      if (dot) pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank);
+      else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt);
+    }
+  }
+  for (int64_t r = 0; r < rows_m; ++r) {
+    const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];
+    const float lse2 = l[r] == 0.f ? -INFINITY : m[r] + log2f(l[r]);
+    const float* row = acc + r * rank;
+    if (part >= 0) {
+      float* po = a->part_out + (part * rows_m + r) * rank;
+      const __m512 vi = _mm512_set1_ps(inv);
+      for (int64_t c = 0; c < rank; c += 16)
+        _mm512_storeu_ps(po + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), vi));
+      a->part_lse[part * rows_m + r] = lse2;
+      continue;
+    }
+    const __m512 vi = _mm512_set1_ps(inv * a->v_mult);
+    const int64_t o = (b * rows_m + r) * rank;
+    for (int64_t c = 0; c < rank; c += 32) {
+      __m512 lo, hi;
+      to_natural(_mm512_mul_ps(_mm512_loadu_ps(row + c), vi),
+                 _mm512_mul_ps(_mm512_loadu_ps(row + c + 16), vi), accumulator_order(a), &lo,
+                 &hi);
+      store16(a->out, o + c, lo, a->out_dt);
+      store16(a->out, o + c + 16, hi, a->out_dt);
+    }
+    if (a->lse) a->lse[b * rows_m + r] = lse2 * LN2;
+  }
+}
+
+static int shape_ok(const mla_decode_args* a) {
+  const int dts_ok = (a->cache_dt == APP_DT_F32 || a->cache_dt == APP_DT_BF16 ||
+                      a->cache_dt == APP_DT_F16) &&
+                     (a->q_dt == APP_DT_F32 || a->q_dt == APP_DT_BF16 || a->q_dt == APP_DT_F16) &&
+                     (a->out_dt == APP_DT_F32 || a->out_dt == APP_DT_BF16 ||
+                      a->out_dt == APP_DT_F16);
+  const int dot_ok = !a->bf16_dot || (a->cache_dt == APP_DT_BF16 && a->q_dt == APP_DT_BF16);
+  return dts_ok && dot_ok && a->rank > 0 && a->rank % 64 == 0 && a->rope >= 0 && a->rope % 32 == 0 &&
+         a->qlen > 0 && a->heads > 0 && a->block_size > 0;
+}
+
+int32_t mla_decode_cpu_run(const mla_decode_args* a) {
+  if (!shape_ok(a)) return 1;
+  for (int64_t t = 0; t < a->n_items; ++t) {
+    const int64_t* it = a->items + 4 * t;
+    if (a->cache_dt == APP_DT_BF16 && a->bf16_dot)
+      run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16, 1);
+    else if (a->cache_dt == APP_DT_BF16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16, 0);
+    else if (a->cache_dt == APP_DT_F16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_F16, 0);
+    else run_item(a, it[0], it[1], it[2], it[3], APP_DT_F32, 0);
+  }
+  return 0;
+}
+
+int32_t mla_decode_cpu_merge(const mla_decode_args* a) {
+  if (!shape_ok(a)) return 1;
+  const int64_t rows_m = a->qlen * a->heads, rank = a->rank;
+  for (int64_t t = 0; t < a->n_merge; ++t) /* checked first: nothing half-written */
+    if (a->merge[3 * t + 2] < 1 || a->merge[3 * t + 2] > MAX_PARTS) return 1;
+  for (int64_t t = 0; t < a->n_merge; ++t) {
+    const int64_t b = a->merge[3 * t], p0 = a->merge[3 * t + 1], np = a->merge[3 * t + 2];
+    for (int64_t r = 0; r < rows_m; ++r) {
+      float mx = -INFINITY, tot = 0.f, w[MAX_PARTS];
+      for (int64_t p = 0; p < np; ++p) {
+        const float x = a->part_lse[(p0 + p) * rows_m + r];
+        if (x > mx) mx = x;
+      }
+      const float ref = mx == -INFINITY ? 0.f : mx;
+      for (int64_t p = 0; p < np; ++p) { /* a NaN partial LSE gives a NaN weight: kept */
+        w[p] = exp2f(a->part_lse[(p0 + p) * rows_m + r] - ref);
+        tot += w[p];
+      }
+      const float inv = tot == 0.f ? 0.f : a->v_mult / tot;
+      const int64_t o = (b * rows_m + r) * rank;
+      for (int64_t c = 0; c < rank; c += 32) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int64_t p = 0; p < np; ++p) {
+          const float* po = a->part_out + ((p0 + p) * rows_m + r) * rank + c;
+          const __m512 wp = _mm512_set1_ps(w[p]);
+          s0 = _mm512_fmadd_ps(wp, _mm512_loadu_ps(po), s0);
+          s1 = _mm512_fmadd_ps(wp, _mm512_loadu_ps(po + 16), s1);
+        }
+        __m512 lo, hi;
+        to_natural(_mm512_mul_ps(s0, _mm512_set1_ps(inv)), _mm512_mul_ps(s1, _mm512_set1_ps(inv)),
+                   accumulator_order(a), &lo, &hi);
+        store16(a->out, o + c, lo, a->out_dt);
+        store16(a->out, o + c + 16, hi, a->out_dt);
+      }
+      if (a->lse) a->lse[b * rows_m + r] = tot == 0.f ? -INFINITY : (ref + log2f(tot)) * LN2;
+    }
+  }
+  return 0;
+}

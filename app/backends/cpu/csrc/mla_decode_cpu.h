@@ -1,0 +1,47 @@
+/* The MLA decode kernel's argument struct (mla_decode_cpu.c), mirrored by MlaDecodeArgs in
+ * app/backends/decode/cpu_mla.py; the loader checks the two layouts agree at load. */
+#ifndef MLA_DECODE_CPU_H
+#define MLA_DECODE_CPU_H
+
+#include "app_native.h"
+
+/* Bump on any change to this struct or to an exported function of mla_decode_cpu.c. */
+#define MLA_DECODE_CPU_ABI 2
+
+/* One decode step over a paged latent cache (one KV head), D = rank + rope:
+ *   cache [num_blocks, block_size, D] of cache_dt, strides (block_stride, row_stride, 1);
+ *   q [B, qlen, heads, D] of q_dt, strides (q_sb, q_si, q_sh, 1);
+ *   out [B, qlen, heads, rank] of out_dt, contiguous; lse [B, qlen, heads] float32 or NULL;
+ *   block_table int32 [B, bt_stride-strided rows]; seq_lens int32 [B] (>= qlen, counting
+ *   this step's tokens). Row i of request b sees keys [0, seq_lens[b] - qlen + i].
+ * Logits are q_mult * (q . k) in base 2 (q_mult = softmax scale * k_scale * log2(e)); the
+ * output is v_mult * sum(p v) (v_mult = k_scale).
+ * items: n_items quadruples (request, first key, end key, part): a key range of a request.
+ * part < 0 writes out/lse directly (the range must be the whole request); part >= 0 writes
+ * a partial (normalised fp32 rows, base-2 LSE) into part_out [parts, qlen*heads, rank] and
+ * part_lse [parts, qlen*heads], merged by mla_decode_cpu_merge.
+ * scratch: mla_decode_cpu_scratch_floats() floats, 64-byte aligned, one per thread.
+ * bf16_dot: 1 to use AVX512-BF16 dot products (bf16 cache and q only; the caller checks the
+ * CPU has AVX512-BF16 and AVX512BW): bf16 products, float32 sums, p rounded to bf16 for p.v.
+ * merge: n_merge triples (request, first part, number of parts <= 64). */
+#define MLA_DECODE_ARGS(X)                                                                \
+  X(const void*, cache) X(const void*, q) X(void*, out) X(float*, lse)                     \
+  X(const int32_t*, block_table) X(const int32_t*, seq_lens) X(const int64_t*, items)       \
+  X(const int64_t*, merge) X(float*, part_out) X(float*, part_lse) X(float*, scratch)       \
+  X(int64_t, batch) X(int64_t, qlen) X(int64_t, heads) X(int64_t, rank) X(int64_t, rope)    \
+  X(int64_t, num_blocks) X(int64_t, block_size) X(int64_t, block_stride)                   \
+  X(int64_t, row_stride) X(int64_t, bt_stride) X(int64_t, q_sb) X(int64_t, q_si)           \
+  X(int64_t, q_sh) X(int64_t, n_items) X(int64_t, n_merge) X(int32_t, cache_dt)            \
+  X(int32_t, q_dt) X(int32_t, out_dt) X(int32_t, bf16_dot) X(float, q_mult) X(float, v_mult)
+
+APP_NATIVE_STRUCT(mla_decode_args, MLA_DECODE_ARGS)
+
+/* 0 when done; 1 (nothing written) for an unsupported dtype or shape (rank % 64, D % 32). */
+APP_NATIVE_EXPORT int32_t mla_decode_cpu_run(const mla_decode_args* a);
+/* 0 when done: merges the partials of every request in a->merge into out/lse. */
+APP_NATIVE_EXPORT int32_t mla_decode_cpu_merge(const mla_decode_args* a);
+/* Scratch floats one thread needs for qlen * heads query rows of head dim rank + rope. */
+APP_NATIVE_EXPORT int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads,
+                                                        int64_t rank, int64_t rope);
+
+#endif /* MLA_DECODE_CPU_H */

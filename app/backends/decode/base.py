@@ -1,0 +1,274 @@
+"""The MLA decode backend contract: ``MLADecodeBackend`` and ``MLADecodeSelectorConfig``.
+
+Decode attention runs in MLA's *absorbed* form over the paged latent cache (one KV head):
+
+- ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]`` (the query with ``W_UK`` absorbed;
+  any strides; float16 / bfloat16 / float32),
+- ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` of the backend's
+  ``kv_cache_dtype``: row ``r`` of block ``b`` is one token's latent ``c_kv`` (first
+  ``kv_lora_rank`` values, which are also the value) followed by its rope key,
+- ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` (given once per step
+  to ``prepare_metadata``): token ``t`` of request ``b`` is row ``t % block_size`` of block
+  ``block_table[b, t // block_size]``; ``seq_lens[b]`` counts this step's ``query_len`` new
+  tokens, which are already written to the cache,
+- output ``out [B, query_len, H, kv_lora_rank]`` in ``q``'s dtype, and with
+  ``return_softmax_lse`` the LSE ``[H, B, query_len]`` float32, natural log (head-major, as
+  prefill's ``[H, T]``).
+
+Query row ``i`` (0-based) of request ``b`` sees keys ``[0, seq_lens[b] - query_len + i]``
+(causal inside the step, for multi-token prediction), so every row sees at least one key. The
+logits are ``softmax_scale * k_scale * (q . k)`` and the output is
+``k_scale * sum(p * c_kv)``: ``k_scale`` dequantises the cache (FP8), 1 when omitted. Every scale
+is an argument of every call; nothing is cached from an earlier call (a profiling run's
+placeholder scales must never leak into later calls).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from app._types import DeviceCapability
+from app._validation import check_int_at_least, is_int
+from app.backends._declarations import BackendDeclarations
+from app.backends.decode._checks import (
+    DecodeMetadata,
+    check_decode_inputs,
+    check_positive_scale,
+)
+
+if TYPE_CHECKING:
+    from app.config import EngineConfig
+
+__all__ = ["DecodeMetadata", "MLADecodeBackend", "MLADecodeSelectorConfig"]
+
+#: The largest uniform query length the contract allows (multi-token prediction).
+MAX_QUERY_LEN = 16
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    check_int_at_least(f"{type(instance).__name__}.{attribute.name}", value, 1)
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    check_int_at_least(f"{type(instance).__name__}.{attribute.name}", value, 0)
+
+
+def _query_len(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not is_int(value) or not 1 <= value <= MAX_QUERY_LEN:
+        raise ValueError(f"{type(instance).__name__}.query_len must be an int in "
+                         f"[1, {MAX_QUERY_LEN}], got {value!r}")
+
+
+@attrs.frozen
+class MLADecodeSelectorConfig:
+    """What decode selection reads: the cache/compute ``dtype``, the latent dims, the number
+    of query heads, the cache ``block_size`` and the step's uniform ``query_len`` (1..16)."""
+
+    dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
+    kv_lora_rank: int = attrs.field(validator=_positive_int)
+    qk_rope_head_dim: int = attrs.field(validator=_non_negative_int)
+    num_heads: int = attrs.field(validator=_positive_int)
+    block_size: int = attrs.field(validator=_positive_int)
+    query_len: int = attrs.field(default=1, validator=_query_len)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, query_len: int = 1
+                           ) -> MLADecodeSelectorConfig:
+        """The selector config of an ``EngineConfig`` (model dims, cache block size)."""
+        m = config.model
+        return cls(dtype=m.dtype, kv_lora_rank=m.kv_lora_rank,
+                   qk_rope_head_dim=m.qk_rope_head_dim, num_heads=m.num_heads,
+                   block_size=config.cache.block_size, query_len=query_len)
+
+
+class MLADecodeBackend(BackendDeclarations):
+    """Base class of every MLA decode backend (built-in or third party).
+
+    **Class declarations** (what the selector reads): ``get_name()``; ``supported_dtypes``
+    (cache dtypes); ``supported_block_sizes`` (empty = any); ``supported_head_dims``
+    (``(kv_lora_rank, qk_rope_head_dim)`` pairs, empty = any); ``max_query_len``;
+    ``requires_device_capability`` / ``supports_compute_capability``; ``is_available`` /
+    ``unavailable_reason``; ``validate_configuration`` lists every reason it cannot run.
+
+    **Instance API**: ``__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim,
+    kv_cache_dtype, *, device_capability=None)``; ``prepare_metadata(block_table, seq_lens,
+    query_len)`` once per step (``block_table`` int32 ``[B, max_blocks]``, ``seq_lens`` int32
+    ``[B]`` counting the step's new tokens, ``query_len`` an int 1..16 or one equal length per
+    request); ``run_decode(q, kv_cache, *, return_softmax_lse=False, out=None, k_scale=None,
+    softmax_scale=None)`` per layer: ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]``,
+    ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` -> ``out [B,
+    query_len, H, kv_lora_rank]`` (q's dtype), or ``(out, lse)`` with ``lse [H, B, query_len]``
+    float32 natural log. Semantics are in the module docstring.
+
+    The base checks everything before a subclass's ``_run_decode`` sees it: a non-uniform
+    batch, a block table narrower than ``seq_lens`` needs, a block id out of range, a cache of
+    the wrong width, dtype, device or rank, a ``q`` whose batch/query_len/heads do not match
+    the step, and non-finite or non-positive scales are ``ValueError``. An empty batch returns
+    empty outputs without running a kernel.
+    """
+
+    #: Cache dtypes the kernels read.
+    supported_dtypes: ClassVar[Sequence[torch.dtype]] = (torch.float16, torch.bfloat16)
+    #: Cache block sizes the kernels accept; empty means any.
+    supported_block_sizes: ClassVar[Sequence[int]] = ()
+    #: ``(kv_lora_rank, qk_rope_head_dim)`` pairs the kernels accept; empty means any.
+    supported_head_dims: ClassVar[Sequence[tuple[int, int]]] = ()
+    #: The largest uniform query length per request.
+    max_query_len: ClassVar[int] = MAX_QUERY_LEN
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        """Whether the kernels read a cache of this block size (any, when the list is empty)."""
+        return is_int(block_size) and block_size >= 1 and (
+            not cls.supported_block_sizes or block_size in cls.supported_block_sizes)
+
+    @classmethod
+    def supports_mla_dimensions(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> bool:
+        """Whether ``(kv_lora_rank, qk_rope_head_dim)`` is supported (any, when empty)."""
+        return (not cls.supported_head_dims
+                or (kv_lora_rank, qk_rope_head_dim) in cls.supported_head_dims)
+
+    @classmethod
+    def validate_configuration(cls, device_capability: DeviceCapability | None,
+                               selector_config: MLADecodeSelectorConfig) -> list[str]:
+        """Every reason this backend cannot run here, in a fixed order: capability, dtype,
+        availability, dimensions, block size, query_len. An empty list means valid."""
+        reasons = cls.platform_reasons(device_capability, selector_config.dtype)
+        rank, rope = selector_config.kv_lora_rank, selector_config.qk_rope_head_dim
+        if not cls.supports_mla_dimensions(rank, rope):
+            supported = ", ".join(f"({r}, {p})" for r, p in cls.supported_head_dims)
+            reasons.append(f"MLA dimensions (kv_lora_rank, qk_rope_head_dim) = ({rank}, "
+                           f"{rope}) not supported (supported: {supported})")
+        if not cls.supports_block_size(selector_config.block_size):
+            sizes = ", ".join(str(s) for s in cls.supported_block_sizes)
+            reasons.append(f"block size {selector_config.block_size} not supported "
+                           f"(supported: {sizes})")
+        if selector_config.query_len > cls.max_query_len:
+            reasons.append(f"query_len {selector_config.query_len} exceeds the maximum "
+                           f"{cls.max_query_len}")
+        return reasons
+
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
+                 kv_cache_dtype: torch.dtype, *,
+                 device_capability: DeviceCapability | None = None) -> None:
+        name = type(self).__name__
+        check_int_at_least(f"{name}: num_heads", num_heads, 1)
+        check_int_at_least(f"{name}: kv_lora_rank", kv_lora_rank, 1)
+        check_int_at_least(f"{name}: qk_rope_head_dim", qk_rope_head_dim, 0)
+        if not isinstance(kv_cache_dtype, torch.dtype):
+            raise TypeError(f"{name}: kv_cache_dtype must be a torch.dtype, got "
+                            f"{kv_cache_dtype!r}")
+        if not self.supports_dtype(kv_cache_dtype):
+            raise ValueError(f"{name}: kv_cache_dtype {kv_cache_dtype} not supported "
+                             f"(supported: {list(self.supported_dtypes)})")
+        if device_capability is not None and not isinstance(device_capability,
+                                                            DeviceCapability):
+            raise TypeError(f"{name}: device_capability must be a DeviceCapability or None, "
+                            f"got {device_capability!r}")
+        self.num_heads = num_heads
+        self.scale = check_positive_scale(f"{name}: scale", scale)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.head_dim = kv_lora_rank + qk_rope_head_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        self.device_capability = device_capability
+        self._metadata: DecodeMetadata | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig,
+                    device_capability: DeviceCapability | None = None) -> MLADecodeBackend:
+        """An instance for ``config.model``'s shape (cache dtype = the model dtype)."""
+        m = config.model
+        return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
+                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype,
+                   device_capability=device_capability)
+
+    def prepare_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         query_len: int | Sequence[int] | torch.Tensor) -> None:
+        """Take the step's layout (checked here, once per step, reused by every layer).
+
+        ``block_table`` int32 ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` (including the
+        step's new tokens, ``>= query_len``), ``query_len`` uniform in 1..``max_query_len``.
+        Subclasses that plan kernels override ``_plan`` (called with the checked metadata)."""
+        meta = DecodeMetadata.build(f"{type(self).__name__}.prepare_metadata", block_table,
+                                    seq_lens, query_len, self.max_query_len)
+        self._plan(meta)
+        self._metadata = meta
+
+    def _plan(self, metadata: DecodeMetadata) -> None:
+        """Hook: plan kernels for the step (default: nothing)."""
+
+    @property
+    def metadata(self) -> DecodeMetadata:
+        """The metadata of the current step (``ValueError`` before ``prepare_metadata``)."""
+        if self._metadata is None:
+            raise ValueError(f"{type(self).__name__}: call prepare_metadata() before "
+                             f"run_decode()")
+        return self._metadata
+
+    def run_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, *,
+                   return_softmax_lse: bool = False, out: torch.Tensor | None = None,
+                   softmax_scale: float | None = None,
+                   k_scale: float | torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed MLA decode of the step's queries over the paged cache.
+
+        ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]``, ``kv_cache [num_blocks,
+        block_size, kv_lora_rank + qk_rope_head_dim]`` -> ``out [B, query_len, H,
+        kv_lora_rank]`` in q's dtype (written into ``out=`` when given), and with
+        ``return_softmax_lse`` ``(out, lse)``, ``lse [H, B, query_len]`` float32 natural log,
+        contiguous: head-major like the prefill LSE ``[H, T]`` (viewed as ``[H, B * query_len]``
+        its tokens are request-major, the rows of ``out.view(B * query_len, H, -1)``), so
+        ``merge_attn_states`` takes it as is. ``softmax_scale`` defaults to the constructor's
+        ``scale``; ``k_scale`` (cache dequantisation) to 1. Both are read on every call."""
+        what = f"{type(self).__name__}.run_decode"
+        meta = self.metadata
+        scale = check_positive_scale(f"{what}: softmax_scale",
+                                     self.scale if softmax_scale is None else softmax_scale)
+        kscale = 1.0 if k_scale is None else check_positive_scale(f"{what}: k_scale", k_scale)
+        if not isinstance(return_softmax_lse, bool):
+            raise TypeError(f"{what}: return_softmax_lse must be a bool, got "
+                            f"{return_softmax_lse!r}")
+        check_decode_inputs(what, meta, q, kv_cache, out, num_heads=self.num_heads,
+                            kv_lora_rank=self.kv_lora_rank,
+                            qk_rope_head_dim=self.qk_rope_head_dim,
+                            kv_cache_dtype=self.kv_cache_dtype)
+        shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
+        target = out if out is not None and out.is_contiguous() else torch.empty(
+            shape, dtype=q.dtype, device=q.device)
+        # Kernels write the LSE token-major (next to their output rows); it is handed out
+        # head-major.
+        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device) \
+            if return_softmax_lse else None
+        if meta.batch:
+            self._run_decode(meta, q, kv_cache, target, lse, scale, kscale)
+        if out is not None and target is not out:
+            out.copy_(target)
+            target = out
+        if lse is None:
+            return target
+        return target, lse.permute(2, 0, 1).contiguous()
+
+    @abstractmethod
+    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        """Run the kernel on checked inputs (B >= 1): write ``out [B, query_len, H,
+        kv_lora_rank]`` (contiguous, q's dtype) and, when ``lse`` is not None, ``lse [B,
+        query_len, H]`` (contiguous float32, natural log). ``q`` may be non-contiguous."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_heads={self.num_heads}, "
+                f"kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
+                f"kv_cache_dtype={self.kv_cache_dtype})")
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly description of the instance."""
+        return {"name": self.get_name(), "class": f"{type(self).__module__}."
+                f"{type(self).__qualname__}", "num_heads": self.num_heads,
+                "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "kv_cache_dtype": str(self.kv_cache_dtype)}

@@ -1,0 +1,232 @@
+"""TORCH_SDPA: MLA prefill on torch's own fused attention kernels; runs everywhere.
+
+**CPU with AVX-512 and a C compiler** (the default there): the native
+kernel of :mod:`app.backends.cpu.prefill_kernel` (``cpu/csrc/mla_prefill_cpu.c``, built at
+first use;
+``cpu_native_kernel = False`` or ``APP_CPU_NATIVE_KERNEL=0`` turns it off). No padded ``v``,
+only the causal diagonal's 14 x 32 tiles are masked, bottom-right causal and empty rows
+handled in the kernel; fp16 (and bf16 on CPUs without AVX512-BF16) are converted while packing
+(float32 math). bf16 inputs on a CPU with AVX512-BF16 take the kernel's bf16-products build
+(:mod:`app.backends.cpu.prefill_kernel_bf16`: q.k and p.v through ``vdpbf16ps``, float32
+accumulation,
+probabilities rounded to bf16; ``cpu_bf16_kernel = False`` or ``APP_CPU_BF16_KERNEL=0`` turns
+it off). Its speed against aten's kernel and against this CPU's measured FMA / bf16
+dot-product peaks: ``python -m app bench prefill`` and docs/benchmarks.md.
+
+**CPU otherwise** (no AVX-512 or compiler, the native kernel switched off): aten's CPU flash
+kernel, whose quirks (equal head dims, top-left ``is_causal``, LSE 0 on rows that see no key)
+:mod:`app.backends.prefill._aten_cpu` works around, per call
+size: plain-matmul blocks for short float32
+causal calls (``cpu_blocked_rows``), masked chunks for other short causal calls
+(``cpu_causal_chunk``, up to ``cpu_chunked_causal_max`` rows), one ``is_causal`` call merged by
+LSE for long ones. A NaN or inf in a key or value goes to the dense per-request path
+(:mod:`app.backends.prefill._dense`), which keeps to the non-finite rule. The measured gains of each
+path and why each threshold has its value: docs/benchmarks.md ("TORCH_SDPA on CPU: paths and
+thresholds").
+
+**CUDA**: torch's varlen flash kernel (``aten::_flash_attention_forward``, v padded to the
+q/k head dim, fp16/bf16, head dim <= 256), else the varlen memory-efficient kernel
+(``aten::_efficient_attention_forward``, bottom-right causal mask type), else a per-request float32
+matmul-softmax-matmul: ``cuda_kernel`` decides from the device capability passed in at construction
+and the head dims; a kernel's run-time error (out of memory included) propagates. Not run on a GPU
+in this project's CI; see docs/gpu-results.md.
+
+No path syncs with the device per request: lengths come from the host copies of the
+``cu_seqlens`` read once in ``prepare_metadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from app._types import DeviceCapability
+from app.backends.cpu.prefill_kernel import (
+    V_HEAD_DIM_MULTIPLE,
+    NativeMLAPrefillKernel,
+    NativePlan,
+    load_native_kernel,
+)
+from app.backends.cpu.prefill_kernel_bf16 import load_native_bf16_kernel
+from app.backends.prefill._aten_cpu import AtenCpuPrefill, cpu_compute_dtype
+from app.backends.prefill._dense import all_finite, attend_dense
+from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
+
+if TYPE_CHECKING:
+    from app.backends.prefill.kernel_base import KernelWorkspaces
+    from app.config import EngineConfig
+
+__all__ = ["TorchSDPABackend", "cpu_compute_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_NEG_INF = float("-inf")
+
+
+class TorchSDPABackend(RaggedKernelBackend):
+    """Torch's fused attention kernels: the CPU default and the GPU fallback."""
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float16, torch.bfloat16, torch.float32)
+    supports_out: ClassVar[bool] = True
+    requires_device_capability: ClassVar[bool] = False
+    requires_cuda: ClassVar[bool] = False
+    needs_lse_buffer: ClassVar[bool] = True
+
+    #: Use the native AVX-512 kernel on CPU where it builds (else the aten kernel below).
+    cpu_native_kernel: ClassVar[bool] = True
+    #: bf16 inputs on the kernel's bf16-products build where the CPU has AVX512-BF16
+    #: (``APP_CPU_BF16_KERNEL=0`` or False here: the float32-math kernel instead).
+    cpu_bf16_kernel: ClassVar[bool] = True
+    #: Query rows per chunk of a short causal call on the aten CPU path (0: never chunk);
+    #: 256 keeps the kernel's 64-row query blocks (docs/benchmarks.md).
+    cpu_causal_chunk: ClassVar[int] = 256
+    #: Causal calls with at most this many query rows (after dropping rows that see no key)
+    #: run in chunks (or plain-matmul blocks); longer ones as one ``is_causal`` call.
+    cpu_chunked_causal_max: ClassVar[int] = 768
+    #: Query rows per block of the plain-matmul path for short float32 causal calls (0: use
+    #: the aten kernel's chunks instead); keys past a block's last row are skipped.
+    cpu_blocked_rows: ClassVar[int] = 64
+
+    @staticmethod
+    def get_name() -> str:
+        """``"TORCH_SDPA"``."""
+        return "TORCH_SDPA"
+
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
+                 *, device_capability: DeviceCapability | None = None,
+                 workspaces: KernelWorkspaces | None = None) -> None:
+        super().__init__(num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                         v_head_dim, config, device_capability=device_capability,
+                         workspaces=workspaces)
+        # Calls may run on several threads at once (layers of one step): the aten paths
+        # share their mask caches under a lock and keep one v buffer per thread.
+        self._aten = AtenCpuPrefill(
+            num_heads, self.qk_head_dim, v_head_dim, self.scale,
+            causal_chunk=self.cpu_causal_chunk, chunked_causal_max=self.cpu_chunked_causal_max,
+            blocked_rows=self.cpu_blocked_rows)
+        self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
+        self._native_bf16: NativeMLAPrefillKernel | bool | None = False
+
+    def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
+                ) -> None:
+        if lse is None:  # pragma: no cover - needs_lse_buffer
+            raise RuntimeError("TORCH_SDPA needs an LSE buffer")
+        if q.device.type == "cpu":
+            self._run_cpu(layout, q, k, v, causal, out, lse)
+        elif q.device.type == "cuda":
+            self._run_cuda(layout, q, k, v, causal, out, lse)
+        else:
+            self._run_dense(layout, q, k, v, causal, out, lse)
+
+    # -- CPU ------------------------------------------------------------------------------
+
+    def _native_kernel(self, dtype: torch.dtype) -> NativeMLAPrefillKernel | None:
+        """The native kernel if this call can use it (looked up once per instance)."""
+        # Every input dtype the kernel reads; bf16 on the bf16-products build where the CPU
+        # has AVX512-BF16 (measured ~1.8x the float32 math on 1 x 4096), else float32 math
+        # (which still beat aten's bf16 flash kernel).
+        if not self.cpu_native_kernel or self.v_head_dim % V_HEAD_DIM_MULTIPLE:
+            return None
+        if dtype == torch.bfloat16 and self.cpu_bf16_kernel:
+            if self._native_bf16 is False:
+                self._native_bf16 = load_native_bf16_kernel()
+            if isinstance(self._native_bf16, NativeMLAPrefillKernel):
+                return self._native_bf16
+        if self._native is False:
+            self._native = load_native_kernel()
+        kernel = self._native if isinstance(self._native, NativeMLAPrefillKernel) else None
+        return kernel if kernel is not None and dtype in kernel.dtype_codes else None
+
+    def _run_cpu_native(self, kernel: NativeMLAPrefillKernel, layout: RaggedLayout,
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        result: torch.Tensor, lse: torch.Tensor) -> None:
+        def unit_last(x: torch.Tensor) -> torch.Tensor:
+            return x if x.stride(-1) == 1 else x.contiguous()
+
+        def make_plan() -> NativePlan:  # one plan per step, shared by every layer
+            return kernel.plan(layout.q_starts, layout.q_lens, layout.kv_starts,
+                               layout.kv_lens, total_q=layout.total_q,
+                               total_kv=layout.total_kv, num_heads=self.num_heads,
+                               head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim)
+
+        plan = self._step_cache.get(layout, "native-plan", make_plan)
+        kernel.run(plan, unit_last(q), unit_last(k), unit_last(v), causal, self.scale, result,
+                   lse)
+
+    def _run_cpu(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 causal: bool, result: torch.Tensor, lse: torch.Tensor) -> None:
+        native = self._native_kernel(q.dtype)
+        if native is not None:
+            self._run_cpu_native(native, layout, q, k, v, causal, result, lse)
+        elif not all_finite(k, v):
+            # A NaN or inf in a key or value: the aten kernel would leak it from masked keys
+            # (score + -inf, 0 * NaN) into every row; the dense path keeps to the rule (see
+            # app.backends.prefill._dense). Corrupt input is rare, so its speed does not matter.
+            self._run_dense(layout, q, k, v, causal, result, lse)
+        else:
+            self._aten.run(layout, q, k, v, causal, result, lse)
+
+    # -- generic per-request fallback -----------------------------------------------------
+
+    def _run_dense(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
+                   ) -> None:
+        """Per-request float32 matmul-softmax-matmul (lengths from the host layout), NaN
+        and inf handled by the rule of :mod:`app.backends.prefill._dense`."""
+        for qs, ks, q_len, kv_len in zip(layout.q_starts, layout.kv_starts, layout.q_lens,
+                                         layout.kv_lens, strict=True):
+            if q_len == 0:
+                continue
+            if kv_len == 0:
+                result[qs:qs + q_len].zero_()
+                lse[:, qs:qs + q_len].fill_(_NEG_INF)
+                continue
+            attend_dense(q[qs:qs + q_len], k[ks:ks + kv_len], v[ks:ks + kv_len], causal,
+                         self.scale, result[qs:qs + q_len], lse[:, qs:qs + q_len])
+
+    # -- CUDA ---------------------------------------------------------------------------
+
+    def cuda_kernel(self, dtype: torch.dtype) -> str:
+        """Which CUDA path runs ``dtype`` inputs, decided from the device capability passed in
+        and the head dims (never by trying a kernel and catching its error): ``"flash"``
+        (SM80+, fp16/bf16, q/k head dim <= 256 and a multiple of 8, v <= q/k), else
+        ``"efficient"`` (SM50+, head dims multiples of 8), else ``"dense"``.
+        ``ValueError`` when the backend was built without a capability."""
+        cap = self._require_capability()
+        dqk, dv = self.qk_head_dim, self.v_head_dim
+        half = dtype in (torch.float16, torch.bfloat16)
+        if cap.major >= 8 and half and dv <= dqk <= 256 and dqk % 8 == 0:
+            return "flash"
+        if cap.major >= 5 and dqk % 8 == 0 and dv % 8 == 0:
+            return "efficient"
+        return "dense"
+
+    def _run_cuda(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
+                  ) -> None:
+        """The path ``cuda_kernel`` picks; a kernel's error (out of memory included)
+        propagates to the caller."""
+        dqk, dv = self.qk_head_dim, self.v_head_dim
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+        kernel = self.cuda_kernel(q.dtype)
+        if kernel == "flash":
+            vp = v if dv == dqk else torch.nn.functional.pad(v, (0, dqk - dv))
+            o, lg, *_ = torch.ops.aten._flash_attention_forward(
+                q, k, vp, layout.cu_q, layout.cu_kv, layout.max_q, layout.max_kv, 0.0,
+                causal, False, scale=self.scale)
+            result.copy_(o[..., :dv])
+            self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+        elif kernel == "efficient":
+            o, lg, *_ = torch.ops.aten._efficient_attention_forward(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, layout.cu_q,
+                layout.cu_kv, layout.max_q, layout.max_kv, 0.0, 2 if causal else 0, True,
+                scale=self.scale)
+            result.copy_(o[0])
+            self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+        else:
+            self._run_dense(layout, q, k, v, causal, result, lse)

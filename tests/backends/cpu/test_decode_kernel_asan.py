@@ -1,0 +1,42 @@
+"""The native CPU decode kernel built with AddressSanitizer and UBSan and run by a C driver
+(``native/asan_decode_driver.c``) on shapes around every block-size, head-count, query-length
+and split edge, each buffer allocated at exactly the size the kernel is told and NaN in the
+unused rows of every last block: an out-of-bounds read or write, or a read past ``seq_len``,
+fails the test. Skipped where the kernel cannot run (no AVX-512, no C compiler) or the
+compiler has no sanitizers."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from app.backends.cpu import loader as loader
+from app.backends.cpu import prefill_kernel as prefill_native
+from app.backends.decode import cpu_mla as cpu_mla_decode
+
+DRIVER = Path(__file__).with_name("native") / "asan_decode_driver.c"
+SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-mavx512f", "-mfma", "-mf16c"]
+
+
+def test_decode_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Path) -> None:
+    compiler = loader.find_compiler()
+    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64") \
+            or not prefill_native._cpu_has_avx512():
+        pytest.skip("the native kernel cannot run here (needs x86-64, AVX-512, a C compiler)")
+    exe = tmp_path / "asan_decode_driver"
+    sources = [str(loader.NATIVE_DIR / s) for s in cpu_mla_decode.SPEC.sources]
+    build = subprocess.run([compiler, *SANITIZE, "-I", str(loader.NATIVE_DIR), str(DRIVER),
+                            *sources, "-o", str(exe), "-lm"],
+                           capture_output=True, text=True, timeout=120)
+    if build.returncode != 0:
+        if "sanitize" in build.stderr or "asan" in build.stderr.lower():
+            pytest.skip(f"{compiler} cannot build with sanitizers: {build.stderr[-300:]}")
+        pytest.fail(f"the kernel or driver did not compile:\n{build.stderr[-2000:]}")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                         env={"ASAN_OPTIONS": "detect_leaks=0"})  # the kernel allocates nothing
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    assert run.stdout.strip().endswith(" 0 bad"), run.stdout

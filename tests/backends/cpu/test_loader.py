@@ -1,0 +1,384 @@
+"""The native-library loader: private cache directories, no planted library ever loaded,
+corrupt cache files rebuilt, the ABI version and argument-struct layout checked at load.
+
+Most tests build a tiny library (``tiny.c`` written per test) so they take well under a second
+each; the last ones use the real prefill kernel."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.backends.cpu import loader as loader
+from app.backends.cpu import prefill_kernel as native
+from app.commands.platform import cpu_native_kernel
+
+pytestmark = pytest.mark.skipif(loader.find_compiler() is None, reason="needs a C compiler")
+
+TINY = r"""
+#include <stdio.h>
+#include "app_native.h"
+#define TINY_ARGS(X) X(const float*, x) X(float*, out) X(int64_t, n) X(float, scale)
+APP_NATIVE_STRUCT(tiny_args, TINY_ARGS)
+APP_NATIVE_LIBRARY(TINY_ABI)
+APP_NATIVE_STRUCT_LAYOUT(tiny_args, TINY_ARGS)
+APP_NATIVE_EXPORT int32_t tiny_scale(const tiny_args* a) {
+  for (int64_t i = 0; i < a->n; ++i) a->out[i] = a->x[i] * a->scale;
+  return 0;
+}
+#ifdef PLANT  /* what an attacker's library does: run code the moment it is loaded */
+__attribute__((constructor)) static void planted(void) {
+  FILE* f = fopen(PLANT, "w");
+  if (f) fclose(f);
+}
+#endif
+"""
+
+
+class TinyArgs(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
+
+
+class SwappedArgs(ctypes.Structure):  # same size, two fields in the wrong order
+    _fields_ = [("out", ctypes.c_void_p), ("x", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
+
+
+def tiny_works(library: loader.NativeLibrary) -> str | None:
+    fn = library.function("tiny_scale", ctypes.c_int32, ctypes.POINTER(TinyArgs))
+    x, out = (ctypes.c_float * 3)(1.0, 2.0, 3.0), (ctypes.c_float * 3)()
+    args = TinyArgs(ctypes.addressof(x), ctypes.addressof(out), 3, 2.0)
+    if fn(ctypes.byref(args)) != 0 or list(out) != [2.0, 4.0, 6.0]:
+        return f"tiny_scale gave {list(out)}"
+    return None
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh cache root (``$APP_CACHE_DIR``), private temp dir and tiny source."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    monkeypatch.setenv(loader.CACHE_DIR_ENV, str(home / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    (tmp_path / "tiny.c").write_text(TINY)
+    loader.reset_native_libraries()
+    yield tmp_path
+    loader.reset_native_libraries()
+
+
+def spec(root: Path, abi: int = 3, declared_abi: int = 3, **kw: object) -> loader.NativeLibrarySpec:
+    fields: dict[str, object] = {"structs": (("tiny_args", TinyArgs),), "self_test": tiny_works}
+    fields.update(kw)
+    return loader.NativeLibrarySpec(name=f"tiny{abi}", sources=(str(root / "tiny.c"),),
+                                    abi_version=declared_abi,
+                                    flags=("-O1", f"-DTINY_ABI={abi}"), **fields)  # type: ignore[arg-type]
+
+
+def cache_dir(root: Path) -> Path:
+    return root / "home" / "cache" / "cpu-kernels"
+
+
+def fallback_dir(root: Path) -> Path:
+    return root / "tmp" / f"app-{os.geteuid()}"
+
+
+def plant(root: Path, target: Path, marker: Path, mode: int = 0o755) -> None:
+    """An attacker's library, at the exact name the loader will look for."""
+    compiler = loader.find_compiler()
+    assert compiler is not None
+    import subprocess
+
+    subprocess.run([compiler, "-shared", "-fPIC", "-I", str(loader.NATIVE_DIR), "-DTINY_ABI=3",
+                    f'-DPLANT="{marker}"', "-o", str(target), str(root / "tiny.c")],
+                   check=True, capture_output=True)
+    target.chmod(mode)
+
+
+def expected_path(directory: Path, s: loader.NativeLibrarySpec) -> Path:
+    compiler = loader.find_compiler()
+    assert compiler is not None
+    return directory / loader._library_file_name(s, compiler)
+
+
+def test_builds_into_directories_it_creates_private(env: Path) -> None:
+    status = loader.load_native_library(spec(env))
+    assert status.available, status.reasons
+    assert status.library is not None and tiny_works(status.library) is None
+    directory = cache_dir(env)
+    assert status.path is not None and status.path.parent == directory
+    for d in (directory, directory.parent):  # created by the loader: 0700
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE(status.path.stat().st_mode) & 0o022 == 0
+    assert [p.name for p in directory.iterdir()] == [status.path.name]  # no build leftovers
+    assert status.notes == ()
+    assert status.library.dtype_code(__import__("torch").bfloat16) == 1
+
+
+@pytest.mark.parametrize("where", ["cache", "fallback", "both"])
+def test_a_library_planted_in_a_world_writable_directory_is_never_loaded(
+        env: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The issue's case: the cache directory cannot be created (a service account whose home
+    is not writable) and another user has made the /tmp fallback world-writable and put a
+    library under the expected name there."""
+    s = spec(env)
+    marker = env / "planted-code-ran"
+    planted = []
+    for name, directory in (("cache", cache_dir(env)), ("fallback", fallback_dir(env))):
+        if where in (name, "both"):
+            directory.mkdir(parents=True)
+            directory.chmod(0o777)  # as another local user would leave it
+            plant(env, expected_path(directory, s), marker)
+            planted.append(directory)
+    if where == "fallback":  # the cache directory cannot be created
+        (env / "not-a-dir").write_text("")
+        monkeypatch.setenv(loader.CACHE_DIR_ENV, str(env / "not-a-dir" / "cache"))
+    status = loader.load_native_library(s)
+    assert not marker.exists(), "the planted library's constructor ran"
+    for directory in planted:
+        assert any(f"refused cache directory {directory}" in text and "writable by group or "
+                   "others" in text for text in (*status.notes, *status.reasons))
+    if where == "cache":
+        assert status.available and status.path is not None
+        assert status.path.parent == fallback_dir(env)
+        assert stat.S_IMODE(fallback_dir(env).stat().st_mode) == 0o700
+    else:
+        assert not status.available and status.reasons[0].startswith("no usable cache dir")
+        if where == "fallback":
+            assert "cannot create" in status.reasons[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another "
+                    "user owns")
+def test_a_directory_owned_by_another_user_is_refused(env: Path) -> None:
+    s = spec(env)
+    marker = env / "planted-code-ran"
+    directory = cache_dir(env)
+    directory.mkdir(parents=True, mode=0o755)
+    plant(env, expected_path(directory, s), marker)
+    os.chown(directory, 65534, 65534)
+    status = loader.load_native_library(s)
+    assert not marker.exists()
+    assert status.available and status.path is not None
+    assert status.path.parent == fallback_dir(env)
+    assert "is owned by uid 65534, not by this user" in status.notes[0]
+
+
+def test_a_parent_others_can_write_without_the_sticky_bit_is_refused(env: Path) -> None:
+    open_parent = env / "home" / "cache"
+    open_parent.mkdir(parents=True)
+    open_parent.chmod(0o777)  # anyone could rename cpu-kernels away and put theirs there
+    status = loader.load_native_library(spec(env))
+    assert status.available and status.path is not None
+    assert status.path.parent == fallback_dir(env)
+    assert "writable by group or others and not sticky" in status.notes[0]
+
+
+def test_reasons_reach_the_platform_command(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native._requirements():
+        pytest.skip(f"the prefill kernel cannot run here: {native._requirements()}")
+    cache_dir(env).mkdir(parents=True)
+    cache_dir(env).chmod(0o777)
+    native._reset_for_tests()
+    try:
+        text = cpu_native_kernel()
+    finally:
+        native._reset_for_tests()
+    assert text.startswith(f"available ({fallback_dir(env)}")
+    assert f"note: refused cache directory {cache_dir(env)}" in text
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o775])
+def test_a_cached_file_others_can_write_is_not_loaded_but_replaced(env: Path,
+                                                                   mode: int) -> None:
+    s = spec(env)
+    marker = env / "planted-code-ran"
+    cache_dir(env).mkdir(parents=True, mode=0o700)
+    target = expected_path(cache_dir(env), s)
+    plant(env, target, marker, mode)
+    status = loader.load_native_library(s)
+    assert not marker.exists()
+    assert status.available and status.path == target
+    assert stat.S_IMODE(target.stat().st_mode) & 0o022 == 0
+    assert "writable by group or others" in status.notes[0] and "rebuilt" in status.notes[0]
+
+
+def test_a_symlink_in_the_cache_is_not_followed(env: Path) -> None:
+    s = spec(env)
+    marker = env / "planted-code-ran"
+    elsewhere = env / "elsewhere.so"
+    plant(env, elsewhere, marker)
+    cache_dir(env).mkdir(parents=True, mode=0o700)
+    target = expected_path(cache_dir(env), s)
+    target.symlink_to(elsewhere)
+    status = loader.load_native_library(s)
+    assert not marker.exists()
+    assert status.available and not target.is_symlink()
+    assert "symbolic link" in status.notes[0]
+
+
+def test_a_corrupt_cached_file_is_rebuilt(env: Path) -> None:
+    s = spec(env)
+    cache_dir(env).mkdir(parents=True, mode=0o700)
+    target = expected_path(cache_dir(env), s)
+    target.write_bytes(b"\x00" * 64)  # a truncated write, a full disk, a bad copy
+    target.chmod(0o700)
+    status = loader.load_native_library(s)
+    assert status.available, status.reasons
+    assert status.library is not None and tiny_works(status.library) is None
+    assert "invalid ELF header" in status.notes[0] or "too short" in status.notes[0]
+    assert "rebuilt" in status.notes[0]
+
+
+def test_a_cached_library_with_another_abi_is_rebuilt(env: Path) -> None:
+    s = spec(env)
+    cache_dir(env).mkdir(parents=True, mode=0o700)
+    target = expected_path(cache_dir(env), s)
+    # A stale build of the same name but another ABI (say, a hash collision or a hand copy).
+    import subprocess
+
+    compiler = loader.find_compiler()
+    assert compiler is not None
+    subprocess.run([compiler, "-shared", "-fPIC", "-I", str(loader.NATIVE_DIR), "-DTINY_ABI=1",
+                    "-o", str(target), str(env / "tiny.c")], check=True, capture_output=True)
+    target.chmod(0o700)
+    status = loader.load_native_library(s)
+    assert status.available, status.reasons
+    assert "ABI version 1, expected 3" in status.notes[0]
+
+
+def test_a_library_with_the_wrong_abi_version_is_refused(env: Path) -> None:
+    status = loader.load_native_library(spec(env, abi=4, declared_abi=3))
+    assert not status.available and status.library is None
+    assert "ABI version 4, expected 3" in status.reasons[0]
+    assert list(cache_dir(env).iterdir()) == []  # not left for the next process
+
+
+def test_a_struct_whose_fields_disagree_is_refused(env: Path) -> None:
+    status = loader.load_native_library(spec(env, structs=(("tiny_args", SwappedArgs),)))
+    assert not status.available
+    assert "field out at offset 8 in C, 0 in Python" in status.reasons[0]
+
+
+def test_a_struct_the_library_does_not_describe_is_refused(env: Path) -> None:
+    status = loader.load_native_library(spec(env, structs=(("other_args", TinyArgs),)))
+    assert not status.available and "exports no layout" in status.reasons[0]
+
+
+def test_a_failing_or_raising_self_test_is_a_reason(env: Path) -> None:
+    failed = loader.load_native_library(spec(env, self_test=lambda lib: "wrong answer"))
+    assert not failed.available and "wrong answer" in failed.reasons[0]
+    loader.reset_native_libraries()
+
+    def raises(lib: loader.NativeLibrary) -> str | None:
+        raise ZeroDivisionError("boom")
+
+    raised = loader.load_native_library(spec(env, self_test=raises))
+    assert not raised.available and "ZeroDivisionError: boom" in raised.reasons[0]
+
+
+def test_loaded_once_per_process_and_names_are_unique(env: Path) -> None:
+    first = loader.load_native_library(spec(env))
+    assert loader.load_native_library(spec(env)) is first
+    with pytest.raises(ValueError, match="two different specs use this name"):
+        loader.load_native_library(spec(env, self_test=None))
+
+
+def test_requirements_are_reasons_and_a_bad_setting_raises(env: Path) -> None:
+    status = loader.load_native_library(spec(env, requirements=lambda: ["needs a unicorn"]))
+    assert not status.available and status.reasons == ("needs a unicorn",)
+    loader.reset_native_libraries()
+
+    def bad() -> list[str]:
+        raise ValueError("bad setting")
+
+    with pytest.raises(ValueError, match="bad setting"):
+        loader.load_native_library(spec(env, requirements=bad))
+    assert "tiny3" not in loader._results  # nothing cached
+
+
+def test_read_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APP_TEST_SWITCH", " Off ")
+    assert loader.read_switch("APP_TEST_SWITCH") is False
+    monkeypatch.delenv("APP_TEST_SWITCH")
+    assert loader.read_switch("APP_TEST_SWITCH") is True
+    monkeypatch.setenv("APP_TEST_SWITCH", "2")
+    with pytest.raises(ValueError, match="expected one of 1/true/on/yes"):
+        loader.read_switch("APP_TEST_SWITCH")
+
+
+def test_the_prefill_kernel_checks_its_struct_and_codes_from_the_library() -> None:
+    kernel = native.load_native_kernel()
+    if kernel is None:
+        pytest.skip(f"native kernel unavailable: {native.native_kernel_status().reasons}")
+    import torch
+
+    assert set(kernel.dtype_codes) == {torch.float32, torch.bfloat16, torch.float16}
+    assert len(set(kernel.dtype_codes.values())) == 3
+
+
+def test_processes_building_at_once_leave_one_library_and_no_temp_files(env: Path) -> None:
+    """Builds go to private temp directories and are renamed into place: processes racing
+    on an empty cache all load a whole library."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ctypes, sys, tempfile\n"
+        "from app.backends.cpu import loader as loader\n"
+        "tempfile.tempdir = sys.argv[2]\n"
+        "class A(ctypes.Structure):\n"
+        "    _fields_ = [('x', ctypes.c_void_p), ('out', ctypes.c_void_p),"
+        " ('n', ctypes.c_int64), ('scale', ctypes.c_float)]\n"
+        "s = loader.NativeLibrarySpec(name='tiny3', sources=(sys.argv[1],), abi_version=3,"
+        " flags=('-O1', '-DTINY_ABI=3'), structs=(('tiny_args', A),))\n"
+        "st = loader.load_native_library(s)\n"
+        "print(st.available, st.path, st.reasons)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(env / "tiny.c"),
+                               str(env / "tmp")], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert all(o.startswith("True ") for o in outputs), outputs
+    assert len({o.split()[1] for o in outputs}) == 1
+    assert len(list(cache_dir(env).iterdir())) == 1  # one library, no build directories
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_loader_lock_is_held_can_load(env: Path) -> None:
+    import faulthandler
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with loader._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 3
+            try:
+                faulthandler.dump_traceback_later(20, exit=True)  # a deadlock fails, not hangs
+                code = 0 if loader.load_native_library(spec(env)).available else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0

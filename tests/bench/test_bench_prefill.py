@@ -1,0 +1,131 @@
+"""``python -m app bench prefill --quick``: the JSON it prints and its baseline's correctness."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from app.bench import prefill
+from app.cli import main
+from app.testing import reference_attention
+
+
+def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--json", "prefill", "--quick", "--dtypes", "fp32"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["ok"] is True and result["errors"] == []
+    assert result["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert result["matmul_fp32_gflops"] > 0
+    rows = [r for r in result["results"] if r["backend"] == "TORCH_SDPA"]
+    assert {r["case"] for r in rows} == {c.name for c in prefill.default_cases(quick=True)}
+    for row in rows:
+        assert row["ms"] > 0 and row["gflops"] > 0 and row["baseline_ms"] > 0
+        # rel: both figures are rounded to 0.1 GFLOP/s (a slow matmul on a busy machine
+        # makes the ratio large and an absolute bound too tight)
+        assert row["ratio_to_matmul"] == pytest.approx(
+            row["gflops"] / result["matmul_fp32_gflops"], rel=1e-2, abs=2e-3)
+        assert row["ratio_to_matmul_paired"] > 0
+    assert result["targets"] == []  # the issue's targets are on the full-size cases only
+    peaks = result["peaks"]
+    if result["device"] != "cpu" or peaks["kinds"].get("fp32_fma") != "measured":
+        return
+    assert peaks["fp32_fma_gflops"] > 0 and result["target_measure"].startswith("fraction_of")
+    for row in rows:  # float32 math: the fp32 FMA peak bounds every fp32 row
+        assert row["bound_peak"] == "fp32_fma"
+        assert row["peak_gflops"] == peaks["fp32_fma_gflops"]
+        assert row["fraction_of_peak"] == pytest.approx(
+            row["gflops"] / peaks["fp32_fma_gflops"], rel=5e-3, abs=2e-3)
+        assert row["fraction_of_peak_paired"] > 0
+
+
+def test_readable_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "prefill", "--quick", "--dtypes", "bf16", "--no-baseline",
+                 "--backends", "TORCH_SDPA"]) == 0
+    text = capsys.readouterr().out
+    assert "TORCH_SDPA" in text and "GFLOP/s" in text
+
+
+def test_bad_arguments() -> None:
+    assert main(["bench", "prefill", "--quick", "--dtypes", "int8"]) == 2
+    assert main(["bench", "prefill", "--quick", "--backends", "NOPE"]) == 2
+
+
+def test_flop_count_and_targets() -> None:
+    case = prefill.Case("1x4096", (4096,))
+    dims = prefill._DIMS
+    assert case.flops(16, dims) == 2 * 320 * 16 * 4096 * 4096 / 2
+    ctx = prefill.Case("ctx", (512,), (2048,))
+    assert ctx.flops(16, dims) == 2 * 320 * 16 * 512 * 2048
+    rows = [{"backend": "TORCH_SDPA", "case": "4x512", "dtype": "float32",
+             "speedup_vs_baseline": 2.5, "speedup_vs_vllm_algorithm": 3.2,
+             "ratio_to_matmul": 0.3},
+            {"backend": "TORCH_SDPA", "case": "1x4096", "dtype": "float32",
+             "ratio_to_matmul": 0.8, "ratio_to_matmul_paired": 0.6}]
+    targets = prefill._targets(rows)  # no peak measured: the matmul rate stands in
+    assert [t["pass"] for t in targets] == [True, False]
+    assert targets[0]["value"] == 3.2 and targets[0]["vs_strict_dense_baseline"] == 2.5
+    assert targets[1]["value"] == 0.6 and targets[1]["best_vs_best_of_run"] == 0.8
+    assert "matmul" in targets[1]["name"]
+
+
+def test_peak_targets_read_the_bounding_peak() -> None:
+    rows = [{"backend": "TORCH_SDPA", "case": "1x4096", "dtype": "float32",
+             "ratio_to_matmul": 1.4, "ratio_to_matmul_paired": 1.5, "bound_peak": "fp32_fma",
+             "fraction_of_peak": 0.74, "fraction_of_peak_paired": 0.76},
+            {"backend": "TORCH_SDPA", "case": "1x4096", "dtype": "bfloat16",
+             "ratio_to_matmul": 2.0, "ratio_to_matmul_paired": 2.0, "bound_peak": "bf16_dot",
+             "fraction_of_peak": 0.61, "fraction_of_peak_paired": 0.59}]
+    targets = prefill._targets(rows)
+    assert [(t["target"], t["value"], t["pass"]) for t in targets] == [
+        (0.75, 0.76, True), (0.6, 0.59, False)]
+    assert "fp32_fma peak" in targets[0]["name"] and "bf16_dot peak" in targets[1]["name"]
+    assert targets[0]["ratio_to_matmul_paired"] == 1.5  # kept beside the target
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_baseline_is_correct(causal: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 5, 17]
+    q = torch.randn(17, 4, 192, generator=gen)
+    k = torch.randn(17, 4, 192, generator=gen)
+    v = torch.randn(17, 4, 128, generator=gen)
+    out, lse = prefill.dense_baseline(q, k, v, cu, cu, causal, 1 / math.sqrt(192))
+    ref_out, ref_lse = reference_attention(q, k, v, cu, cu, causal, 1 / math.sqrt(192))
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_vllm_algorithm_baseline_matches_the_strict_baseline() -> None:
+    torch.manual_seed(0)
+    q, k = torch.randn(12, 4, 24), torch.randn(12, 4, 24)
+    v = torch.randn(12, 4, 16)
+    cu = [0, 5, 12]
+    out_a, lse_a = prefill.vllm_algorithm_baseline(q, k, v, cu, cu, True, 0.2)
+    out_b, lse_b = prefill.dense_baseline(q, k, v, cu, cu, True, 0.2)
+    torch.testing.assert_close(out_a, out_b.to(out_a.dtype), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_a, lse_b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_registered_third_party_backend_can_be_benchmarked() -> None:
+    from app.backends import register_mla_prefill_backend
+    from app.backends.prefill.torch_sdpa import TorchSDPABackend
+    from app.containers import use_container
+
+    class ThirdParty(TorchSDPABackend):
+        @staticmethod
+        def get_name() -> str:
+            return "THIRD_PARTY_BENCH"
+
+    container = prefill._bench_container(torch.device("cpu"), torch.float32, 2)
+    with use_container(container):
+        register_mla_prefill_backend("THIRD_PARTY_BENCH", ThirdParty)
+    builders, skipped = prefill._backend_classes("third_party_bench", container)
+    assert skipped == {} and len(builders) == 1
+    backend = builders[0]()
+    assert isinstance(backend, ThirdParty)
+    assert backend.workspaces is container.kernel_workspaces()
+    builders, _ = prefill._backend_classes("valid", container)
+    assert any(isinstance(build(), ThirdParty) for build in builders)
