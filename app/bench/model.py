@@ -88,7 +88,8 @@ def make_bench_checkpoint(directory: Path, dtype: torch.dtype, seed: int = 0) ->
                           "'app[test]' (or pass --model DIR)") from None
     torch.manual_seed(seed)
     config = transformers.DeepseekV3Config(**BENCH_MODEL)
-    model = transformers.DeepseekV3ForCausalLM(config).to(dtype)
+    model: Any = transformers.DeepseekV3ForCausalLM(config)
+    model = model.to(dtype)
     model.save_pretrained(directory)
     del model
     return directory
@@ -126,8 +127,8 @@ class _Transformers:
     def __init__(self, directory: Path, dtype: torch.dtype) -> None:
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype).eval()
+        model: Any = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        self.model = model.eval()
 
     def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
         ids = torch.tensor(prompts)
