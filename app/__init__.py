@@ -2,7 +2,8 @@
 hooks for LLM serving engines.
 
 The public API is re-exported here; the subpackages (``app.backends``, ``app.kvcache``,
-``app.platforms``, ``app.mla``, ``app.testing``) hold the rest.
+``app.platforms``, ``app.model`` (the DeepSeek-V2/V3 model and its checkpoint loader),
+``app.mla`` (the engine loop), ``app.testing``) hold the rest.
 """
 
 import logging

@@ -33,12 +33,13 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
-    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache on
-    ``device``, the pool's per-block bookkeeping on the host. Checked before the pool is built
-    (a huge ``num_blocks`` would otherwise spend minutes building it, then fail)."""
+def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1) -> None:
+    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache of
+    ``num_layers`` layers on ``device``, the pool's per-block bookkeeping on the host. Checked
+    before the pool is built (a huge ``num_blocks`` would otherwise spend minutes building it,
+    then fail)."""
     model, cache = config.model, config.cache
-    latent = cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
+    latent = num_layers * cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
         model.dtype.itemsize)
     cpu = torch.device("cpu")
     per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
@@ -49,7 +50,8 @@ def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
             raise ValueError(
                 f"cache.num_blocks = {cache.num_blocks} needs "
                 f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
-                f"block: {latent} B of latent cache for {cache.block_size} tokens, and the "
+                f"block: {latent} B of latent cache for {cache.block_size} tokens of "
+                f"{num_layers} layer(s), and the "
                 f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
                 f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
 

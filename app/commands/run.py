@@ -252,7 +252,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
         container = create_container(config)
     else:   # the deployment's container, with the one config this run uses
         container.config.override(providers.Object(config))
-    check_cache_fits(config, container.platform().device)
+    check_cache_fits(config, container.platform().device, built.weights.num_layers)
     check_request_fits(config, args.max_len)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(

@@ -205,3 +205,21 @@ def test_bench_run_small(capsys: pytest.CaptureFixture[str]) -> None:
     phases = prefill["phase_seconds_per_step"]
     assert phases["attention_context"] > 0 and phases["gather"] > 0
     assert prefill["prefill_tokens_per_s"] > 0
+
+
+def test_run_on_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``run --model DIR``: the main job's workload on a Hugging Face checkpoint, checked
+    against the float64 model of the loaded weights."""
+    pytest.importorskip("transformers")
+    from tests.model.hf_checkpoints import hf_model
+
+    hf_model("v2_lite").save_pretrained(tmp_path)
+    assert main(["run", "--json", *SMALL, "--model", str(tmp_path), "--dtype", "float32"]) == 0
+    result = _json(capsys)
+    assert result["ok"] is True and result["check"]["passed"] is True
+    model = result["model"]
+    assert model["source"] == str(tmp_path) and model["architecture"] == "DeepseekV2ForCausalLM"
+    assert model["q_lora_rank"] is None and model["load"]["tensors"] > 0
+    assert result["check"]["token_mismatches"] == 0
+    assert main(["run", *SMALL, "--model", str(tmp_path), "--layers", "2"]) == 2
+    assert "--layers sets the random model's depth" in capsys.readouterr().err
