@@ -79,11 +79,11 @@ class MLAAttention:
         self._kv_b = weights.kv_b_proj.to(device=dev, dtype=cd)
         self._o = weights.o_proj.to(device=dev, dtype=cd)
         # The absorbed form splits kv_b [H*(P+V), L] per head into W_UK [H, P, L] and
-        # W_UV^T [H, L, V] (views of kv_b: no copy).
+        # W_UV [H, V, L] (views of kv_b: no copy).
         per_head = self._kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
                                    self.kv_lora_rank)
         self._w_uk = per_head[:, :self.qk_nope_head_dim]
-        self._w_uv_t = per_head[:, self.qk_nope_head_dim:].transpose(1, 2)
+        self._w_uv = per_head[:, self.qk_nope_head_dim:]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, max_position: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +145,10 @@ class MLAAttention:
     def unabsorb_output(self, latent_out: torch.Tensor) -> torch.Tensor:
         """``W_UV`` per head over the latent attention output ``[T, H, L]``: ``[T, H, V]`` in
         the model dtype."""
-        v = torch.bmm(latent_out.transpose(0, 1).to(self.compute_dtype), self._w_uv_t)
-        return v.transpose(0, 1).to(self.dtype)
+        # W_UV [H, V, L] @ out^T [H, L, T]: both operands row-major views (bmm against a
+        # transposed view of W_UV measured 6x slower in bf16).
+        out_t = latent_out.to(self.compute_dtype).permute(1, 2, 0)
+        return torch.bmm(self._w_uv, out_t).permute(2, 0, 1).to(self.dtype)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """``o_proj`` over the attention output ``[T, H, V]``: ``[T, D]`` in the model dtype."""
