@@ -6,6 +6,7 @@ the engine's greedy generation on them.
 - ``V2_GROUPED``: V2 with q LoRA and ``group_limited_greedy`` routing;
 - ``V3``: q LoRA, MoE with groups (sigmoid gate, a non-zero ``e_score_correction_bias``),
   ``norm_topk_prob`` and ``routed_scaling_factor``, yarn rope with mscale 1;
+- ``V3_ROTATE_HALF``: a V3 whose config says ``rope_interleave: false``;
 - ``PRODUCTION``: V3 at production attention dims (H=16, kv_lora_rank 512, rope 64, nope 128,
   v 128), small hidden size and vocabulary.
 
@@ -48,6 +49,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                   "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
                   "routed_scaling_factor": 2.5, "norm_topk_prob": True,
                   "rope_parameters": YARN_V3}),
+    "v3_rotate_half": ("v3", {**_SMALL, "q_lora_rank": 48, "n_routed_experts": 8,
+                              "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
+                              "topk_group": 1, "rope_interleave": False,
+                              "rope_parameters": YARN_V3}),
     "production": ("v3", {**_SMALL, "hidden_size": 256, "num_attention_heads": 16,
                           "num_key_value_heads": 16, "kv_lora_rank": 512,
                           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
