@@ -202,11 +202,11 @@ class DeepseekModel:
         logits = self.logits(hidden)
         with self.timer.phase("sample"):
             n, vocab = logits.shape
-            lse = torch.logsumexp(logits.float(), dim=1)
             if vocab < 2:
                 return GreedyChoice(logits.argmax(dim=1).tolist(), [float("inf")] * n,
                                     [0.0] * n)
             if logits.dtype == torch.float32:
+                lse = torch.logsumexp(logits, dim=1)
                 top = torch.topk(logits, 2, dim=1)
                 values, indices = top.values, top.indices
             else:
@@ -214,6 +214,8 @@ class DeepseekModel:
                 rows = self._lm_head.index_select(0, candidates.reshape(-1)).view(
                     n, candidates.shape[1], -1).float()
                 exact = torch.einsum("nkd,nd->nk", rows, hidden.float())
+                # The softmax's normaliser with the largest logits (which dominate it) exact.
+                lse = torch.logsumexp(logits.float().scatter_(1, candidates, exact), dim=1)
                 best = torch.topk(exact, 2, dim=1)
                 values, indices = best.values, candidates.gather(1, best.indices)
             margins = (values[:, 0] - values[:, 1]).tolist()
