@@ -7,7 +7,7 @@ and MoE (16 routed experts in 4 groups, 2 groups and 4 experts per token, a sigm
 score-correction bias, normalised and scaled weights, one shared expert); layer 0 is dense when
 there is more than one layer (``first_k_dense_replace``).
 
-``random_weights(config, dtype, seed)`` draws every tensor in float64 from ``seed`` and rounds
+``random_weights(config, dtype, seed)`` draws every tensor in float32 from ``seed`` and rounds
 it once to ``dtype``: deterministic, the same values on every machine. Scales keep activations
 near unit size and make attention sharper than uniform and the LM head's top-2 logits far
 apart, as trained models are.
@@ -60,7 +60,7 @@ def random_config(model: ModelConfig, num_layers: int = 1, vocab_size: int = 409
 
 def random_weights(config: DeepseekConfig, dtype: torch.dtype = torch.bfloat16,
                    seed: int = 0) -> ModelWeights:
-    """Every tensor of ``config``'s model drawn from ``seed`` (float64, rounded to ``dtype``;
+    """Every tensor of ``config``'s model drawn from ``seed`` (float32, rounded to ``dtype``;
     the router float32): norms ``1 + 0.1 N(0, 1)``, the embedding ``N(0, 1)``, projections
     ``N(0, gain^2 / fan_in)``, V3's score bias ``N(0, 0.05^2)``."""
     if not is_int(seed):
@@ -69,13 +69,13 @@ def random_weights(config: DeepseekConfig, dtype: torch.dtype = torch.bfloat16,
     tensors: dict[str, torch.Tensor] = {}
     for name, spec in weight_specs(config).items():
         target = torch.float32 if spec.float32 else dtype
-        values = torch.randn(spec.shape, generator=gen, dtype=torch.float64)
+        values = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
-            values = 1.0 + 0.1 * values
+            values = values.mul_(0.1).add_(1.0)
         elif name.endswith("e_score_correction_bias"):
-            values = 0.05 * values
+            values.mul_(0.05)
         elif name != "model.embed_tokens.weight":
             gain = next((g for suffix, g in _GAINS.items() if name.endswith(suffix)), 1.0)
-            values = values * (gain / math.sqrt(spec.shape[-1]))
+            values.mul_(gain / math.sqrt(spec.shape[-1]))
         tensors[name] = values.to(target)
     return ModelWeights.from_tensors(config, tensors)
