@@ -7,13 +7,19 @@ fail; this says up front how much memory it needs, how much there is, and how ma
 
 from __future__ import annotations
 
-import os
+import math
+from typing import TYPE_CHECKING
 
 import torch
 
+from app._host import available_host_bytes, physical_memory_bytes
 from app.config import EngineConfig
 
-__all__ = ["available_memory_bytes", "check_cache_fits", "check_request_fits"]
+if TYPE_CHECKING:
+    from app.model.config import DeepseekConfig
+
+__all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
+           "check_host_memory", "check_request_fits", "check_weights_fit", "weights_bytes"]
 
 #: Host memory one block costs beyond its latent storage (the pool's Python block object).
 _BLOCK_OVERHEAD_BYTES = 256
@@ -27,10 +33,42 @@ def available_memory_bytes(device: torch.device) -> int | None:
             return None
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return physical_memory_bytes()
+
+
+def check_host_memory(what: str, needed: int) -> None:
+    """``ValueError`` naming ``what`` (a flag and its value) when ``needed`` bytes of host
+    memory are more than the host has available now: said up front, instead of an
+    allocation failing (or the OOM killer coming) minutes later."""
+    have = available_host_bytes()
+    if have is not None and needed > have:
+        raise ValueError(f"{what} needs {needed / 2**30:.1f} GiB of host memory; this machine "
+                         f"has {have / 2**30:.1f} GiB available now")
+
+
+def weights_bytes(arch: DeepseekConfig, dtype: torch.dtype) -> int:
+    """Host bytes the model's weights take: every tensor of ``weight_specs`` in ``dtype`` (the
+    router in float32), and the float64 copies the reference check keeps (at most
+    ``REFERENCE_CACHE_BYTES``)."""
+    from app.model.reference import REFERENCE_CACHE_BYTES
+    from app.model.weights import weight_specs
+
+    total = elements = 0
+    for spec in weight_specs(arch).values():
+        n = math.prod(spec.shape)
+        elements += n
+        total += n * (4 if spec.float32 else dtype.itemsize)
+    return total + min(8 * elements, int(REFERENCE_CACHE_BYTES))
+
+
+def check_weights_fit(arch: DeepseekConfig, dtype: torch.dtype) -> None:
+    """``ValueError`` when the model's weights cannot fit in host memory (a deployment's
+    ``hidden_size = 262144, num_heads = 1024`` is nearly 1 TiB of weights): said before they are
+    drawn or loaded, instead of an allocation failing or the OOM killer coming."""
+    check_host_memory(f"a model of {arch.num_hidden_layers} layer(s) with num_heads "
+                      f"{arch.num_attention_heads}, hidden_size {arch.hidden_size}, "
+                      f"kv_lora_rank {arch.kv_lora_rank} (its weights)",
+                      weights_bytes(arch, dtype))
 
 
 def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1) -> None:

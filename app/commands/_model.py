@@ -61,13 +61,17 @@ def build_model(args: argparse.Namespace, base: EngineConfig, *, progress: bool 
                 stream: IO[str] | None = None) -> BuiltModel:
     """Load ``args.model`` (with a progress bar on ``stream`` when ``progress``) or make the
     random model; ``base`` with its ``model`` section replaced by the model's."""
-    from app.model import load_checkpoint, random_config, random_weights
+    from app.commands._memory import check_weights_fit
+    from app.model import DeepseekConfig, load_checkpoint, random_config, random_weights
 
     dtype = None if args.dtype is None else parse_dtype(args.dtype, "--dtype")
     if args.model is not None:
         if getattr(args, "layers", None) is not None:
             raise ValueError("--layers sets the random model's depth; a checkpoint "
                              "(--model) has its own")
+        if Path(args.model).is_dir():
+            arch = DeepseekConfig.from_json_file(Path(args.model) / "config.json")
+            check_weights_fit(arch, dtype or arch.dtype or torch.bfloat16)
         bar = ProgressBar(100, "load", stream=stream, enabled=progress)
         loaded = load_checkpoint(
             args.model, dtype,
@@ -83,6 +87,7 @@ def build_model(args: argparse.Namespace, base: EngineConfig, *, progress: bool 
                                        "load": loaded.report.describe()})
     model = base.model if dtype is None else attrs.evolve(base.model, dtype=dtype)
     arch = random_config(model, num_layers=args.layers or 1, vocab_size=RANDOM_VOCAB_SIZE)
+    check_weights_fit(arch, model.dtype)
     weights = random_weights(arch, model.dtype, seed=args.seed)
     return BuiltModel(config=attrs.evolve(base, model=arch.model_config(model.dtype)),
                       weights=weights, eos_token_ids=(), tokenizer_path=None,

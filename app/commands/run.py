@@ -246,13 +246,23 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     _validate(args)
     container = None if args.deployment is None else deployment.load(args.deployment)
     base = build_config(args, EngineConfig() if container is None else container.config())
-    built = build_model(args, base, progress=not args.no_progress, stream=stream)
+    try:
+        built = build_model(args, base, progress=not args.no_progress, stream=stream)
+    except ValueError as exc:  # the model's sizes may come from the deployment: name it
+        if args.deployment is None or args.model is not None:
+            raise
+        raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     config = built.config
     if container is None:
         container = create_container(config)
     else:   # the deployment's container, with the one config this run uses
         container.config.override(providers.Object(config))
-    check_cache_fits(config, container.platform().device, built.weights.num_layers)
+    try:
+        check_cache_fits(config, container.platform().device, built.weights.num_layers)
+    except ValueError as exc:  # the sizes may come from the deployment: name it
+        if args.deployment is None:
+            raise
+        raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     check_request_fits(config, args.max_len)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(

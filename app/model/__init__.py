@@ -40,6 +40,7 @@ from app.model.prefill import MLAPrefillExecutor, PrefillSlice, StepPlan, plan_c
 from app.model.profiling import NULL_TIMER, PHASES, PhaseTimer
 from app.model.random import random_config, random_weights
 from app.model.reference import (
+    REFERENCE_CACHE_BYTES,
     REFERENCE_TOLERANCES,
     ROUTING_TOLERANCES,
     ReferenceModel,
@@ -64,6 +65,7 @@ __all__ = [
     "GREEDY_CANDIDATES",
     "NULL_TIMER",
     "PHASES",
+    "REFERENCE_CACHE_BYTES",
     "REFERENCE_TOLERANCES",
     "ROUTING_TOLERANCES",
     "AttentionWeights",

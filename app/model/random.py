@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from app._validation import check_int_at_least, is_int
+from app._validation import MAX_GENERATOR_SEED, check_int_at_least, check_seed
 from app.config import ModelConfig
 from app.model.config import DeepseekConfig, MoEConfig, RopeConfig
 from app.model.weights import ModelWeights, weight_specs
@@ -63,8 +63,7 @@ def random_weights(config: DeepseekConfig, dtype: torch.dtype = torch.bfloat16,
     """Every tensor of ``config``'s model drawn from ``seed`` (float32, rounded to ``dtype``;
     the router float32): norms ``1 + 0.1 N(0, 1)``, the embedding ``N(0, 1)``, projections
     ``N(0, gain^2 / fan_in)``, V3's score bias ``N(0, 0.05^2)``."""
-    if not is_int(seed):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    check_seed("random_weights: seed", seed, MAX_GENERATOR_SEED)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, spec in weight_specs(config).items():

@@ -24,13 +24,14 @@ from app.model.moe import route
 from app.model.rope import apply_rope, rope_inv_freq
 from app.model.weights import AttentionWeights, MLPWeights, ModelWeights, MoEWeights
 
-__all__ = ["REFERENCE_TOLERANCES", "ROUTING_TOLERANCES", "ReferenceModel", "ReferenceRows",
-           "reference_attention", "reference_tolerance", "routing_margins"]
+__all__ = ["REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES", "ROUTING_TOLERANCES",
+           "ReferenceModel", "ReferenceRows", "reference_attention", "reference_tolerance",
+           "routing_margins"]
 
 #: Query rows per block of the blocked causal softmax.
 _ROW_BLOCK = 128
 #: float64 copies kept at most (bytes); larger models upcast on every use.
-_CACHE_BYTES = 2 << 30
+REFERENCE_CACHE_BYTES = 2 << 30
 
 #: The largest relative error (max abs error / the reference's max abs) accepted per model
 #: dtype: a few units of the dtype's rounding over the model's chain of roundings (the engine
@@ -92,7 +93,7 @@ def routing_margins(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | N
 
 
 class _Weights64:
-    """float64 copies of a model's tensors, cached up to ``_CACHE_BYTES``."""
+    """float64 copies of a model's tensors, cached up to ``REFERENCE_CACHE_BYTES``."""
 
     def __init__(self) -> None:
         self._cache: dict[int, torch.Tensor] = {}
@@ -103,7 +104,7 @@ class _Weights64:
         if hit is not None:
             return hit
         out = t.to(device="cpu", dtype=torch.float64)
-        if self._bytes + out.numel() * 8 <= _CACHE_BYTES:
+        if self._bytes + out.numel() * 8 <= REFERENCE_CACHE_BYTES:
             self._cache[id(t)] = out
             self._bytes += out.numel() * 8
         return out
