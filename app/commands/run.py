@@ -187,7 +187,7 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
 
 def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
                tolerance: float) -> dict[str, Any]:
-    from app.mla.checks import check_generation
+    from app.mla.checks import check_generations
     from app.model.reference import ReferenceModel
 
     start = time.perf_counter()
@@ -199,9 +199,10 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
     prefill_err = decode_err = prefill_abs = decode_abs = scale = 0.0
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
     # reuses the keys and values of the common prefix.
-    for out in sorted(outputs, key=lambda o: o.token_ids):
-        result = check_generation(reference, out, None if prefill_rows < 0 else prefill_rows,
-                                  None if decode_rows < 0 else decode_rows)
+    results = check_generations(reference, sorted(outputs, key=lambda o: o.token_ids),
+                                None if prefill_rows < 0 else prefill_rows,
+                                None if decode_rows < 0 else decode_rows)
+    for result in results:
         for key in keys:
             totals[key] += getattr(result, key)
         prefill_err = max(prefill_err, result.prefill_relative_error)

@@ -14,7 +14,7 @@ model of ``app.model`` (which holds the layers, the paged latent cache and the e
 ``python -m app run`` and ``python -m app generate`` are built on this package.
 """
 
-from app.mla.checks import GenerationCheck, check_generation, sample_rows
+from app.mla.checks import GenerationCheck, check_generation, check_generations, sample_rows
 from app.mla.engine import EngineStats, MLAEngine, RequestTooLargeError, StepOutput
 from app.mla.process import tune_malloc_for_large_tensors
 from app.mla.requests import FinishReason, Request, RequestMetrics, RequestOutput, RowKind
@@ -42,6 +42,7 @@ __all__ = [
     "WorkloadRequest",
     "accept_greedy",
     "check_generation",
+    "check_generations",
     "make_workload",
     "sample_rows",
     "tune_malloc_for_large_tensors",

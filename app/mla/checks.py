@@ -25,14 +25,15 @@ prompt prefix is computed once.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 import torch
 
 from app.mla.requests import RequestOutput, RowKind
-from app.model.reference import ROUTING_TOLERANCES, ReferenceModel
+from app.model.reference import ROUTING_TOLERANCES, ReferenceModel, ReferenceRows
 
-__all__ = ["GenerationCheck", "check_generation", "sample_rows"]
+__all__ = ["GenerationCheck", "check_generation", "check_generations", "sample_rows"]
 
 def _strided(rows: torch.Tensor, head: int, tail: int, most: int | None) -> torch.Tensor:
     """``rows`` (sorted), or when more than ``most``: the first ``head``, the last ``tail`` and
@@ -121,16 +122,40 @@ def check_generation(reference: ReferenceModel, output: RequestOutput,
     tokens chosen by the decode rows and the last prefill row checked). Rows with a routing
     margin within ``routing_tolerance`` (default: ``ROUTING_TOLERANCES`` of the output's
     dtype) are counted apart and not compared."""
-    if output.hidden is None or output.row_kinds is None:
-        raise ValueError(f"request {output.request_id!r} kept no outputs (keep_outputs=False)")
-    kinds = output.row_kinds.to("cpu")
-    all_rows = sample_rows(kinds, max_prefill_rows, max_decode_rows=max_decode_rows)
+    return check_generations(reference, [output], max_prefill_rows, max_decode_rows,
+                             routing_tolerance)[0]
+
+
+def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput],
+                      max_prefill_rows: int | None = 32, max_decode_rows: int | None = 32,
+                      routing_tolerance: float | None = None) -> list[GenerationCheck]:
+    """``check_generation`` of every output, in order (sort them by their tokens so the
+    reference reuses shared prefixes); the reference's last feed-forward runs once for all."""
+    sampled = []
+    for output in outputs:
+        if output.hidden is None or output.row_kinds is None:
+            raise ValueError(f"request {output.request_id!r} kept no outputs "
+                             "(keep_outputs=False)")
+        kinds = output.row_kinds.to("cpu")
+        sampled.append((output, kinds, sample_rows(kinds, max_prefill_rows,
+                                                   max_decode_rows=max_decode_rows)))
+    todo = [(o.token_ids, rows) for o, _, rows in sampled if rows.numel()]
+    refs = iter(reference.outputs_many(todo))
+    return [_evaluate(reference, output, kinds, rows, next(refs), routing_tolerance)
+            if rows.numel() else
+            GenerationCheck(output.request_id, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+            for output, kinds, rows in sampled]
+
+
+def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Tensor,
+              all_rows: torch.Tensor, ref: ReferenceRows, routing_tolerance: float | None
+              ) -> GenerationCheck:
+    """One output against its reference rows."""
+    if output.hidden is None:  # pragma: no cover - checked by the caller
+        raise ValueError("no outputs kept")
     tokens = output.token_ids
-    if not all_rows.numel():
-        return GenerationCheck(output.request_id, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
     tolerance = ROUTING_TOLERANCES.get(output.hidden.dtype, 0.0) if routing_tolerance is None \
         else routing_tolerance
-    ref = reference.outputs(tokens, all_rows)
     clear = ref.margins > tolerance
     rows, want = all_rows[clear], ref.hidden[clear]
     got = output.hidden.index_select(0, rows.to(output.hidden.device)).to(

@@ -1,13 +1,14 @@
 """The dense float64 reference of the model: no cache, no chunks, no backend, no merge.
 
 ``ReferenceModel(weights).outputs(tokens, rows)`` runs the whole model, teacher-forced, on one
-sequence in float64 (keys and values up-projected, a causal softmax, every weight upcast) and
-returns the final normed hidden state at ``rows`` with each row's *routing margin*: over the
-MoE layers, the smallest gap between the last expert (or group) chosen and the first one not
-chosen, in the gate's choice scores. Where that gap is within an engine's rounding, the engine
-may route differently and still be right (a routing near-tie). Keys, values and hidden states
-of the previous sequence are reused along the common prefix: check sequences sorted by their
-tokens and a shared prompt is computed once.
+sequence in float64 (``outputs_many`` on several, the last layer's feed-forward batched; keys
+and values up-projected, a causal softmax, every weight upcast) and returns the final normed
+hidden state at ``rows`` with each row's *routing margin*: over the MoE layers, the smallest
+gap between the last expert (or group) chosen and the first one not chosen, in the gate's
+choice scores. Where that gap is within an engine's rounding, the engine may route differently
+and still be right (a routing near-tie). Keys, values and hidden states of the previous
+sequence are reused along the common prefix: check sequences sorted by their tokens and a
+shared prompt is computed once.
 
 ``reference_attention`` is one MLA layer alone (for executor tests).
 """
@@ -154,10 +155,10 @@ class _Layer64:
                                          self.c.rope_interleave)[:, None, :]
         return k.transpose(0, 1), kv[..., self.p:].transpose(0, 1)
 
-    def forward(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's outputs ``[n, D]`` at the sorted positions ``rows`` (inputs
-        ``h_rows``) over keys/values of every earlier position, and the rows' routing margins."""
+    def attend(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention ``[n, D]`` at the sorted positions ``rows``
+        (inputs ``h_rows``) over keys/values of every earlier position."""
         a, f, n = self.w.attention, self.f, h_rows.shape[0]
         x = _rms(h_rows, f(self.w.input_layernorm), self.c.rms_norm_eps)
         q = _queries(self.c, a, f, x).view(n, self.h, self.p + self.r)
@@ -172,10 +173,19 @@ class _Layer64:
             scores = torch.bmm(q_h[:, b0:b0 + _ROW_BLOCK], k[:, :end].transpose(1, 2))
             scores.masked_fill_(torch.arange(end).view(1, -1) > pos.view(-1, 1), float("-inf"))
             torch.bmm(torch.softmax(scores, dim=-1), v[:, :end], out=out[:, b0:b0 + _ROW_BLOCK])
-        h = h_rows + out.transpose(0, 1).reshape(n, self.h * self.v) @ f(a.o_proj).t()
-        x = _rms(h, f(self.w.post_attention_layernorm), self.c.rms_norm_eps)
+        return h_rows + out.transpose(0, 1).reshape(n, self.h * self.v) @ f(a.o_proj).t()
+
+    def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h + mlp(RMSNorm(h))`` of rows ``h [n, D]`` (any rows, any sequences), and their
+        routing margins."""
+        x = _rms(h, self.f(self.w.post_attention_layernorm), self.c.rms_norm_eps)
         mlp, margins = self._mlp(x)
         return h + mlp, margins
+
+    def forward(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` then ``feed_forward``: the layer's outputs and the rows' margins."""
+        return self.feed_forward(self.attend(h_rows, rows, k, v))
 
     def _swiglu(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
         h = x @ self.f(m.gate_up_proj).t()
@@ -191,16 +201,27 @@ class _Layer64:
         logits = x @ self.f(m.gate).t()
         bias = None if m.score_bias is None else self.f(m.score_bias)
         routing = route(logits, moe, bias)
-        out = torch.zeros_like(x)
         inter = moe.moe_intermediate_size
         gate_up, down = self.f(m.experts_gate_up), self.f(m.experts_down)
-        for expert in torch.unique(routing.experts).tolist():
-            hit = routing.experts == expert
-            rows = hit.any(dim=1).nonzero().flatten()
-            weight = (routing.weights * hit).sum(dim=1)[rows]
-            h = x[rows] @ gate_up[expert].t()
-            y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down[expert].t()
-            out.index_add_(0, rows, y * weight[:, None])
+        # Grouped by expert, then back to (row, k) order and summed over k (no index_add_:
+        # it enters a parallel region per call, slow when threads contend).
+        n, k = routing.experts.shape
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=moe.n_routed_experts).tolist()
+        weights = routing.weights.reshape(-1).index_select(0, order)
+        rows_of = order // k
+        pieces, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = rows_of[start:start + count]
+                h = x.index_select(0, rows) @ gate_up[expert].t()
+                y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down[expert].t()
+                pieces.append(y * weights[start:start + count, None])
+                start += count
+        routed = torch.empty(n * k, x.shape[1], dtype=torch.float64)
+        routed.index_copy_(0, order, torch.cat(pieces))
+        out = routed.view(n, k, -1).sum(dim=1)
         if m.shared is not None:
             out += self._swiglu(m.shared, x)
         return out, routing_margins(logits, moe, bias)
@@ -246,6 +267,7 @@ class ReferenceModel:
         self._margins: list[torch.Tensor | None] = [None] * len(self.layers)
         self.reused_tokens = 0
         self.computed_tokens = 0
+        self._lm_head_f32: torch.Tensor | None = None
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """float64 embedding rows of ``tokens``."""
@@ -258,11 +280,37 @@ class ReferenceModel:
 
     def best_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of each float64 row ``hidden [n, D]`` (found in float32)."""
-        return (hidden.float() @ self.weights.lm_head.float().t()).argmax(dim=1)
+        if self._lm_head_f32 is None:
+            self._lm_head_f32 = self.weights.lm_head.float()
+        return (hidden.float() @ self._lm_head_f32.t()).argmax(dim=1)
 
     def outputs(self, token_ids: Sequence[int], rows: torch.Tensor) -> ReferenceRows:
         """The final normed hidden state and routing margin at ``rows`` (sorted int64)."""
-        tokens = tuple(token_ids)
+        return self.outputs_many([(token_ids, rows)])[0]
+
+    def outputs_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]
+                     ) -> list[ReferenceRows]:
+        """``outputs`` of each ``(token_ids, rows)`` in order (sort them by tokens for prefix
+        reuse); the last layer's feed-forward runs once over every sequence's rows (its
+        experts' weights are read once, not once per sequence)."""
+        last = self.layers[-1]
+        attended = [self._attend_last(tuple(tokens), rows) for tokens, rows in items]
+        if not attended:
+            return []
+        out, margins = last.feed_forward(torch.cat([h for h, _ in attended]))
+        normed = _rms(out, self._f(self.weights.norm), self.config.rms_norm_eps)
+        results, start = [], 0
+        for h, before in attended:
+            end = start + h.shape[0]
+            results.append(ReferenceRows(hidden=normed[start:end],
+                                         margins=torch.minimum(before, margins[start:end])))
+            start = end
+        return results
+
+    def _attend_last(self, tokens: tuple[int, ...], rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer but the last on the whole sequence (reusing the common prefix), and the
+        last layer's attention at ``rows``: the residual stream there and the margins so far."""
         common = 0
         if self._keys[0] is not None:
             limit = min(len(self._tokens), len(tokens))
@@ -271,7 +319,6 @@ class ReferenceModel:
         n, last = len(tokens), len(self.layers) - 1
         x = self.embed(tokens[common:])
         margins_new = torch.full((n - common,), float("inf"), dtype=torch.float64)
-        result: ReferenceRows | None = None
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.keys_values(x, common)
             k = _fit(self._keys[i], 1, n, common, (layer.h, n, layer.p + layer.r))
@@ -279,29 +326,28 @@ class ReferenceModel:
             k[:, common:n] = k_new
             v[:, common:n] = v_new
             self._keys[i], self._values[i] = k, v
-            if i < last:
-                x, m = layer.forward(x, torch.arange(common, n), k, v)
-                margins_new = torch.minimum(margins_new, m)
-                h = _fit(self._hidden[i], 0, n, common, (n, x.shape[1]))
-                mg = _fit(self._margins[i], 0, n, common, (n,))
-                h[common:n], mg[common:n] = x, margins_new
-                self._hidden[i], self._margins[i] = h, mg
-                continue
-            prev_h, prev_m = self._hidden[i - 1], self._margins[i - 1]
-            if i and prev_h is not None and prev_m is not None:
-                inputs, before = prev_h.index_select(0, rows), prev_m.index_select(0, rows)
-            else:
-                inputs = self.embed([tokens[r] for r in rows.tolist()])
-                before = torch.full((rows.numel(),), float("inf"), dtype=torch.float64)
-            out, m = layer.forward(inputs, rows, k, v)
-            normed = _rms(out, self._f(self.weights.norm), self.config.rms_norm_eps)
-            result = ReferenceRows(hidden=normed, margins=torch.minimum(before, m))
+            if i == last:
+                break
+            x, m = layer.forward(x, torch.arange(common, n), k, v)
+            margins_new = torch.minimum(margins_new, m)
+            h = _fit(self._hidden[i], 0, n, common, (n, x.shape[1]))
+            mg = _fit(self._margins[i], 0, n, common, (n,))
+            h[common:n], mg[common:n] = x, margins_new
+            self._hidden[i], self._margins[i] = h, mg
         self._tokens = tokens
         self.reused_tokens += common
         self.computed_tokens += n - common
-        if result is None:  # pragma: no cover - a model has at least one layer
-            raise RuntimeError("no layers")
-        return result
+        prev_h = self._hidden[last - 1] if last else None
+        prev_m = self._margins[last - 1] if last else None
+        if prev_h is not None and prev_m is not None:
+            inputs, before = prev_h.index_select(0, rows), prev_m.index_select(0, rows)
+        else:
+            inputs = self.embed([tokens[r] for r in rows.tolist()])
+            before = torch.full((rows.numel(),), float("inf"), dtype=torch.float64)
+        keys, values = self._keys[last], self._values[last]
+        if keys is None or values is None:  # pragma: no cover - filled above
+            raise RuntimeError("no keys")
+        return self.layers[last].attend(inputs, rows, keys, values), before
 
 
 def reference_attention(config: DeepseekConfig, weights: AttentionWeights, x: torch.Tensor,
