@@ -3,7 +3,9 @@ hooks for LLM serving engines.
 
 The public API is re-exported here; the subpackages (``app.backends``, ``app.kvcache``,
 ``app.platforms``, ``app.model`` (the DeepSeek-V2/V3 model and its checkpoint loader),
-``app.mla`` (the engine loop), ``app.testing``) hold the rest.
+``app.mla`` (the engine loop), ``app.testing``) hold the rest. vLLM's documented API over the
+active container (the backend enums, ``register_mla_prefill_backend``, the selectors,
+``KVCacheSpecRegistry``) is ``app.seed_api``.
 """
 
 import logging
@@ -19,6 +21,16 @@ from app.containers import (
     use_container,
 )
 from app.platforms import CpuPlatform, CudaPlatform, Platform, detect_platform
+from app.seed_api import (
+    KVCacheSpecRegistry,
+    MLADecodeBackendEnum,
+    MLAPrefillBackendEnum,
+    get_mla_decode_backend,
+    get_mla_prefill_backend,
+    register_kv_cache_spec,
+    register_mla_decode_backend,
+    register_mla_prefill_backend,
+)
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -32,13 +44,21 @@ __all__ = [
     "CudaPlatform",
     "DeviceCapability",
     "EngineConfig",
+    "KVCacheSpecRegistry",
+    "MLADecodeBackendEnum",
     "MLADimensions",
+    "MLAPrefillBackendEnum",
     "ModelConfig",
     "Platform",
     "__version__",
     "create_container",
     "detect_platform",
     "get_container",
+    "get_mla_decode_backend",
+    "get_mla_prefill_backend",
+    "register_kv_cache_spec",
+    "register_mla_decode_backend",
+    "register_mla_prefill_backend",
     "reset_default_container",
     "set_default_container",
     "use_container",

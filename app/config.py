@@ -11,6 +11,7 @@ one in code, from a plain dict (``EngineConfig.from_dict``) or from a TOML file
 from __future__ import annotations
 
 import enum
+import functools
 import keyword
 import math
 from collections.abc import Mapping
@@ -20,9 +21,10 @@ from typing import Any
 import attrs
 import torch
 
-from app._toml import load_toml
+from app._files import load_toml
 from app._types import MLADimensions
 from app._validation import INT32_MAX, check_int, check_positive_finite
+from app.backends.catalog import CATALOGS
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -139,22 +141,23 @@ class ModelConfig:
             return float(self.softmax_scale)
         return 1.0 / math.sqrt(self.qk_head_dim)
 
-    @property
+    @functools.cached_property
     def mla_dimensions(self) -> MLADimensions:
-        """The model's MLA prefill dimensions."""
+        """The model's MLA prefill dimensions (built once: selection reads them every time)."""
         return MLADimensions(qk_nope_head_dim=self.qk_nope_head_dim,
                              qk_rope_head_dim=self.qk_rope_head_dim,
                              v_head_dim=self.v_head_dim)
 
 
-def _backend_name(kind: str, value: object) -> str | None:
-    """``AttentionConfig.mla_<kind>_backend`` as a backend's name (a string) or None.
+def _backend_name(kind: str, field: str, value: object) -> str | None:
+    """``AttentionConfig.<field>`` as a backend's name (a string) or None.
 
-    The config sits below the registry and knows no backend: it checks the form of the name
-    (an identifier not starting with ``_``; an enum member gives its name; ``"auto"``, ``""``
-    and None mean automatic selection) and selection checks that the backend exists.
+    The config sits below the registry: it checks the name against the kind's catalog
+    (``app.backends.catalog``: the built-ins, ``CUSTOM`` and every name registered so far in
+    this process; an enum member gives its name; ``"auto"``, ``""`` and None mean automatic
+    selection), with vLLM's message listing the valid names. Selection checks that the name has
+    a valid class in the container.
     """
-    field = f"AttentionConfig.mla_{kind}_backend"
     if value is None:
         return None
     if isinstance(value, enum.Enum):
@@ -168,21 +171,26 @@ def _backend_name(kind: str, value: object) -> str | None:
     if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
         raise ValueError(f"{field}: expected 'auto' or a backend name (an identifier like "
                          f"'FLASHINFER', not starting with '_'), got {value!r}")
+    try:
+        CATALOGS[kind].resolve(name)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
     return name
 
 
 def _prefill_backend_name(value: object) -> str | None:
-    return _backend_name("prefill", value)
+    return _backend_name("prefill", "AttentionConfig.mla_prefill_backend", value)
 
 
 def _decode_backend_name(value: object) -> str | None:
-    return _backend_name("decode", value)
+    return _backend_name("decode", "AttentionConfig.mla_decode_backend", value)
 
 
 @attrs.frozen(kw_only=True)
 class AttentionConfig:
     """How attention runs: ``mla_prefill_backend`` / ``mla_decode_backend`` force a backend by
-    name (None or "auto" = select; an unknown name fails at selection, listing the valid ones).
+    name (None or "auto" = select; an unknown name is a ``ValueError`` here, listing the valid
+    ones: the built-ins, ``CUSTOM`` and names registered beforehand).
     """
 
     mla_prefill_backend: str | None = attrs.field(default=None,

@@ -2,8 +2,8 @@
 
 Data flows one way: config -> container -> (platform, backend classes, spec bindings,
 workspaces) -> selector -> backend instance -> executor. This is the one module that wires
-concrete classes: the backend providers come from the kinds' tables
-(``app.backends.table``), and every service gets what it needs passed in by a provider (the
+concrete classes: the backend providers come from the kinds' catalogs
+(``app.backends.catalog``), and every service gets what it needs passed in by a provider (the
 spec bindings their platform and config, the selection its config, platform, backends and
 cache, a backend its device capability and workspaces). No state is kept on a container
 instance: it lives in providers, so overriding any provider at any time takes effect.
@@ -12,6 +12,9 @@ A process has one default container (``get_container()``); ``use_container(c)`` 
 one active for a ``with`` block, per thread and per asyncio task (a ``ContextVar``). A
 deployment is config plus overrides on a fresh container (``create_container``), never a
 subclass of ``Application``: dependents of a subclassed provider are not rewired.
+
+Every provider is one of ``app._container_state``' counted types, so any override or reset of one is
+counted and the seed API's kept answers (``app.seed_api``) are dropped on the next call.
 """
 
 from __future__ import annotations
@@ -19,26 +22,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dependency_injector import containers, providers
 
-from app._active import activate, active
+from app._container_state import (
+    CHANGES,
+    CountedCallable,
+    CountedContainer,
+    CountedFactory,
+    CountedObject,
+    CountedSingleton,
+    activate,
+    active,
+)
 from app._imports import import_object
-from app.backends.kinds import DECODE, PREFILL, BackendKind
-from app.backends.prefill.kernel_base import KernelWorkspaces
+from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
+from app.backends.registry import DECODE, PREFILL
 from app.backends.selection import SelectionCache, select_backend
-from app.backends.table import CUSTOM, PREFILL_BACKENDS
+from app.backends.workspaces import KernelWorkspaces
 from app.config import EngineConfig
-from app.kvcache.bindings import KVCacheSpecBindings
-from app.kvcache.table import BUILTIN_KV_CACHE_SPECS
+from app.kvcache.bindings import BUILTIN_KV_CACHE_SPECS, KVCacheSpecBindings
 from app.platforms.base import Platform
 from app.platforms.detect import detect_platform
 from app.plugins import apply_general_plugins
 
 __all__ = [
-    "BUILTIN_MLA_PREFILL_BACKENDS",
     "Application",
     "MLADecodeBackendClasses",
     "MLAPrefillBackendClasses",
@@ -53,48 +63,44 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Built-in prefill backend names and the classes their providers import by default (the
-#: prefill table as a dict).
-BUILTIN_MLA_PREFILL_BACKENDS: dict[str, str] = PREFILL_BACKENDS.as_dict()
-
-
-def _backend_classes(kind: BackendKind, class_name: str) -> type[containers.DeclarativeContainer]:
-    """A container class with one provider per backend in ``kind``'s table (calling it
-    imports and returns the class) and a ``CUSTOM`` provider that gives None until something
-    is registered."""
+def _backend_classes(catalog: BackendCatalog, class_name: str, attribute: str
+                     ) -> type[containers.DeclarativeContainer]:
+    """A container class with one provider per built-in of ``catalog`` (calling it imports and
+    returns the class) and a ``CUSTOM`` provider that gives None until something is
+    registered."""
     attributes: dict[str, Any] = {
-        entry.name: providers.Callable(import_object, entry.class_path) for entry in kind.table}
-    attributes[CUSTOM] = providers.Object(None)
+        name: CountedCallable(import_object, path) for name, path in catalog.builtins.items()}
+    attributes[CUSTOM] = CountedObject(None)
     attributes["__doc__"] = (
-        f"One provider per {kind.label} backend; calling one returns the backend *class*. "
+        f"One provider per {catalog.label} backend; calling one returns the backend *class*. "
         f"Override one to replace that backend in this container only: "
-        f"``c.{kind.container_attr}.NAME.override(providers.Object(MyBackend))``.")
+        f"``c.{attribute}.NAME.override(providers.Object(MyBackend))``.")
     attributes["__module__"] = __name__
     cls: type[containers.DeclarativeContainer] = type(
         class_name, (containers.DeclarativeContainer,), attributes)
     return cls
 
 
-MLAPrefillBackendClasses = _backend_classes(PREFILL, "MLAPrefillBackendClasses")
-MLADecodeBackendClasses = _backend_classes(DECODE, "MLADecodeBackendClasses")
+MLAPrefillBackendClasses = _backend_classes(PREFILL_BACKENDS, "MLAPrefillBackendClasses",
+                                            "mla_prefill_backends")
+MLADecodeBackendClasses = _backend_classes(DECODE_BACKENDS, "MLADecodeBackendClasses",
+                                           "mla_decode_backends")
 
 
 def build_backend(cls: type[Any], config: EngineConfig, platform: Platform,
                   workspaces: KernelWorkspaces) -> Any:
-    """An instance of backend class ``cls`` for ``config``'s model, given the platform's
-    device capability (and, for prefill, the container's kernel workspaces)."""
-    capability = platform.get_device_capability()
-    if issubclass(cls, PREFILL.base):
-        return cls.from_config(config, device_capability=capability, workspaces=workspaces)
-    return cls.from_config(config, device_capability=capability)
+    """An instance of backend class ``cls`` (prefill or decode) for ``config``'s model, built
+    with the platform's device capability and the container's kernel workspaces."""
+    return cls.from_config(config, device_capability=platform.get_device_capability(),
+                           workspaces=workspaces)
 
 
-def build_decode_backend(class_provider: Any, config: EngineConfig, platform: Platform,
-                         workspaces: KernelWorkspaces, query_len: int = 1) -> Any:
-    """A decode backend instance for steps of ``query_len`` query tokens: the class
-    ``class_provider(query_len=query_len)`` selects (the container's
-    ``mla_decode_backend_class``, overrides honoured), built by ``build_backend``."""
-    return build_backend(class_provider(query_len=query_len), config, platform, workspaces)
+def build_decode_backend(select: Callable[..., type[Any]], config: EngineConfig,
+                         platform: Platform, workspaces: KernelWorkspaces, *,
+                         query_len: int = 1) -> Any:
+    """An instance of the decode backend ``select(query_len=query_len)`` picks (the
+    container's ``mla_decode_backend_class`` provider), built as ``build_backend`` does."""
+    return build_backend(select(query_len=query_len), config, platform, workspaces)
 
 
 class Application(containers.DeclarativeContainer):
@@ -110,34 +116,35 @@ class Application(containers.DeclarativeContainer):
       - ``kv_cache_spec_bindings``: the KV-cache spec -> manager bindings, given the platform
         and config (read on first use).
       - ``mla_prefill_backend_class`` / ``mla_decode_backend_class``: the selected class for
-        ``config`` on ``platform`` (decode with ``query_len`` 1).
+        ``config`` on ``platform`` (decode: ``mla_decode_backend_class(query_len=N)``, 1 by
+        default).
       - ``mla_prefill_backend`` / ``mla_decode_backend``: a new instance of the selected
-        class, built with the platform's device capability and the workspaces
-        (``mla_decode_backend(query_len=N)``: selected for steps of ``N`` query tokens).
+        class, built with the platform's device capability and the workspaces (decode:
+        ``mla_decode_backend(query_len=N)`` selects for that query length).
       - ``applied_general_plugins``: which general plugins ran on this container.
     """
 
-    config = providers.Object(EngineConfig())
-    platform = providers.Singleton(detect_platform)
-    mla_prefill_backends = providers.Container(MLAPrefillBackendClasses)
-    mla_decode_backends = providers.Container(MLADecodeBackendClasses)
-    selection_cache = providers.Singleton(SelectionCache)
-    kernel_workspaces = providers.Singleton(KernelWorkspaces)
-    kv_cache_spec_bindings = providers.Singleton(
+    config = CountedObject(EngineConfig())
+    platform = CountedSingleton(detect_platform)
+    mla_prefill_backends = CountedContainer(MLAPrefillBackendClasses)
+    mla_decode_backends = CountedContainer(MLADecodeBackendClasses)
+    selection_cache = CountedSingleton(SelectionCache)
+    kernel_workspaces = CountedSingleton(KernelWorkspaces)
+    kv_cache_spec_bindings = CountedSingleton(
         KVCacheSpecBindings, platform=platform.provider, config=config.provider,
         builtins=providers.Object(BUILTIN_KV_CACHE_SPECS))
-    mla_prefill_backend_class = providers.Callable(
+    mla_prefill_backend_class = CountedCallable(
         select_backend, providers.Object(PREFILL), config, platform, mla_prefill_backends,
         selection_cache)
-    mla_decode_backend_class = providers.Callable(
+    mla_decode_backend_class = CountedCallable(
         select_backend, providers.Object(DECODE), config, platform, mla_decode_backends,
         selection_cache)
-    mla_prefill_backend = providers.Factory(
+    mla_prefill_backend = CountedFactory(
         build_backend, mla_prefill_backend_class, config, platform, kernel_workspaces)
-    mla_decode_backend = providers.Factory(
+    mla_decode_backend = CountedFactory(
         build_decode_backend, mla_decode_backend_class.provider, config, platform,
         kernel_workspaces)
-    applied_general_plugins: providers.Singleton[dict[str, bool]] = providers.Singleton(dict)
+    applied_general_plugins: CountedSingleton[dict[str, bool]] = CountedSingleton(dict)
 
 
 def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
@@ -198,6 +205,7 @@ def set_default_container(container: Application) -> None:
     checked = _check_container(container, "set_default_container")
     with _default_lock:
         _default_container = checked
+    CHANGES.bump()
 
 
 def reset_default_container() -> None:
@@ -205,6 +213,7 @@ def reset_default_container() -> None:
     global _default_container
     with _default_lock:
         _default_container = None
+    CHANGES.bump()
 
 
 @contextlib.contextmanager

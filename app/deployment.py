@@ -38,11 +38,15 @@ from typing import Any
 
 import attrs
 
+from app._files import load_toml
 from app._imports import import_object
-from app._toml import load_toml
-from app.backends._providers import check_backend_class
-from app.backends.kinds import DECODE, PREFILL, BackendKind
-from app.backends.registry import enum_for, register_backend
+from app.backends.registry import (
+    DECODE,
+    PREFILL,
+    BackendKind,
+    check_backend_class,
+    register_backend,
+)
 from app.config import EngineConfig
 from app.containers import Application, create_container
 from app.kvcache.specs import KVCacheSpec
@@ -91,11 +95,11 @@ class Deployment:
                                   uniform_type_base_spec=binding.uniform_base)
             for kind, overrides in ((PREFILL, self.backend_overrides),
                                     (DECODE, self.decode_backend_overrides)):
-                backends = getattr(container, kind.container_attr)()
+                backends = kind.backends_of(container)
                 for name, cls in overrides.items():
-                    # An existing member is overridden; a new name adds a member.
-                    existing = enum_for(kind).__members__.get(name)
-                    register_backend(kind, backends, name if existing is None else existing, cls)
+                    # An existing name is overridden; a new name is added to the catalog.
+                    register_backend(kind, backends, name, cls,
+                                     new_name=name not in kind.catalog)
         except (ValueError, TypeError, ImportError) as exc:
             if str(exc).startswith(self.source):
                 raise
@@ -132,8 +136,11 @@ def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deploymen
                                    decode_overrides)
     sections = {key: dict(_table(source, key, data[key]))
                 for key in ("model", "attention", "cache") if key in data}
-    config = _engine_config(source, sections, {PREFILL: prefill_backend,
-                                               DECODE: decode_backend})
+    # The config may force a name [backends] adds: declared while it is built, added to the
+    # catalog only when the container is built.
+    with PREFILL.catalog.declared(overrides), DECODE.catalog.declared(decode_overrides):
+        config = _engine_config(source, sections, {PREFILL: prefill_backend,
+                                                   DECODE: decode_backend})
     return Deployment(
         name=name, source=source,
         platform=_platform(source, section.get("platform", "auto")),
@@ -209,7 +216,7 @@ def _backend_name(source: str, kind: BackendKind, value: object,
     if value.lower() == "auto":
         return None
     name = value.upper()
-    known = list(enum_for(kind).__members__)
+    known = list(kind.catalog)
     if name not in known and name not in overrides:
         raise ValueError(f"{where}: unknown backend; allowed: 'auto', "
                          f"{', '.join(known + sorted(set(overrides) - set(known)))}")
@@ -275,11 +282,11 @@ def _engine_config(source: str, sections: dict[str, dict[str, Any]],
     for kind, name in forced.items():
         if name is None:
             continue
-        given = attention.get(kind.config_attr)
+        given = attention.get(kind.config_field)
         if given is not None and str(given).upper() != name:
             raise ValueError(f"{source}: deployment.{kind.name}_backend = {name!r} conflicts "
-                             f"with attention.{kind.config_attr} = {given!r}; give one")
-        attention[kind.config_attr] = name
+                             f"with attention.{kind.config_field} = {given!r}; give one")
+        attention[kind.config_field] = name
     try:
         return EngineConfig.from_dict(sections)
     except (ValueError, TypeError) as exc:

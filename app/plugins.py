@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app._active import activate
+from app._container_state import activate
 from app._imports import import_object
 from app.platforms.base import Platform
 

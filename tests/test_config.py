@@ -69,7 +69,7 @@ def test_dtype_error_lists_what_is_allowed() -> None:
 
 
 def test_attention_backend_by_name_member_or_none() -> None:
-    from app.backends.registry import MLAPrefillBackendEnum
+    from app.seed_api import MLAPrefillBackendEnum
 
     # The config stores validated names (strings), never enum members.
     assert AttentionConfig().mla_prefill_backend is None
@@ -81,18 +81,22 @@ def test_attention_backend_by_name_member_or_none() -> None:
 
 
 def test_attention_unknown_backend_names_field_and_value() -> None:
-    from app.backends import get_mla_prefill_backend
-    from app.containers import create_container
-
     with pytest.raises(ValueError) as info:
         AttentionConfig(mla_prefill_backend="NOT A NAME")
     message = str(info.value)
     assert "mla_prefill_backend" in message and "NOT A NAME" in message
-    # A well-formed but unknown name fails at selection, listing what is allowed.
-    config = EngineConfig.from_dict({"attention": {"mla_prefill_backend": "NOPE"}})
-    with pytest.raises(ValueError, match="Unknown MLA prefill backend: 'NOPE'") as info:
-        get_mla_prefill_backend(config, container=create_container(config))
-    assert "TORCH_SDPA" in str(info.value)  # what is allowed
+    # A well-formed but unknown name fails when the config is built (as vLLM's does), with
+    # vLLM's message listing what is allowed.
+    for build in (lambda: AttentionConfig(mla_prefill_backend="NONEXISTENT"),
+                  lambda: EngineConfig.from_dict(
+                      {"attention": {"mla_prefill_backend": "NONEXISTENT"}})):
+        with pytest.raises(ValueError, match=r"Unknown MLA prefill backend: 'NONEXISTENT'\. "
+                                             r"Valid options are: TORCH_SDPA, ") as info:
+            build()
+        assert "mla_prefill_backend" in str(info.value) and "CUSTOM" in str(info.value)
+    with pytest.raises(ValueError, match=r"Unknown MLA decode backend: 'NONEXISTENT'\. "
+                                         r"Valid options are: CPU_MLA, TORCH_SDPA, "):
+        EngineConfig.from_dict({"attention": {"mla_decode_backend": "NONEXISTENT"}})
     with pytest.raises(TypeError, match="mla_prefill_backend"):
         AttentionConfig(mla_prefill_backend=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="context_chunk_tokens"):
@@ -139,3 +143,26 @@ def test_configs_are_frozen() -> None:
 
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         ModelConfig().num_heads = 3  # type: ignore[misc]
+
+
+def test_a_name_a_plugin_registered_beforehand_is_valid() -> None:
+    """A name registered at run time (as a general plugin does) may be forced by a config built
+    afterwards, for either kind; it is a process-wide name, like the enum member."""
+    import uuid
+
+    from app.backends import register_mla_decode_backend, register_mla_prefill_backend
+    from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
+    from app.backends.prefill.torch_sdpa import TorchSDPABackend
+    from app.containers import create_container, use_container
+
+    prefill, decode = (f"PLUGIN_{kind}_{uuid.uuid4().hex[:8].upper()}" for kind in "PD")
+    for name, field in ((prefill, "mla_prefill_backend"), (decode, "mla_decode_backend")):
+        with pytest.raises(ValueError, match=f"Unknown MLA .* backend: '{name}'"):
+            AttentionConfig(**{field: name})
+    with use_container(create_container()):
+        register_mla_prefill_backend(prefill, TorchSDPABackend)
+        register_mla_decode_backend(decode, TorchSDPADecodeBackend)
+    config = EngineConfig.from_dict({"attention": {"mla_prefill_backend": prefill,
+                                                   "mla_decode_backend": decode}})
+    assert (config.attention.mla_prefill_backend, config.attention.mla_decode_backend) == (
+        prefill, decode)

@@ -19,9 +19,9 @@ from app.backends import (
     register_mla_prefill_backend,
 )
 from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
-from app.backends.prefill.kernel_base import KernelWorkspaces
 from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.backends.selection import SelectionCache
+from app.backends.workspaces import KernelWorkspaces
 from app.config import EngineConfig
 from app.containers import Application, create_container, use_container
 from app.kvcache import FullAttentionSpec, KVCacheSpecBindings, KVCacheSpecRegistry
@@ -188,3 +188,19 @@ def test_fake_platform_reaches_kernel_launches(
     fake_platform(None)
     with pytest.raises(ValueError, match="device_capability"):
         app_container.mla_prefill_backend().cuda_kernel(torch.bfloat16)
+
+
+def test_decode_providers_take_the_query_length() -> None:
+    """``mla_decode_backend_class(query_len=N)`` / ``mla_decode_backend(query_len=N)`` select for
+    that query length; the instance is built with the platform's capability."""
+    from app.backends.decode.base import MLADecodeBackend
+
+    c = create_container(EngineConfig.from_dict({"model": {"dtype": "float32"}}),
+                         CpuPlatform())
+    for query_len in (1, 3):
+        cls = c.mla_decode_backend_class(query_len=query_len)
+        backend = c.mla_decode_backend(query_len=query_len)
+        assert isinstance(backend, cls) and isinstance(backend, MLADecodeBackend)
+        assert backend.device_capability is None
+    with pytest.raises(ValueError, match="query_len"):
+        c.mla_decode_backend(query_len=99)

@@ -8,9 +8,9 @@ import threading
 import pytest
 from dependency_injector import providers
 
+from app.backends.catalog import PREFILL_BACKENDS
 from app.config import EngineConfig, ModelConfig
 from app.containers import (
-    BUILTIN_MLA_PREFILL_BACKENDS,
     Application,
     create_container,
     get_container,
@@ -112,7 +112,7 @@ def test_provider_override_is_per_container_and_scoped() -> None:
 
 def test_backend_providers_are_named_and_lazy() -> None:
     c = create_container()
-    for name, path in BUILTIN_MLA_PREFILL_BACKENDS.items():
+    for name, path in PREFILL_BACKENDS.builtins.items():
         assert getattr(c.mla_prefill_backends, name).args == (path,)
     assert c.mla_prefill_backends.CUSTOM() is None
     sentinel = type("Sentinel", (), {})

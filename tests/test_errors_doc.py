@@ -261,9 +261,10 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("config", "`CacheConfig(num_blocks=1)`", lambda: CacheConfig(num_blocks=1)),
     ("config", "`AttentionConfig(mla_prefill_backend=\"NOT A NAME\")`",
      lambda: AttentionConfig(mla_prefill_backend="NOT A NAME")),
-    ("selection", "`mla_prefill_backend = \"NOPE\"` (selected)",
-     _in_fresh_container(lambda: get_mla_prefill_backend(EngineConfig.from_dict(
-         {"attention": {"mla_prefill_backend": "NOPE"}})))),
+    ("config", "`mla_prefill_backend = \"NOPE\"` (an unknown name, as vLLM: when the config "
+     "is built)", lambda: EngineConfig.from_dict({"attention": {"mla_prefill_backend": "NOPE"}})),
+    ("config", "`AttentionConfig(mla_decode_backend=\"NOPE\")`",
+     lambda: AttentionConfig(mla_decode_backend="NOPE")),
     ("registry", "registering an abstract class",
      _in_fresh_container(lambda: register_mla_prefill_backend("ABSTRACT", MLAPrefillBackend))),
     ("config", "`EngineConfig.from_dict({\"modle\": {}})`",
@@ -379,7 +380,8 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _in_fresh_container(lambda: get_kv_cache_groups({
          "full": _spec(head_size=64),
          "swa": SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=48,
-                                  dtype=torch.float16, sliding_window=128)}))),
+                                  dtype=torch.float16, sliding_window=128)},
+         KVCacheSpecRegistry.bindings()))),
     ("decode", "an int64 block id `2**32 + 3` (it was narrowed to block 3)",
      _decode_metadata([[0, 2**32 + 3]], [20])),
     ("decode", "an int64 `seq_len` `2**32 + 7` (it was narrowed to 7)",

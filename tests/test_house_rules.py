@@ -98,7 +98,7 @@ print("ok")
     assert proc.stdout.strip() == "ok"
 
 
-# -- no import cycles, deferred imports included ----------------------------------------------
+# -- no import cycles and no arrow back up, deferred and TYPE_CHECKING imports included ---------
 
 def _module_names(root: Path) -> dict[str, Path]:
     names = {}
@@ -108,16 +108,19 @@ def _module_names(root: Path) -> dict[str, Path]:
     return names
 
 
-def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports_of(name: str, path: Path, modules: dict[str, Path],
+                type_checking: bool = True) -> set[str]:
     """The package modules ``name`` imports: every import statement anywhere in the file
     (inside functions, classes, ``try`` and ``if`` included: a deferred import hides a cycle,
-    it does not remove it) except the body of an ``if TYPE_CHECKING:`` block."""
+    it does not remove it), and the body of an ``if TYPE_CHECKING:`` block too unless
+    ``type_checking`` is False (a type-only import is still an arrow in the drawing). ``from
+    pkg import mod`` names ``pkg.mod`` only; ``from pkg import name`` names ``pkg``."""
     base = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
-            if "TYPE_CHECKING" in ast.unparse(node.test):
+            if not type_checking and "TYPE_CHECKING" in ast.unparse(node.test):
                 for child in node.orelse:
                     self.visit(child)
                 return
@@ -133,8 +136,9 @@ def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 for _ in range(node.level - 1):
                     package = package.rpartition(".")[0]
                 module = f"{package}.{module}" if node.module else package
-            found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                submodule = f"{module}.{alias.name}"
+                found.add(submodule if submodule in modules else module)
 
     Visitor().visit(ast.parse(path.read_text()))
     targets = set()
@@ -146,10 +150,16 @@ def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return targets
 
 
-def import_cycles(root: Path) -> list[list[str]]:
-    """The strongly connected components (more than one module) of ``root``'s import graph."""
+def import_graph(root: Path, type_checking: bool = True) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (see ``_imports_of``)."""
     modules = _module_names(root)
-    graph = {name: _imports_of(name, path, modules) for name, path in modules.items()}
+    return {name: _imports_of(name, path, modules, type_checking)
+            for name, path in modules.items()}
+
+
+def import_cycles(root: Path, type_checking: bool = True) -> list[list[str]]:
+    """The strongly connected components (more than one module) of ``root``'s import graph."""
+    graph = import_graph(root, type_checking)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -188,11 +198,11 @@ def import_cycles(root: Path) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycles_deferred_imports_included() -> None:
+def test_no_import_cycles_deferred_and_type_checking_imports_included() -> None:
     assert import_cycles(APP) == []
 
 
-def test_the_cycle_check_sees_deferred_imports(tmp_path: Path) -> None:
+def test_the_cycle_check_sees_deferred_and_type_checking_imports(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -201,7 +211,96 @@ def test_the_cycle_check_sees_deferred_imports(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                               "    from pkg.d import y\n")
     (pkg / "d.py").write_text("from . import c\n")
-    assert import_cycles(pkg) == [["pkg.a", "pkg.b"]]
+    assert import_cycles(pkg) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+    assert import_cycles(pkg, type_checking=False) == [["pkg.a", "pkg.b"]]
+
+
+#: The floors of the house, bottom up. A module imports only modules on its own floor or below
+#: (deferred and TYPE_CHECKING imports included). A module sits on the floor that names it, else
+#: on the floor of its longest listed ``prefix.*``. The public faces are the package
+#: ``__init__`` modules that re-export the seed API from above the container; nothing in the
+#: library imports them (library modules import the module that defines a name).
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("app._types", "app._validation", "app._imports", "app._cpu",
+                "app._files", "app._host", "app._container_state", "app.backends.catalog")),
+    ("config", ("app.config",)),
+    ("platforms and plugin discovery", ("app.platforms", "app.platforms.*", "app.plugins")),
+    ("kv cache", ("app.kvcache.*",)),
+    ("backends", ("app.backends.*",)),
+    ("the model the engine serves", ("app.model", "app.model.*")),
+    ("composition root", ("app.containers",)),
+    ("seed API over the active container", ("app.seed_api",)),
+    ("engine, deployments, conformance kit, integrations",
+     ("app.mla", "app.mla.*", "app.deployment", "app.testing", "app.testing.*",
+      "app.integrations", "app.integrations.*")),
+    ("front door", ("app.commands", "app.commands.*", "app.bench", "app.bench.*", "app.cli",
+                    "app.__main__")),
+    ("public faces", ("app", "app.backends", "app.kvcache")),
+]
+
+
+def floor_of(module: str) -> int:
+    """The index in ``FLOORS`` of ``module``'s floor."""
+    for index, (_, names) in enumerate(FLOORS):
+        if module in names:
+            return index
+    prefixes = [(len(name), index) for index, (_, names) in enumerate(FLOORS)
+                for name in names if name.endswith(".*") and module.startswith(name[:-1])]
+    if not prefixes:
+        raise AssertionError(f"{module} is on no floor: add it to FLOORS")
+    return max(prefixes)[1]
+
+
+def arrows_up(root: Path) -> list[str]:
+    """Every import that runs from a floor to a higher one."""
+    return sorted(f"{source} ({FLOORS[floor_of(source)][0]}) -> {target} "
+                  f"({FLOORS[floor_of(target)][0]})"
+                  for source, targets in import_graph(root).items() for target in targets
+                  if floor_of(target) > floor_of(source))
+
+
+def test_no_import_runs_back_up_a_floor() -> None:
+    """The drawing of the house: arrows only go down (or stay on their floor)."""
+    assert arrows_up(APP) == []
+
+
+def test_the_floor_check_sees_an_arrow_up(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    (app / "kvcache").mkdir(parents=True)
+    for name in ("__init__.py", "config.py", "containers.py", "kvcache/__init__.py"):
+        (app / name).write_text("")
+    (app / "kvcache" / "grouping.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from app.containers import Application\n")
+    assert arrows_up(app) == ["app.kvcache.grouping (kv cache) -> app.containers "
+                              "(composition root)"]
+
+
+def test_only_the_seed_api_asks_for_the_active_container() -> None:
+    """``get_container`` (the active container) is called by the seed API and by the front
+    door and engine floors above it, never below the composition root."""
+    below = [p for p in _sources() if p.name != "_container_state.py"  # where it is held
+             and floor_of(_module_of(p)) < floor_of("app.containers")]
+    offenders = [str(p.relative_to(APP)) for p in below
+                 if re.search(r"\bget_container\b|\bACTIVE_CONTAINER\b", p.read_text())]
+    assert offenders == []
+
+
+def _module_of(path: Path) -> str:
+    parts = path.with_suffix("").relative_to(APP.parent).parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_attribute_name_is_built_from_a_string() -> None:
+    """``getattr(obj, f"...")`` / ``setattr(obj, f"...", ...)`` hide an attribute from grep
+    (a native library's C symbols, ``getattr(cdll, ...)``, are not attributes of ours)."""
+    offenders = [f"{p.relative_to(APP)}:{node.lineno}" for p in _sources()
+                 for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                 and len(node.args) > 1 and isinstance(node.args[1], ast.JoinedStr)
+                 and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "cdll")]
+    assert offenders == []
 
 
 @pytest.mark.parametrize("bottom", ["app.config", "app.kvcache.specs"])
@@ -214,18 +313,35 @@ def test_config_and_specs_sit_at_the_bottom(bottom: str) -> None:
         if name not in seen:
             seen.add(name)
             todo.extend(_imports_of(name, modules[name], modules))
-    assert seen - {bottom} <= {"app._files", "app._toml", "app._types", "app._validation",
-                               "app.config"}, sorted(seen)
+    assert seen - {bottom} <= {"app._files", "app._types", "app._validation",
+                               "app.backends.catalog", "app.config"}, sorted(seen)
 
 
-def test_only_the_table_names_built_in_backend_classes() -> None:
-    """No module but the kinds' table (which the container reads) names a concrete backend
+def test_only_the_catalog_names_built_in_backend_classes() -> None:
+    """No module but the kinds' catalog (which the container reads) names a concrete backend
     class for wiring."""
-    from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+    from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 
-    paths = [e.class_path for e in (*PREFILL_BACKENDS, *DECODE_BACKENDS)]
+    paths = [*PREFILL_BACKENDS.builtins.values(), *DECODE_BACKENDS.builtins.values()]
     offenders = [f"{p.relative_to(APP)}: {path}" for p in _sources()
-                 if p.name != "table.py" for path in paths if path in p.read_text()]
+                 if p.name != "catalog.py" for path in paths if path in p.read_text()]
+    assert offenders == []
+
+
+def test_each_backend_name_is_written_once() -> None:
+    """A built-in's name appears as a string literal in the catalog only: no ``get_name``
+    returns it again (platforms and messages may refer to it, through the catalog's
+    ``check``)."""
+    from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
+
+    names = {*PREFILL_BACKENDS.builtins, *DECODE_BACKENDS.builtins}
+    offenders = []
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.FunctionDef) and node.name == "get_name"
+                    and any(isinstance(n, ast.Constant) and n.value in names
+                            for n in ast.walk(node))):
+                offenders.append(f"{p.relative_to(APP)}:{node.lineno}")
     assert offenders == []
 
 
@@ -239,17 +355,8 @@ def test_only_the_platforms_package_builds_concrete_platforms() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize(("floor", "above"), [
-    ("app.model", ("app.mla", "app.containers", "app.commands", "app.bench", "app.cli")),
-    ("app.backends", ("app.model", "app.mla", "app.commands", "app.bench")),
-])
-def test_the_model_sits_between_the_engine_and_the_backends(floor: str,
-                                                            above: tuple[str, ...]) -> None:
-    """The engine (``app.mla``) -> the model (``app.model``) -> the backends: no module of a
-    floor imports one above it (deferred imports included)."""
-    modules = _module_names(APP)
-    offenders = sorted(f"{name} -> {target}" for name, path in modules.items()
-                       if name == floor or name.startswith(floor + ".")
-                       for target in _imports_of(name, path, modules)
-                       if any(target == a or target.startswith(a + ".") for a in above))
-    assert offenders == []
+def test_no_folder_holds_more_than_15_modules() -> None:
+    """A reader finds a module by its folder: none holds more than 15 modules directly."""
+    crowded = {str(folder.relative_to(APP.parent)): n for folder in [APP, *APP.rglob("*")]
+               if folder.is_dir() and (n := len(list(folder.glob("*.py")))) > 15}
+    assert crowded == {}

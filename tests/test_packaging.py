@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app._toml import load_toml
+from app._files import load_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

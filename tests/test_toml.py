@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app._toml import load_toml
+from app._files import load_toml
 
 
 def test_a_byte_order_mark_is_not_content(tmp_path: Path) -> None:

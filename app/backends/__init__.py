@@ -1,13 +1,25 @@
-"""MLA attention backends, prefill and decode: the base classes, one registry implementation
-parameterized by kind, and the selectors.
+"""MLA attention backends, prefill and decode.
 
-The kernel backends (``app.backends.prefill.torch_sdpa``, ``flash_attn``, ``flashinfer``,
-``trtllm_ragged``, ``tokenspeed_mla``, and the decode modules) are not imported here: the
-container's providers import each one the first time it is asked for (the built-ins are listed
-in ``app.backends.table``), and a backend whose kernel package is missing says so through
-``validate_configuration``. ``app.backends.prefill.kernel_base`` is the public base kernel backends
-build on.
+Where to look:
+
+- ``catalog.py``: every backend's name, and where the built-in ones live (one line each).
+- ``declarations.py``: what a backend declares (name, dtypes, GPUs, probe, install hint);
+  ``prefill/base.py`` and ``decode/base.py``: the two contracts built on it.
+- ``prefill/``, ``decode/``: one module per kernel backend (``prefill/kernel_base.py`` is the
+  public base kernel backends build on); ``cpu/``: our native CPU kernels, their loader and pool.
+- ``registry.py``: the kinds and the backend providers inside one container (register,
+  override, resolve); ``selection.py``: choosing one (``decide``, ``select_backend``,
+  ``explain_selection``).
+- ``lse.py``, ``merge.py``: the log-sum-exp layout and the merge of partial results.
+
+The kernel backends are not imported here: the container's providers import each one the first
+time it is asked for, and a backend whose kernel package is missing says so through
+``validate_configuration``. vLLM's API over the active container (``MLAPrefillBackendEnum``,
+``register_mla_prefill_backend``, ``get_mla_prefill_backend`` ...) lives in ``app.seed_api`` and
+is re-exported here.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from app._types import DeviceCapability, MLADimensions
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
@@ -17,21 +29,21 @@ from app.backends.prefill.base import (
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
 )
-from app.backends.registry import (
-    MLADecodeBackendEnum,
-    MLAPrefillBackendEnum,
-    override_mla_decode_backend,
-    override_mla_prefill_backend,
-    register_mla_decode_backend,
-    register_mla_prefill_backend,
-)
-from app.backends.selector import (
-    check_decode_block_size,
-    explain_mla_decode_selection,
-    explain_mla_prefill_selection,
-    get_mla_decode_backend,
-    get_mla_prefill_backend,
-)
+from app.backends.selection import check_decode_block_size
+
+if TYPE_CHECKING:
+    from app.seed_api import (
+        MLADecodeBackendEnum,
+        MLAPrefillBackendEnum,
+        explain_mla_decode_selection,
+        explain_mla_prefill_selection,
+        get_mla_decode_backend,
+        get_mla_prefill_backend,
+        override_mla_decode_backend,
+        override_mla_prefill_backend,
+        register_mla_decode_backend,
+        register_mla_prefill_backend,
+    )
 
 __all__ = [
     "ContextChunkMetadata",
@@ -54,3 +66,19 @@ __all__ = [
     "register_mla_decode_backend",
     "register_mla_prefill_backend",
 ]
+
+#: Names this package re-exports from the seed API (``app.seed_api``, above the container):
+#: looked up on first use, since the seed API imports this package's modules.
+_SEED_API = frozenset({
+    "MLADecodeBackendEnum", "MLAPrefillBackendEnum", "explain_mla_decode_selection",
+    "explain_mla_prefill_selection", "get_mla_decode_backend", "get_mla_prefill_backend",
+    "override_mla_decode_backend", "override_mla_prefill_backend",
+    "register_mla_decode_backend", "register_mla_prefill_backend"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SEED_API:
+        import app.seed_api
+
+        return getattr(app.seed_api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

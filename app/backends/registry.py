@@ -1,264 +1,344 @@
-"""The backend registry, written once for every kind: enums over the container's providers,
-registration by path / decorator / new name, scoped overrides.
+"""The backend registry inside one container, written once for both kinds.
 
-Every member of ``MLAPrefillBackendEnum`` (``MLADecodeBackendEnum``) names one provider of a
-container (``container.mla_prefill_backends.<NAME>``); calling the provider gives the class.
-There is no module-global mapping of overrides: registering overrides the member's provider
-in the active container, ``clear_override`` resets it and ``is_overridden`` asks it, so a
-fresh container (or one made active with ``use_container``) sees none of another container's
-registrations.
+A container holds one provider per backend name and kind (``container.mla_prefill_backends``,
+``container.mla_decode_backends``); calling a provider gives the backend *class*. Everything
+here takes the kind and those providers (``backends``) explicitly and never looks up a
+container: the seed API (``app.seed_api``) passes the active container's, a deployment its own.
 
-- ``register_mla_prefill_backend(member, "pkg.mod.Class")`` overrides at once (the class is
-  imported on first use); ``@register_mla_prefill_backend(member)`` records the decorated class
-  itself; ``register_mla_prefill_backend("NAME", ...)`` adds a new member to the enum at run
-  time. The member exists everywhere from then on, but only the containers it was registered
-  in have a class for it; elsewhere it "must be registered before use".
-- ``with override_mla_prefill_backend(member, cls_or_path): ...`` is the scoped form: on exit
-  (even on an exception) exactly the override it pushed is removed.
-- An abstract class is refused at registration (``TypeError``), whatever the kind.
-
-The decode functions (``register_mla_decode_backend`` ...) are the same functions bound to the
-decode kind. The selection cache needs no notice of any of this: it is keyed by the providers'
-override stacks.
+- ``BackendKind``: what differs between prefill and decode (base class, catalog, the config
+  field that forces one, the platform's priority list, the selector config). ``PREFILL`` and
+  ``DECODE`` are the two kinds.
+- Resolving: ``resolve_class`` calls a backend's provider and checks it gives a concrete
+  subclass of the kind's base; ``class_path`` says where it lives without importing it.
+- Registering: ``register_backend`` overrides a backend's provider (a new name is added to the
+  kind's catalog first); ``override_backend`` is the scoped form, removing exactly the override
+  it pushed. An abstract class is refused (``TypeError``), whatever the kind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import keyword
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from dependency_injector import containers
+import attrs
+from dependency_injector import containers, providers
 
-import app.backends._providers as _providers
-from app._imports import object_path
-from app.backends._enum import BackendEnum, BackendEnumMeta, active_backends, add_member, populate
-from app.backends.kinds import DECODE, PREFILL, BackendKind
+from app._container_state import CHANGES, CountedObject
+from app._imports import import_object, object_path
+from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
+from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillSelectorConfig
+
+if TYPE_CHECKING:
+    from app.config import EngineConfig
+    from app.platforms.base import Platform
 
 __all__ = [
-    "BackendEnum",
-    "ClassDecorator",
-    "MLADecodeBackendEnum",
-    "MLAPrefillBackendEnum",
-    "enum_for",
+    "DECODE",
+    "KINDS",
+    "PREFILL",
+    "REGISTRATION_LOCK",
+    "BackendKind",
+    "check_backend_class",
+    "check_new_name",
+    "check_target",
+    "class_path",
     "override_backend",
-    "override_mla_decode_backend",
-    "override_mla_prefill_backend",
+    "provider_of",
     "register_backend",
-    "register_mla_decode_backend",
-    "register_mla_prefill_backend",
-    "resolve_backend_class",
+    "reserve_names",
+    "resolve_class",
+    "unregistered_message",
 ]
 
 logger = logging.getLogger(__name__)
 
-_C = TypeVar("_C", bound=type)
+#: Guards every change to a backend provider's override stack made through the registry.
+REGISTRATION_LOCK = threading.RLock()
 
 
-class MLAPrefillBackendEnum(BackendEnum, metaclass=BackendEnumMeta):
-    """The MLA prefill backends (members from ``app.backends.table.PREFILL_BACKENDS``, then
-    ``CUSTOM``, then run-time additions); each value is the class path its provider imports
-    by default. ``CUSTOM`` (value None, never an alias of another member) is the placeholder
-    for a third-party backend and must be registered before use."""
-
-    __kind__ = PREFILL
+def _names(items: Iterable[Any]) -> list[str]:
+    """A platform's priority list as names (a platform may list enum members)."""
+    return [item if isinstance(item, str) else getattr(item, "name", item) for item in items]
 
 
-class MLADecodeBackendEnum(BackendEnum, metaclass=BackendEnumMeta):
-    """The MLA decode backends (members from ``app.backends.table.DECODE_BACKENDS``, then
-    ``CUSTOM``, then run-time additions), as ``MLAPrefillBackendEnum`` is for prefill."""
-
-    __kind__ = DECODE
+def _prefill_priorities(platform: Platform, selector_config: Any) -> list[str]:
+    return _names(platform.mla_prefill_backend_priorities(selector_config))
 
 
-populate(MLAPrefillBackendEnum)
-populate(MLADecodeBackendEnum)
-
-_ENUMS: dict[str, type[BackendEnum]] = {PREFILL.name: MLAPrefillBackendEnum,
-                                        DECODE.name: MLADecodeBackendEnum}
-#: The members each enum was created with (run-time members come after these).
-_BUILTIN_NAMES = {kind: frozenset(enum.__members__) for kind, enum in _ENUMS.items()}
+def _decode_priorities(platform: Platform, selector_config: Any) -> list[str]:
+    return _names(platform.mla_decode_backend_priorities(selector_config))
 
 
-def enum_for(kind: BackendKind) -> type[BackendEnum]:
-    """The enum of ``kind``."""
-    return _ENUMS[kind.name]
+def _prefill_selector_config(config: EngineConfig, **_: Any) -> MLAPrefillSelectorConfig:
+    return MLAPrefillSelectorConfig.from_engine_config(config)
 
 
-def resolve_backend_class(name: str, provider: Any, kind: BackendKind = PREFILL) -> type[Any]:
-    """Call ``provider`` and check it gives a concrete backend class of ``kind`` (see
-    ``app.backends._providers.resolve_class``)."""
-    return _providers.resolve_class(kind, name, provider)
+def _decode_selector_config(config: EngineConfig, *, query_len: int = 1,
+                            **_: Any) -> MLADecodeSelectorConfig:
+    return MLADecodeSelectorConfig.from_engine_config(config, query_len=query_len)
 
 
-class ClassDecorator(Protocol):
-    """What ``register_*_backend`` returns: a class decorator (or a no-op one)."""
+@attrs.frozen(eq=False)
+class BackendKind:
+    """One kind of backend, as the registry, the selection and the container see it."""
 
-    def __call__(self, cls: _C, /) -> _C: ...
+    #: ``"prefill"`` or ``"decode"``.
+    name: str
+    #: The kind's names (``PREFILL_BACKENDS``); its ``label`` names the kind in messages.
+    catalog: BackendCatalog
+    #: The base class every backend of the kind subclasses.
+    base: type[Any]
+    #: The seed API's names, for messages.
+    enum_name: str
+    register_name: str
+    override_name: str
+    #: The ``AttentionConfig`` field that forces a backend of this kind.
+    config_field: str
+    #: ``config -> the backend name it forces`` (None: automatic selection).
+    requested: Callable[[EngineConfig], str | None]
+    #: ``(platform, selector config) -> names in priority order`` (the platform's method).
+    priorities: Callable[[Platform, Any], list[str]]
+    #: ``(config, **selection arguments) -> the selector config backends validate against``.
+    selector_config: Callable[..., Any]
+    #: ``container -> its backend providers of this kind``.
+    backends_of: Callable[[Any], Any]
+
+    @property
+    def label(self) -> str:
+        """How messages name the kind: ``"MLA prefill"``."""
+        return self.catalog.label
+
+    def __repr__(self) -> str:
+        return f"BackendKind({self.name!r})"
 
 
-def _identity(cls: _C, /) -> _C:
+PREFILL = BackendKind(
+    name="prefill", catalog=PREFILL_BACKENDS, base=MLAPrefillBackend,
+    enum_name="MLAPrefillBackendEnum", register_name="register_mla_prefill_backend",
+    override_name="override_mla_prefill_backend", config_field="mla_prefill_backend",
+    requested=lambda config: config.attention.mla_prefill_backend,
+    priorities=_prefill_priorities, selector_config=_prefill_selector_config,
+    backends_of=lambda container: container.mla_prefill_backends())
+
+DECODE = BackendKind(
+    name="decode", catalog=DECODE_BACKENDS, base=MLADecodeBackend,
+    enum_name="MLADecodeBackendEnum", register_name="register_mla_decode_backend",
+    override_name="override_mla_decode_backend", config_field="mla_decode_backend",
+    requested=lambda config: config.attention.mla_decode_backend,
+    priorities=_decode_priorities, selector_config=_decode_selector_config,
+    backends_of=lambda container: container.mla_decode_backends())
+
+#: Every kind, by name.
+KINDS: dict[str, BackendKind] = {PREFILL.name: PREFILL, DECODE.name: DECODE}
+
+
+# -- one backend's provider -------------------------------------------------------------------
+
+def provider_of(backends: Any, name: str) -> providers.Provider[Any] | None:
+    """The container's provider for backend ``name`` (None when it has none)."""
+    found: providers.Provider[Any] | None = backends.providers.get(name)
+    return found
+
+
+def unregistered_message(kind: BackendKind, name: str, in_container: bool = False) -> str:
+    """vLLM's wording for a backend without a class."""
+    where = " in the active container" if in_container else ""
+    return (f"{kind.label} backend {name} must be registered before use{where}. Use "
+            f"{kind.register_name}({kind.enum_name}.{name}, 'your.module.YourClass') or "
+            f"decorate the class with @{kind.register_name}({kind.enum_name}.{name})")
+
+
+def check_backend_class(kind: BackendKind, cls: object, where: str) -> type[Any]:
+    """``cls`` if it is a concrete subclass of the kind's base; ``TypeError`` otherwise
+    (an abstract class would only fail later, when the engine instantiates it)."""
+    base = kind.base.__name__
+    if not (isinstance(cls, type) and issubclass(cls, kind.base)):
+        raise TypeError(f"{where}: {cls!r} is not an {base} subclass")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise TypeError(f"{where}: {object_path(cls)} is abstract (it does not implement "
+                        f"{missing}); register a concrete {base} subclass")
     return cls
 
 
-@functools.cache
-def _reserved_names() -> frozenset[str]:
-    """Names a member must not take: attributes of the enum classes, their metaclass and of a
-    container (a member's provider is an attribute of the backends container)."""
-    classes = (inspect.getmro(MLAPrefillBackendEnum) + inspect.getmro(MLADecodeBackendEnum)
-               + inspect.getmro(BackendEnumMeta))
-    return (frozenset(name for cls in classes for name in vars(cls))
-            | frozenset(dir(containers.DynamicContainer())))
+def check_target(kind: BackendKind, target: object, where: str) -> str | type[Any]:
+    """A class path (checked for form only; imported on first use) or a backend class."""
+    if isinstance(target, str):
+        module, _, attr = target.replace(":", ".").rpartition(".")
+        if not module or not attr:
+            raise ValueError(f"{where}: expected a dotted class path like "
+                             f"'your.module.YourClass', got {target!r}")
+        return target
+    if isinstance(target, type):
+        return check_backend_class(kind, target, where)
+    raise TypeError(f"{where}: expected a class path string or an {kind.base.__name__} "
+                    f"subclass, got {target!r} ({type(target).__name__})")
 
 
-def _check_new_name(kind: BackendKind, backends: Any, name: str) -> None:
+def _effective(provider: providers.Provider[Any]) -> providers.Provider[Any]:
+    while True:
+        last: providers.Provider[Any] | None = provider.last_overriding
+        if last is None:
+            return provider
+        provider = last
+
+
+def class_path(kind: BackendKind, name: str, provider: providers.Provider[Any]) -> str:
+    """The class path ``provider`` resolves to, without importing it where that can be read.
+    ``ValueError`` when it provides nothing (unregistered)."""
+    effective = _effective(provider)
+    obj: Any
+    if isinstance(effective, providers.Object):
+        obj = effective.provides
+    elif (isinstance(effective, providers.Callable) and effective.provides is import_object
+          and len(effective.args) == 1 and isinstance(effective.args[0], str)
+          and not effective.kwargs):
+        return str(effective.args[0])
+    else:
+        obj = provider()
+    if obj is None:
+        raise ValueError(unregistered_message(kind, name))
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, type):
+        return object_path(obj)
+    raise TypeError(f"{kind.label} backend {name} resolves to {obj!r}, which is not a class")
+
+
+def resolve_class(kind: BackendKind, name: str,
+                  provider: providers.Provider[Any] | None) -> type[Any]:
+    """Call ``provider`` and check it gives a concrete subclass of the kind's base.
+
+    ``ValueError`` when unregistered (no provider, or it provides None), ``ImportError`` when
+    the class does not import, ``TypeError`` when the object is not a backend class.
+    """
+    if provider is None:
+        raise ValueError(unregistered_message(kind, name, in_container=True))
+    obj = provider()
+    if obj is None:
+        raise ValueError(unregistered_message(kind, name))
+    if isinstance(obj, str):  # a provider overridden with providers.Object("pkg.mod.Class")
+        obj = import_object(obj)
+    if not (isinstance(obj, type) and issubclass(obj, kind.base)):
+        raise TypeError(f"{kind.label} backend {name} resolves to {obj!r}, which is not an "
+                        f"{kind.base.__name__} subclass")
+    if inspect.isabstract(obj):
+        check_backend_class(kind, obj, f"{kind.label} backend {name}")  # raises, saying why
+    return obj
+
+
+# -- registering ------------------------------------------------------------------------------
+
+_reserved: set[str] = set(dir(containers.DynamicContainer()))
+
+
+def reserve_names(names: Iterable[str]) -> None:
+    """Names no backend may take (a backend's provider is an attribute of its container, and
+    the seed API's enum reserves its own attributes)."""
+    with REGISTRATION_LOCK:
+        _reserved.update(names)
+
+
+def check_new_name(kind: BackendKind, backends: Any, name: str) -> None:
     """``ValueError`` unless ``name`` can be registered by name in ``backends``: a valid,
-    unreserved identifier that is not a built-in member and not already registered there (a
-    run-time member added in another container may be registered here by name)."""
+    unreserved identifier that is not a built-in and not already registered there (a name
+    added in another container may be registered here by name)."""
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) \
             or name.startswith("_"):
         raise ValueError(f"Invalid {kind.label} backend name: {name!r} (expected an "
                          f"identifier like 'MY_BACKEND', not starting with '_')")
-    enum_cls = enum_for(kind)
-    if name in enum_cls.__members__:
-        provider = _providers.provider_of(backends, name)
-        if name in _BUILTIN_NAMES[kind.name] or (provider is not None and provider.overridden):
+    if name in kind.catalog:
+        provider = provider_of(backends, name)
+        if name in kind.catalog.builtins or name == CUSTOM \
+                or (provider is not None and provider.overridden):
             raise ValueError(
                 f"{kind.label} backend {name} already exists in {kind.enum_name}. Use "
                 f"{kind.register_name}({kind.enum_name}.{name}, 'your.module.YourClass') to "
                 f"override it.")
         return
-    if name in _reserved_names():
+    if name in _reserved:
         raise ValueError(f"Invalid {kind.label} backend name: {name!r} is reserved")
 
 
-def _push(kind: BackendKind, backends: Any, name: str, target: str | type[Any]) -> None:
-    with _providers.REGISTRATION_LOCK:
-        provider = _providers.provider_of(backends, name)
-        if provider is None:
-            provider = _providers.add_provider(backends, name)
-        provider.override(_providers.overriding_provider(target))
-    logger.info("Registered %s backend %s -> %s", kind.label, name,
-                target if isinstance(target, str) else object_path(target))
+def _overriding_provider(target: str | type[Any]) -> providers.Provider[Any]:
+    """The provider a registration pushes: imports a path on first use, or gives the class."""
+    if isinstance(target, str):
+        return providers.Callable(import_object, target)
+    return providers.Object(target)
 
 
-def _as_member(kind: BackendKind, backend: object, where: str) -> BackendEnum:
-    enum_cls = enum_for(kind)
-    if isinstance(backend, enum_cls):
-        return backend
-    if isinstance(backend, str):
-        return enum_cls[backend]
-    raise TypeError(f"{where}: expected a {kind.enum_name} member or its name, "
-                    f"got {backend!r} ({type(backend).__name__})")
+def _provider_for(backends: Any, name: str) -> tuple[providers.Provider[Any], bool]:
+    """``name``'s provider in ``backends``, added (unregistered) when it has none; whether it
+    was added. The caller holds ``REGISTRATION_LOCK``."""
+    provider = provider_of(backends, name)
+    if provider is not None:
+        return provider, False
+    added: providers.Provider[Any] = CountedObject(None)
+    backends.set_provider(name, added)
+    CHANGES.bump()
+    return added, True
 
 
-def register_backend(kind: BackendKind, backends: Any, backend: BackendEnum | str,
-                     class_path: str | type[Any] | None = None) -> ClassDecorator:
-    """Register or override a backend of ``kind`` among ``backends`` (a container's
-    providers of that kind); see ``register_mla_prefill_backend``."""
+def register_backend(kind: BackendKind, backends: Any, name: str, target: str | type[Any], *,
+                     new_name: bool = False) -> None:
+    """Override backend ``name`` among ``backends`` with ``target`` (a checked class or a class
+    path, imported on first use). ``new_name``: ``name`` is a name to add to the kind's
+    catalog (``ValueError`` when it is not a valid, free name); otherwise it must be one
+    already (``ValueError`` listing the valid names)."""
     where = kind.register_name
-    enum_cls = enum_for(kind)
-    register: Callable[[str | type[Any]], None]
-    if isinstance(backend, str):
-        _check_new_name(kind, backends, backend)
+    checked = check_target(kind, target, where)
+    with kind.catalog.lock, REGISTRATION_LOCK:
+        if new_name:
+            check_new_name(kind, backends, name)
+            if name not in kind.catalog:
+                kind.catalog.add(name)
+                logger.info("Added %s backend %s", kind.label, name)
+        else:
+            name = kind.catalog.resolve(name)
+        provider, _ = _provider_for(backends, name)
+        provider.override(_overriding_provider(checked))
+    logger.info("Registered %s backend %s -> %s", kind.label, name,
+                checked if isinstance(checked, str) else object_path(checked))
 
-        def register(target: str | type[Any]) -> None:
-            with kind.names.lock:
-                _check_new_name(kind, backends, backend)
-                member = add_member(enum_cls, backend)
-                if member.name not in _BUILTIN_NAMES[kind.name]:
-                    logger.info("Added %s backend %s", kind.label, member.name)
-                _push(kind, backends, member.name, target)
-    elif isinstance(backend, enum_cls):
-        def register(target: str | type[Any]) -> None:
-            _push(kind, backends, backend.name, target)
-    else:
-        raise TypeError(f"{where}: expected a {kind.enum_name} member or a new backend "
-                        f"name, got {backend!r} ({type(backend).__name__})")
-    if class_path is not None:
-        register(_providers.check_target(kind, class_path, where))
-        return _identity
 
-    def register_class(cls: _C, /) -> _C:
-        register(_providers.check_backend_class(kind, cls, where))
-        return cls
-
-    return register_class
+def _remove_overriding(provider: providers.Provider[Any],
+                       overriding: providers.Provider[Any]) -> None:
+    """Remove one overriding provider (by identity) from ``provider``'s override stack."""
+    current: tuple[providers.Provider[Any], ...] = provider.overridden
+    if not any(p is overriding for p in current):
+        return
+    if current[-1] is overriding:
+        provider.reset_last_overriding()
+        return
+    provider.reset_override()
+    for p in current:
+        if p is not overriding:
+            provider.override(p)
 
 
 @contextlib.contextmanager
-def override_backend(kind: BackendKind, backends: Any, backend: BackendEnum | str,
-                     cls_or_path: str | type[Any]) -> Iterator[BackendEnum]:
-    """Override ``backend`` among ``backends`` for the ``with`` block; see
-    ``override_mla_prefill_backend``."""
-    where = f"override_{kind.label.lower().replace(' ', '_')}_backend"
-    member = _as_member(kind, backend, where)
-    overriding = _providers.overriding_provider(_providers.check_target(kind, cls_or_path, where))
-    with _providers.REGISTRATION_LOCK:
-        provider = _providers.provider_of(backends, member.name)
-        created = provider is None
-        if provider is None:
-            provider = _providers.add_provider(backends, member.name)
+def override_backend(kind: BackendKind, backends: Any, name: str,
+                     target: str | type[Any]) -> Iterator[str]:
+    """Override backend ``name`` (one of the kind's names) among ``backends`` for the ``with``
+    block; yields the name. On exit, even on an exception, exactly the override it pushed is
+    removed, wherever it sits in the provider's override stack."""
+    name = kind.catalog.resolve(name)
+    overriding = _overriding_provider(check_target(kind, target, kind.override_name))
+    with REGISTRATION_LOCK:
+        provider, created = _provider_for(backends, name)
         provider.override(overriding)
     try:
-        yield member
+        yield name
     finally:
-        with _providers.REGISTRATION_LOCK:
-            if _providers.provider_of(backends, member.name) is provider:
-                _providers.remove_overriding(provider, overriding)
+        with REGISTRATION_LOCK:
+            if provider_of(backends, name) is provider:
+                _remove_overriding(provider, overriding)
                 if created and not provider.overridden:
-                    _providers.remove_provider(backends, member.name)
-
-
-def register_mla_prefill_backend(
-        backend: MLAPrefillBackendEnum | str,
-        class_path: str | type[Any] | None = None) -> ClassDecorator:
-    """Register or override an MLA prefill backend in the active container.
-
-    - ``register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "my.mod.MyBackend")``:
-      overrides at once (the class is imported on first use); returns a no-op decorator.
-    - ``@register_mla_prefill_backend(MLAPrefillBackendEnum.FLASHINFER)`` on a class: records
-      that class (``TypeError`` if it is not a concrete ``MLAPrefillBackend`` subclass).
-    - ``register_mla_prefill_backend("MY_BACKEND", path_or_class)`` or
-      ``@register_mla_prefill_backend("MY_BACKEND")``: adds member ``MY_BACKEND`` to
-      ``MLAPrefillBackendEnum`` and registers it in the active container. ``ValueError`` for a
-      non-identifier or reserved name and for a duplicate: a built-in member's name, or a name
-      already registered in the active container (a run-time member added in *another*
-      container is registered here by name, so a plugin can run once per container).
-
-    ``class_path`` may also be the class itself. Thread-safe.
-    """
-    return register_backend(PREFILL, active_backends(PREFILL), backend, class_path)
-
-
-def override_mla_prefill_backend(
-        backend: MLAPrefillBackendEnum | str,
-        cls_or_path: str | type[Any]) -> contextlib.AbstractContextManager[BackendEnum]:
-    """Override ``backend`` in the active container for the ``with`` block; yields the member.
-
-    On exit, even on an exception, exactly the override this block pushed is removed, wherever
-    it sits in the member's override stack: nested blocks restore the state each one entered
-    with, and blocks that overlap in different threads of one container never leave an
-    override behind. Other members and other containers are untouched.
-    """
-    return override_backend(PREFILL, active_backends(PREFILL), backend, cls_or_path)
-
-
-def register_mla_decode_backend(
-        backend: MLADecodeBackendEnum | str,
-        class_path: str | type[Any] | None = None) -> ClassDecorator:
-    """Register or override an MLA decode backend in the active container (as
-    ``register_mla_prefill_backend``; the class must be a concrete ``MLADecodeBackend``)."""
-    return register_backend(DECODE, active_backends(DECODE), backend, class_path)
-
-
-def override_mla_decode_backend(
-        backend: MLADecodeBackendEnum | str,
-        cls_or_path: str | type[Any]) -> contextlib.AbstractContextManager[BackendEnum]:
-    """Override an MLA decode backend in the active container for the ``with`` block (as
-    ``override_mla_prefill_backend``)."""
-    return override_backend(DECODE, active_backends(DECODE), backend, cls_or_path)
+                    delattr(backends, name)
+                    CHANGES.bump()

@@ -1,38 +1,42 @@
 """Choosing a backend of one kind for a config on a platform, written once for every kind.
 
-``select_backend(kind, config, platform, backends, cache)``:
+One decision, ``decide``, serves both ``select_backend`` (the class, cached) and
+``explain_selection`` (every backend's verdict, never cached):
 
 1. A backend the config forces (``config.attention.mla_prefill_backend`` /
    ``mla_decode_backend``) is validated against the platform's device capability; an invalid
-   one raises ``ValueError("Selected MLA prefill backend X is not valid for this
-   configuration. Reason: [...]")`` and an unknown name vLLM's ``Unknown ... backend``.
+   one is ``ValueError("Selected MLA prefill backend X is not valid for this configuration.
+   Reason: [...]")`` and an unknown name vLLM's ``Unknown ... backend``.
 2. Otherwise the platform's priority list for the kind is walked and the first valid class is
-   returned; when none is valid, ``ValueError("No valid MLA prefill backend found with ...
+   chosen; when none is valid, ``ValueError("No valid MLA prefill backend found with ...
    Reasons: {NAME: [...], ...}.")``.
 
 A backend whose class does not import (``ImportError``), is not registered, or is not a
 concrete subclass of the kind's base is invalid, with that as its reason.
 
-Everything is passed in: the container's providers call this with its config, platform and
-backends; the facades in ``app.backends.selector`` do the same for the active container.
-``SelectionCache`` (one per container, its ``selection_cache`` provider) remembers results
-keyed by exactly what selection reads: the kind, the requested name, the selector config, the
-platform object and every backend provider with the override in effect. A registration,
-a direct ``provider.override(...)`` or another platform therefore never sees a stale entry.
+Everything is passed in (config, platform, the container's backend providers of the kind); the
+container's providers and the seed API (``app.seed_api``) call these with a container's.
+``SelectionCache`` (one per container) keeps results keyed by the kind, the forced name, the
+selector config, the platform and the count of provider changes
+(``app._container_state.CHANGES``), so a registration, a direct ``provider.override(...)`` or
+another platform is never answered from a stale entry.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import attrs
 import torch
 
+from app._container_state import CHANGES
 from app._imports import object_path
-from app.backends._providers import class_path, provider_of, resolve_class
-from app.backends.kinds import BackendKind
+from app._validation import is_int
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.registry import BackendKind, class_path, provider_of, resolve_class
 
 if TYPE_CHECKING:
     from app._types import DeviceCapability
@@ -41,13 +45,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendVerdict",
+    "Decision",
     "SelectionCache",
     "SelectionExplanation",
+    "check_backend",
+    "check_decode_block_size",
+    "decide",
     "explain_selection",
     "select_backend",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: ``name -> (class or None, reasons it is invalid)``.
+Checker = Callable[[str], "tuple[type[Any] | None, list[str]]"]
 
 
 class SelectionCache:
@@ -61,22 +72,6 @@ class SelectionCache:
         self._lock = threading.Lock()
         #: Selections computed (cache misses), for diagnostics and benchmarks.
         self.misses = 0
-        #: The last (kind name, config, selection args, selector config): an engine asks again
-        #: with the same frozen config object, and building the selector config (validated
-        #: attrs objects) was a third of a cached call. One tuple, replaced whole: thread-safe.
-        self._last_selector_config: tuple[str, Any, tuple[Any, ...], Any] | None = None
-
-    def selector_config(self, kind: BackendKind, config: EngineConfig,
-                        selection_args: dict[str, Any]) -> Any:
-        """``kind.selector_config(config, **selection_args)``, reused while ``config`` is the
-        same object (configs are frozen, so the result cannot change)."""
-        args = tuple(sorted(selection_args.items()))
-        last = self._last_selector_config
-        if last is not None and last[1] is config and last[0] == kind.name and last[2] == args:
-            return last[3]
-        built = kind.selector_config(config, **selection_args)
-        self._last_selector_config = (kind.name, config, args, built)
-        return built
 
     def get(self, key: tuple[Any, ...]) -> type[Any] | None:
         """The class remembered for ``key``, or None."""
@@ -97,62 +92,15 @@ class SelectionCache:
         return f"SelectionCache(entries={len(self._entries)}, misses={self.misses})"
 
 
-def _provider_state(backends: Any) -> tuple[Any, ...]:
-    """Every backend provider with the override that is in effect (part of the cache key):
-    the last overriding provider wins, so it alone decides what a provider gives. The values
-    are copied in one C-level step first (atomic under the GIL), so a registration by a new
-    name that adds a provider meanwhile cannot break the iteration."""
-    return tuple((provider, provider.last_overriding)
-                 for provider in list(backends.providers.values()))
-
-
-def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, backends: Any,
-                   cache: SelectionCache | None = None, **selection_args: Any) -> type[Any]:
-    """The backend class of ``kind`` for ``config`` on ``platform`` among ``backends`` (the
-    container's providers of that kind). ``selection_args``: the kind's extra selection inputs
-    (decode: ``query_len``). Raises ``ValueError`` when nothing valid is found."""
-    selector_config = (kind.selector_config(config, **selection_args) if cache is None
-                       else cache.selector_config(kind, config, selection_args))
-    requested = kind.requested(config)
-    key = (kind.name, requested, selector_config, platform, _provider_state(backends))
-    if cache is not None:
-        hit = cache.get(key)
-        if hit is not None:
-            return hit
-    capability = platform.get_device_capability()
-    if requested is not None:
-        name = kind.names.resolve(requested)
-        chosen, reasons = check_backend(kind, backends, name, capability, selector_config)
-        if reasons or chosen is None:
-            raise ValueError(_explicit_error(kind, name, reasons))
-    else:
-        all_reasons: dict[str, list[str]] = {}
-        chosen = None
-        for name in kind.priorities(platform, selector_config):
-            cls, reasons = check_backend(kind, backends, name, capability, selector_config)
-            if not reasons and cls is not None:
-                chosen = cls
-                break
-            all_reasons[name] = reasons
-        if chosen is None:
-            message = _none_valid_error(kind, selector_config, platform, all_reasons)
-            logger.debug("%s", message)
-            raise ValueError(message)
-    logger.info("Using %s %s backend (%s) on %r.", name, kind.label, object_path(chosen),
-                platform)
-    if cache is not None:
-        cache.put(key, chosen)
-    return chosen
-
-
 def check_backend(kind: BackendKind, backends: Any, name: str,
                   capability: DeviceCapability | None, selector_config: Any
                   ) -> tuple[type[Any] | None, list[str]]:
     """(class, reasons it is invalid) of backend ``name`` among ``backends``."""
-    if name not in kind.names:
+    provider = provider_of(backends, name)
+    if provider is None and name not in kind.catalog:
         return None, [f"unknown {kind.label} backend {name!r}"]
     try:
-        cls = resolve_class(kind, name, provider_of(backends, name))
+        cls = resolve_class(kind, name, provider)
     except ImportError as exc:
         return None, [f"ImportError: {exc}"]
     except TypeError as exc:
@@ -166,17 +114,93 @@ def check_backend(kind: BackendKind, backends: Any, name: str,
     return cls, reasons
 
 
-def _explicit_error(kind: BackendKind, name: str, reasons: list[str]) -> str:
-    return (f"Selected {kind.label} backend {name} is not valid for this configuration. "
-            f"Reason: {reasons}")
+class Decision(NamedTuple):
+    """What ``decide`` concludes: the chosen backend, or the error selection raises."""
+
+    name: str | None
+    cls: type[Any] | None
+    error: str | None
+    #: The forced name as the catalog resolves it (None: automatic selection).
+    requested: str | None
 
 
-def _none_valid_error(kind: BackendKind, selector_config: Any, platform: Platform,
-                      all_reasons: dict[str, list[str]]) -> str:
-    listed = ", ".join(f"{name}: [{', '.join(reasons)}]" for name, reasons in all_reasons.items())
-    return (f"No valid {kind.label} backend found with {selector_config!r} on {platform!r}. "
-            f"Reasons: {{{listed}}}.")
+def decide(kind: BackendKind, requested: str | None, priorities: list[str], check: Checker,
+           describe: Callable[[], str]) -> Decision:
+    """The one decision: ``requested`` (a forced name) if it is valid, else the first valid
+    name in ``priorities``. ``check(name)`` gives a backend's class and reasons (asked lazily,
+    in order); ``describe()`` names the selector config and platform for the error."""
+    if requested is not None:
+        try:
+            name = kind.catalog.resolve(requested)
+        except ValueError as exc:
+            return Decision(None, None, str(exc), requested)
+        cls, reasons = check(name)
+        if reasons or cls is None:
+            return Decision(None, None, f"Selected {kind.label} backend {name} is not valid "
+                                        f"for this configuration. Reason: {reasons}", name)
+        return Decision(name, cls, None, name)
+    all_reasons: dict[str, list[str]] = {}
+    for name in priorities:
+        cls, reasons = check(name)
+        if not reasons and cls is not None:
+            return Decision(name, cls, None, None)
+        all_reasons[name] = reasons
+    listed = ", ".join(f"{n}: [{', '.join(r)}]" for n, r in all_reasons.items())
+    return Decision(None, None, f"No valid {kind.label} backend found with {describe()}. "
+                                f"Reasons: {{{listed}}}.", None)
 
+
+def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, backends: Any,
+                   cache: SelectionCache | None = None, **selection_args: Any) -> type[Any]:
+    """The backend class of ``kind`` for ``config`` on ``platform`` among ``backends`` (the
+    container's providers of that kind). ``selection_args``: the kind's extra selection inputs
+    (decode: ``query_len``). Raises ``ValueError`` when nothing valid is found."""
+    changes = CHANGES.count  # read first: a change made meanwhile makes the entry unusable
+    selector_config = kind.selector_config(config, **selection_args)
+    requested = kind.requested(config)
+    key = (kind.name, requested, selector_config, platform, changes)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    capability = platform.get_device_capability()
+
+    def check(name: str) -> tuple[type[Any] | None, list[str]]:
+        return check_backend(kind, backends, name, capability, selector_config)
+
+    decision = decide(kind, requested, kind.priorities(platform, selector_config)
+                      if requested is None else [], check,
+                      lambda: f"{selector_config!r} on {platform!r}")
+    if decision.cls is None:
+        logger.debug("%s", decision.error)
+        raise ValueError(decision.error)
+    logger.info("Using %s %s backend (%s) on %r.", decision.name, kind.label,
+                object_path(decision.cls), platform)
+    if cache is not None:
+        cache.put(key, decision.cls)
+    return decision.cls
+
+
+def check_decode_block_size(backend_class: type[MLADecodeBackend], block_size: int) -> None:
+    """``ValueError`` when ``backend_class`` cannot use KV blocks of ``block_size`` tokens,
+    listing the block sizes it accepts: what an engine calls at start-up, after selecting its
+    decode backend and before allocating the cache. ``TypeError`` for a class that is not a
+    decode backend or a block size that is not an int."""
+    if not (isinstance(backend_class, type) and issubclass(backend_class, MLADecodeBackend)):
+        raise TypeError(f"check_decode_block_size: expected an MLADecodeBackend subclass, got "
+                        f"{backend_class!r}")
+    if not is_int(block_size):
+        raise TypeError(f"CacheConfig.block_size = {block_size!r}: expected an int, got "
+                        f"{type(block_size).__name__}")
+    if backend_class.supports_block_size(block_size):
+        return
+    accepted = ", ".join(str(b) for b in backend_class.supported_block_sizes) or "any >= 1"
+    raise ValueError(f"CacheConfig.block_size = {block_size}: the selected MLA decode backend "
+                     f"{backend_class.get_name()} cannot use it; it accepts block sizes "
+                     f"{accepted}")
+
+
+# -- explaining -------------------------------------------------------------------------------
 
 class BackendVerdict(TypedDict):
     """One backend in an explanation."""
@@ -205,7 +229,7 @@ class SelectionExplanation(TypedDict, total=False):
     #: The explicitly configured backend, or None for automatic selection.
     requested: str | None
     priorities: list[str]
-    #: Every backend (every enum member, then unknown names a platform listed), in order.
+    #: Every backend (every name of the kind, then unknown names a platform listed), in order.
     backends: dict[str, BackendVerdict]
     #: The backend selection picks (None when it raises).
     chosen: str | None
@@ -223,9 +247,8 @@ def _plain(value: Any) -> Any:
 
 
 def _verdict(kind: BackendKind, backends: Any, name: str, priorities: list[str],
-             capability: DeviceCapability | None, selector_config: Any
-             ) -> tuple[BackendVerdict, type[Any] | None]:
-    cls, reasons = check_backend(kind, backends, name, capability, selector_config)
+             checked: tuple[type[Any] | None, list[str]]) -> BackendVerdict:
+    cls, reasons = checked
     provider = provider_of(backends, name)
     path: str | None = None
     if provider is not None:
@@ -237,49 +260,37 @@ def _verdict(kind: BackendKind, backends: Any, name: str, priorities: list[str],
         name=name, class_path=path,
         overridden=provider is not None and bool(provider.overridden),
         priority=priorities.index(name) if name in priorities else None,
-        valid=not reasons and cls is not None, reasons=reasons), cls
+        valid=not reasons and cls is not None, reasons=reasons)
 
 
 def explain_selection(kind: BackendKind, config: EngineConfig, platform: Platform,
                       backends: Any, **selection_args: Any) -> SelectionExplanation:
-    """Why each backend of ``kind`` is or is not valid, and which one is chosen (never
-    cached)."""
+    """Why each backend of ``kind`` is or is not valid, and which one ``decide`` chooses
+    (never cached)."""
     selector_config = kind.selector_config(config, **selection_args)
     capability = platform.get_device_capability()
     priorities = kind.priorities(platform, selector_config)
-    names = list(kind.names)
+    names = list(kind.catalog)
     names += [n for n in dict.fromkeys(priorities) if n not in names]
-    verdicts: dict[str, BackendVerdict] = {}
-    classes: dict[str, type[Any] | None] = {}
-    for name in names:
-        verdicts[name], classes[name] = _verdict(kind, backends, name, priorities, capability,
-                                                 selector_config)
+    checked = {name: check_backend(kind, backends, name, capability, selector_config)
+               for name in names}
+    verdicts = {name: _verdict(kind, backends, name, priorities, checked[name])
+                for name in names}
     requested = kind.requested(config)
-    chosen: str | None = None
-    error: str | None = None
-    if requested is not None:
-        try:
-            name = requested = kind.names.resolve(requested)
-        except ValueError as exc:
-            error = str(exc)
-        else:
-            if verdicts[name]["valid"]:
-                chosen = name
-            else:
-                error = _explicit_error(kind, name, verdicts[name]["reasons"])
-    else:
-        chosen = next((n for n in priorities if verdicts[n]["valid"]), None)
-        if chosen is None:
-            error = _none_valid_error(kind, selector_config, platform,
-                                      {n: verdicts[n]["reasons"] for n in priorities})
-    chosen_cls = None if chosen is None else classes[chosen]
-    fields = _plain(attrs.asdict(selector_config, recurse=True))
+    decision = decide(kind, requested, priorities, checked.__getitem__,
+                      lambda: f"{selector_config!r} on {platform!r}")
+    # A dimension the shape does not use is 0 (prefill's kv_lora_rank): left out.
+    fields = _plain(attrs.asdict(selector_config, recurse=True,
+                                 filter=lambda field, value: not (
+                                     field.name == "kv_lora_rank" and value == 0)))
     explanation = SelectionExplanation(
         kind=kind.name, platform=repr(platform),
         device_capability=None if capability is None else str(capability),
         dtype=fields.get("dtype", ""), selector_config=fields,
-        requested=requested, priorities=priorities, backends=verdicts, chosen=chosen,
-        chosen_class=None if chosen_cls is None else object_path(chosen_cls), error=error)
+        requested=decision.requested, priorities=priorities, backends=verdicts,
+        chosen=decision.name,
+        chosen_class=None if decision.cls is None else object_path(decision.cls),
+        error=decision.error)
     if "mla_dimensions" in fields:
         explanation["mla_dimensions"] = fields["mla_dimensions"]
     return explanation

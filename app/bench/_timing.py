@@ -32,18 +32,6 @@ def time_calls(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1,
             "max_s": max(samples), "repeat": repeat}
 
 
-def time_loop(fn: Callable[[], Any], *, number: int, repeat: int = 5) -> dict[str, float]:
-    """Seconds per call of a cheap ``fn``, timed over ``number`` calls, ``repeat`` times."""
-    per_call = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        per_call.append((time.perf_counter() - start) / number)
-    return {"median_s": statistics.median(per_call), "min_s": min(per_call),
-            "max_s": max(per_call), "number": number, "repeat": repeat}
-
-
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: int = 1,
                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each of ``fns``, the calls interleaved round by round so drift on
@@ -56,3 +44,83 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: 
         for key, fn in fns.items():
             samples[key].append(_time_one(fn, sync))
     return samples
+
+
+#: Appended to a script run in another interpreter: it defines ``LOOPS`` (name -> function of
+#: no arguments) and ``INFO`` (a dict), prints ``INFO`` as JSON, then times ``LOOPS[name]``
+#: called ``number`` times for each ``"name number"`` line it reads, one float (seconds) a line.
+LOOP_SERVER = r'''
+import gc as _gc, json as _json, sys as _sys, time as _time
+_sys.stdout.write(_json.dumps(INFO) + "\n"); _sys.stdout.flush()
+for _line in _sys.stdin:
+    _name, _number, _gc_off = _line.split()
+    _fn, _n = LOOPS[_name], int(_number)
+    if _gc_off == "1":
+        _gc.collect(); _gc.disable()
+    _start = _time.perf_counter()
+    for _ in range(_n):
+        _fn()
+    _elapsed = _time.perf_counter() - _start
+    _gc.enable()
+    _sys.stdout.write(repr(_elapsed) + "\n"); _sys.stdout.flush()
+'''
+
+
+class InterpreterLoops:
+    """Loops timed on command in another interpreter (vLLM's), so that they interleave with
+    ours round by round and drift on a shared machine hits both sides alike.
+
+    ``script`` defines ``LOOPS`` and ``INFO`` (see ``LOOP_SERVER``); ``info`` is its ``INFO``.
+    Raises ``RuntimeError`` (with the interpreter's last words) when it does not start."""
+
+    def __init__(self, python: str, script: str, *, env: dict[str, str] | None = None,
+                 cwd: str = "/tmp", timeout: float = 600.0) -> None:
+        import json
+        import subprocess
+
+        self._proc = subprocess.Popen([python, "-c", script + LOOP_SERVER], cwd=cwd, env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        self._timeout = timeout
+        first = self._readline()
+        try:
+            self.info: dict[str, Any] = json.loads(first)
+        except ValueError:
+            self.close()
+            raise RuntimeError(f"{python} did not start the timing loops: "
+                               f"{first.strip() or self._stderr_tail()}") from None
+
+    def _readline(self) -> str:
+        if self._proc.stdout is None:  # pragma: no cover - always piped
+            return ""
+        return self._proc.stdout.readline()
+
+    def _stderr_tail(self) -> str:
+        self._proc.kill()
+        _, err = self._proc.communicate(timeout=self._timeout)
+        return " | ".join((err or "").strip().splitlines()[-3:])
+
+    def seconds(self, name: str, number: int, *, gc_off: bool = False) -> float:
+        """Seconds ``LOOPS[name]`` took for ``number`` calls over there."""
+        if self._proc.stdin is None:  # pragma: no cover - always piped
+            raise RuntimeError("the timing interpreter has no stdin")
+        self._proc.stdin.write(f"{name} {int(number)} {int(gc_off)}\n")
+        self._proc.stdin.flush()
+        line = self._readline()
+        try:
+            return float(line)
+        except ValueError:
+            raise RuntimeError(f"the timing interpreter failed on {name!r}: "
+                               f"{line.strip() or self._stderr_tail()}") from None
+
+    def close(self) -> None:
+        """Stop the other interpreter."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.communicate()
+
+    def __enter__(self) -> InterpreterLoops:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

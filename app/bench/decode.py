@@ -50,8 +50,8 @@ import torch
 
 from app._imports import import_object
 from app._types import DeviceCapability
+from app.backends.catalog import DECODE_BACKENDS as DECODE_BACKEND_CATALOG
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
@@ -66,7 +66,7 @@ TARGET_SPEEDUP = 5.0
 BASELINE = "TORCH_SDPA"
 RANK, ROPE = 512, 64
 #: The built-in decode backends (imported lazily; a missing package skips one).
-DECODE_BACKENDS: dict[str, str] = DECODE_BACKEND_TABLE.as_dict()
+DECODE_BACKENDS: dict[str, str] = dict(DECODE_BACKEND_CATALOG.builtins)
 
 
 @attrs.frozen

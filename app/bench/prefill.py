@@ -215,9 +215,8 @@ def _backend_classes(names: str, container: Any
                      ) -> tuple[list[Callable[[], MLAPrefillBackend]], dict[str, list[str]]]:
     """Builders of the backends to time (``names``: a comma list of any names registered in
     ``container``, or ``valid``: every backend valid there) and why the others are skipped."""
-    from app.backends.registry import MLAPrefillBackendEnum
-    from app.backends.selector import explain_mla_prefill_selection
     from app.containers import build_backend
+    from app.seed_api import MLAPrefillBackendEnum, explain_mla_prefill_selection
 
     verdicts = explain_mla_prefill_selection(container=container)["backends"]
     registered = [n for n, v in verdicts.items() if v["class_path"] is not None]

@@ -1,7 +1,7 @@
 """``python -m app bench selection``: the cost of choosing the MLA prefill backend.
 
-- **cached**: ``get_mla_prefill_backend(config)`` once the selection is cached (the path an
-  engine takes when it asks again); target <= 2 us.
+- **cached**: ``get_mla_prefill_backend(config)`` once it has answered (the seed API's path
+  when it is asked again); target <= 0.5 us.
 - **uncached**: ``app.backends.selection.select_backend`` without a cache, so every call walks
   the whole priority list; target <= 200 us with all five classes validated.
 
@@ -10,31 +10,37 @@ priority list). ``--backends stub`` (default) overrides the five backends with s
 classes, the first four invalid for different reasons and ``TORCH_SDPA`` valid, so exactly five
 classes are validated whatever is installed; ``--backends builtin`` uses the real classes (an
 ``ImportError`` counts as a validation). Informational extras: an explicit backend, the
-container's ``mla_prefill_backend_class`` provider, and with ``--vllm-python PATH`` vLLM's
-selector measured the same way in that interpreter.
+container's ``mla_prefill_backend_class`` provider, and ``uncached_like_vllm``: the uncached walk
+over the same four stand-ins vLLM's side uses (three invalid, ``TOKENSPEED_MLA`` valid).
+
+With ``--vllm-python PATH`` vLLM's selector is timed the same way in that interpreter, round by
+round with ours (``app.bench._timing.InterpreterLoops``), so that load on a shared machine hits
+both alike; ``vllm.ours_vs_vllm`` gives the ratios (above 1: ours is faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import os
 import platform as _pyplatform
-import subprocess
+import statistics
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app.bench._timing import time_loop
+from app.bench._timing import InterpreterLoops
 from app.commands._args import positive_int
 
 HELP = "cost of a cached and of an uncached MLA prefill backend selection"
 
 #: Targets from the issue, in microseconds per call.
-TARGET_CACHED_US = 2.0
+TARGET_CACHED_US = 0.5
 TARGET_UNCACHED_US = 200.0
 
 
@@ -48,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=positive_int, default=7,
                         help="timed loops; the median counts")
     parser.add_argument("--vllm-python", type=Path, default=None, metavar="PATH",
-                        help="also time vLLM's selector with this interpreter (optional)")
+                        help="also time vLLM's selector with this interpreter, round by round "
+                             "with ours (optional)")
 
 
 def _stub_backends() -> dict[str, type[Any]]:
@@ -85,43 +92,68 @@ def _stub_backends() -> dict[str, type[Any]]:
             "FLASHINFER": Unavailable, "TOKENSPEED_MLA": WrongDimensions, "TORCH_SDPA": Valid}
 
 
-def _us(timing: dict[str, float]) -> dict[str, float]:
-    return {"median_us": round(timing["median_s"] * 1e6, 4),
-            "min_us": round(timing["min_s"] * 1e6, 4),
-            "max_us": round(timing["max_s"] * 1e6, 4),
-            "number": timing["number"], "repeat": timing["repeat"]}
+def _like_vllm_backends() -> dict[str, type[Any]]:
+    """The four stand-ins vLLM's side uses: three invalid (capability, dtype, availability),
+    then a valid ``TOKENSPEED_MLA``: the same work as vLLM's uncached walk."""
+    stubs = _stub_backends()
+    return {"FLASH_ATTN": stubs["FLASH_ATTN"], "TRTLLM_RAGGED": stubs["TRTLLM_RAGGED"],
+            "FLASHINFER": stubs["FLASHINFER"], "TOKENSPEED_MLA": stubs["TORCH_SDPA"]}
+
+
+def _summary(per_call_s: list[float], number: int) -> dict[str, float]:
+    return {"median_us": round(statistics.median(per_call_s) * 1e6, 4),
+            "min_us": round(min(per_call_s) * 1e6, 4),
+            "max_us": round(max(per_call_s) * 1e6, 4),
+            "number": number, "repeat": len(per_call_s)}
+
+
+def _seconds_per_call(fn: Callable[[], object], number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number
+
+
+def _override(stack: contextlib.ExitStack, backends: dict[str, type[Any]]) -> None:
+    """Override each named backend of the active container until ``stack`` closes."""
+    from app.seed_api import MLAPrefillBackendEnum, override_mla_prefill_backend
+
+    for name, cls in backends.items():
+        stack.enter_context(override_mla_prefill_backend(MLAPrefillBackendEnum[name], cls))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Time the cached and the uncached selection; the JSON result."""
-    from app.backends.kinds import PREFILL
-    from app.backends.registry import MLAPrefillBackendEnum, override_mla_prefill_backend
+    """Time the cached and the uncached selection (round by round with vLLM's when
+    ``--vllm-python`` is given); the JSON result."""
+    from app.backends.registry import PREFILL
     from app.backends.selection import explain_selection, select_backend
-    from app.backends.selector import get_mla_prefill_backend
     from app.config import EngineConfig
     from app.containers import create_container, use_container
     from app.platforms import platform_for_device
+    from app.seed_api import get_mla_prefill_backend
 
     number = max(1, int(args.number))
     uncached_number = max(1, number // 100)
     repeat = max(1, int(args.repeat))
     platform = platform_for_device("cuda", DeviceCapability(10, 0))
     config = EngineConfig()
-    container = create_container(config, platform)
-    backends = container.mla_prefill_backends()
+    container, like_vllm = create_container(config, platform), create_container(config, platform)
+    backends, like_vllm_backends = (container.mla_prefill_backends(),
+                                    like_vllm.mla_prefill_backends())
     result: dict[str, Any] = {
-        "benchmark": "selection",
-        "backends": args.backends,
-        "platform": repr(platform),
-        "python": _pyplatform.python_version(),
-        "torch": torch.__version__,
+        "benchmark": "selection", "backends": args.backends, "platform": repr(platform),
+        "python": _pyplatform.python_version(), "torch": torch.__version__,
         "targets_us": {"cached": TARGET_CACHED_US, "uncached": TARGET_UNCACHED_US},
     }
-    with use_container(container), contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        worker = None if args.vllm_python is None else _start_vllm(args.vllm_python, result)
+        if worker is not None:
+            stack.callback(worker.close)
+        with use_container(like_vllm):
+            _override(stack, _like_vllm_backends())
+        stack.enter_context(use_container(container))
         if args.backends == "stub":
-            for name, cls in _stub_backends().items():
-                stack.enter_context(override_mla_prefill_backend(MLAPrefillBackendEnum[name],
-                                                                 cls))
+            _override(stack, _stub_backends())
         try:
             chosen = get_mla_prefill_backend(config)
         except ValueError as exc:
@@ -132,65 +164,104 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["chosen"] = chosen_name
         result["validated_classes"] = (explanation["priorities"].index(chosen_name) + 1
                                        if chosen_name is not None else 0)
-        result["priorities"] = platform.mla_prefill_backend_priorities(
-            _selector_config(config))
-
-        def cached() -> object:
-            return get_mla_prefill_backend(config)
-
-        def uncached() -> object:
-            return select_backend(PREFILL, config, platform, backends, None)
-
-        cached_us = _us(time_loop(cached, number=number, repeat=repeat))
-        uncached_us = _us(time_loop(uncached, number=uncached_number, repeat=repeat))
-        if get_mla_prefill_backend(config) is not chosen:
-            raise RuntimeError("the selection changed while it was being timed")
-
+        result["priorities"] = explanation["priorities"]
         explicit_config = EngineConfig.from_dict(
             {"attention": {"mla_prefill_backend": chosen_name}})
-        get_mla_prefill_backend(explicit_config)
-        extras = {
-            "cached_explicit_backend": _us(time_loop(
-                lambda: get_mla_prefill_backend(explicit_config), number=number,
-                repeat=repeat)),
-            "cached_via_container_provider": _us(time_loop(
-                container.mla_prefill_backend_class, number=max(1, number // 4),
-                repeat=repeat)),
+        loops: dict[str, tuple[Callable[[], object], int]] = {
+            "cached": (lambda: get_mla_prefill_backend(config), number),
+            "uncached": (lambda: select_backend(PREFILL, config, platform, backends, None),
+                         uncached_number),
+            "uncached_like_vllm": (lambda: select_backend(
+                PREFILL, config, platform, like_vllm_backends, None), uncached_number),
+            "cached_explicit_backend": (lambda: get_mla_prefill_backend(explicit_config),
+                                        number),
+            "cached_via_container_provider": (container.mla_prefill_backend_class,
+                                              max(1, number // 4)),
         }
-    result["cached"] = cached_us
-    result["uncached"] = uncached_us
-    result["informational"] = extras
-    passed = {"cached": cached_us["median_us"] <= TARGET_CACHED_US,
-              "uncached": uncached_us["median_us"] <= TARGET_UNCACHED_US}
+        samples = _time_rounds(loops, worker, repeat)
+        if get_mla_prefill_backend(config) is not chosen:
+            raise RuntimeError("the selection changed while it was being timed")
+    for key in ("cached", "uncached"):
+        result[key] = _summary(samples[key], loops[key][1])
+    result["informational"] = {key: _summary(samples[key], loops[key][1])
+                               for key in loops if key not in ("cached", "uncached")}
+    if worker is not None:
+        _compare(result, samples, loops)
+    passed = {"cached": result["cached"]["median_us"] <= TARGET_CACHED_US,
+              "uncached": result["uncached"]["median_us"] <= TARGET_UNCACHED_US}
     if result["validated_classes"] < 5:
         result["note"] = (f"only {result['validated_classes']} classes were validated on the "
                           f"uncached path (the target is for five)")
     result["pass"] = passed
     result["ok"] = all(passed.values())
-    if args.vllm_python is not None:
-        result["vllm"] = _time_vllm(args.vllm_python, number, uncached_number, repeat)
     return result
 
 
-def _selector_config(config: Any) -> Any:
-    from app.backends.prefill.base import MLAPrefillSelectorConfig
+#: The loops vLLM's side times, by the name of ours they are compared with.
+_THEIRS = ("cached", "uncached")
 
-    return MLAPrefillSelectorConfig.from_engine_config(config)
+
+def _time_rounds(loops: dict[str, tuple[Callable[[], object], int]],
+                 worker: InterpreterLoops | None, repeat: int) -> dict[str, list[float]]:
+    """Seconds per call of each loop, ``repeat`` rounds; in each round vLLM's loop of the same
+    name runs right after ours."""
+    samples: dict[str, list[float]] = {key: [] for key in loops}
+    samples.update({f"vllm_{key}": [] for key in _THEIRS})
+    for fn, _ in loops.values():
+        fn()
+    for _ in range(repeat):
+        for key, (fn, n) in loops.items():
+            samples[key].append(_seconds_per_call(fn, n))
+            if worker is not None and key in _THEIRS:
+                samples[f"vllm_{key}"].append(worker.seconds(key, n) / n)
+    return samples
+
+
+def _compare(result: dict[str, Any], samples: dict[str, list[float]],
+             loops: dict[str, tuple[Callable[[], object], int]]) -> None:
+    vllm = result["vllm"]
+    for key in _THEIRS:
+        vllm[key] = _summary(samples[f"vllm_{key}"], loops[key][1])
+    same_four = result["informational"]["uncached_like_vllm"]["median_us"]
+    vllm["ours_vs_vllm"] = {
+        "cached_speedup": round(vllm["cached"]["median_us"] / result["cached"]["median_us"], 2),
+        "uncached_speedup_same_four_classes": round(vllm["uncached"]["median_us"] / same_four,
+                                                    2),
+        "uncached_speedup_our_five_classes": round(
+            vllm["uncached"]["median_us"] / result["uncached"]["median_us"], 2)}
+
+
+def _start_vllm(python: Path, result: dict[str, Any]) -> InterpreterLoops | None:
+    """vLLM's timing loops in ``python``, or None (the reason in ``result["vllm"]``)."""
+    if not python.exists():
+        result["vllm"] = {"error": f"{python} does not exist"}
+        return None
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
+    try:
+        worker = InterpreterLoops(str(python), _VLLM_SCRIPT, env=env)
+    except (OSError, RuntimeError) as exc:
+        result["vllm"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return None
+    result["vllm"] = {**worker.info, "note": (
+        "vLLM's cached path on a hit: build the selector config, then its @cache lookup; its "
+        "uncached path walks its four-entry SM100 list (no TORCH_SDPA); timed round by round "
+        "with ours")}
+    return worker
 
 
 #: Runs in vLLM's interpreter: its registry with four stand-ins (three invalid, TOKENSPEED_MLA
 #: valid) on a pretend SM100 platform; cached = ``get_mla_prefill_backend``'s work on a cache
-#: hit (selector config + ``@cache`` lookup), uncached = the platform's priority walk.
+#: hit (selector config + ``@cache`` lookup), uncached = the platform's priority walk. Defines
+#: the ``LOOPS`` and ``INFO`` that ``InterpreterLoops`` serves.
 _VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys, time, statistics, functools
+    import functools
     import torch
+    import vllm
     from vllm.platforms.interface import Platform, DeviceCapability
     from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend, MLADimensions
     from vllm.v1.attention.backends.mla.prefill.registry import (
         MLAPrefillBackendEnum as E, register_mla_prefill_backend)
     from vllm.v1.attention.backends.mla.prefill import selector
-
-    number, uncached_number, repeat = (int(a) for a in sys.argv[1:4])
 
     class Stub(MLAPrefillBackend):
         @staticmethod
@@ -235,43 +306,9 @@ _VLLM_SCRIPT = textwrap.dedent("""
         auto_select.cache_clear()
         return cached()
 
-    def loop(fn, n):
-        per = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            per.append((time.perf_counter() - t) / n * 1e6)
-        return {"median_us": round(statistics.median(per), 4), "min_us": round(min(per), 4),
-                "max_us": round(max(per), 4), "number": n, "repeat": repeat}
-
-    import vllm
-    sys.stdout.write(json.dumps({"vllm_version": vllm.__version__, "validated_classes": 4,
-                                 "cached": loop(cached, number),
-                                 "uncached": loop(uncached, uncached_number)}) + "\\n")
+    LOOPS = {"cached": cached, "uncached": uncached}
+    INFO = {"vllm_version": vllm.__version__, "validated_classes": 4}
 """)
-
-
-def _time_vllm(python: Path, number: int, uncached_number: int, repeat: int) -> dict[str, Any]:
-    if not python.exists():
-        return {"error": f"{python} does not exist"}
-    try:
-        proc = subprocess.run(
-            [str(python), "-c", _VLLM_SCRIPT, str(number), str(uncached_number), str(repeat)],
-            capture_output=True, text=True, timeout=600, cwd="/tmp", check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
-    try:
-        data: dict[str, Any] = json.loads(lines[-1])
-    except json.JSONDecodeError:
-        return {"error": f"unexpected output: {lines[-1][:200]}"}
-    data["note"] = ("vLLM's cached path on a hit: build the selector config, then its @cache "
-                    "lookup; its uncached path walks its four-entry SM100 list (no TORCH_SDPA)")
-    return data
 
 
 def render(result: dict[str, Any]) -> str:
@@ -294,6 +331,10 @@ def render(result: dict[str, Any]) -> str:
         if "error" in v:
             lines.append(f"vLLM: {v['error']}")
         else:
-            lines.append(f"vLLM {v['vllm_version']}: cached {v['cached']['median_us']:.3f} us, "
-                         f"uncached {v['uncached']['median_us']:.3f} us")
+            ratios = v["ours_vs_vllm"]
+            lines.append(f"vLLM {v['vllm_version']} (round by round with ours): cached "
+                         f"{v['cached']['median_us']:.3f} us (ours {ratios['cached_speedup']}x "
+                         f"faster), uncached {v['uncached']['median_us']:.3f} us (ours on the "
+                         f"same four classes {ratios['uncached_speedup_same_four_classes']}x "
+                         f"faster)")
     return "\n".join(lines)

@@ -75,7 +75,7 @@ def _kinds(args: argparse.Namespace) -> list[str]:
 def build_config(args: argparse.Namespace, base: Any) -> Any:
     """``base`` (an ``EngineConfig``) with the command-line changes applied. ``--backend`` must
     name a backend of every kind shown (``ValueError`` listing the valid names)."""
-    from app.backends.kinds import KINDS as BACKEND_KINDS
+    from app.backends.registry import KINDS as BACKEND_KINDS
     from app.config import EngineConfig
 
     data = base.to_dict()
@@ -86,7 +86,7 @@ def build_config(args: argparse.Namespace, base: Any) -> Any:
     if args.backend is not None:
         for name in _kinds(args):
             kind = BACKEND_KINDS[name]
-            data["attention"][kind.config_attr] = kind.names.resolve(args.backend)
+            data["attention"][kind.config_field] = kind.catalog.resolve(args.backend)
     return EngineConfig.from_dict(data)
 
 
@@ -109,7 +109,7 @@ def build_container(args: argparse.Namespace) -> Any:
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """The explanation ``backends`` prints (``--kind all``: keyed by kind)."""
-    from app.backends.selector import explain_mla_decode_selection, explain_mla_prefill_selection
+    from app.seed_api import explain_mla_decode_selection, explain_mla_prefill_selection
 
     container = build_container(args)
     config = build_config(args, container.config())

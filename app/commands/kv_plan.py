@@ -39,8 +39,8 @@ from typing import Any
 
 import attrs
 
+from app._files import load_toml
 from app._imports import import_object
-from app._toml import load_toml
 from app._validation import INT32_MAX, check_int
 from app.commands._args import positive_int
 from app.commands._output import format_table, print_json, print_text
@@ -114,7 +114,7 @@ def parse_memory(value: object, where: str = "memory") -> int:
 
 
 def _spec_class(kind: object, where: str) -> type[Any]:
-    import app.kvcache as kv
+    import app.kvcache.specs as kv
 
     where = f"{where}.spec"
     if not isinstance(kind, str) or not kind:
@@ -258,16 +258,12 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
               max_model_len: int | None = None,
               max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """Groups, managers and page sizes of ``specs``; blocks in ``memory``; per-request needs."""
-    from app.kvcache import (
-        KVCacheSpecRegistry,
-        SinkFullAttentionSpec,
-        get_kv_cache_bytes_per_block,
-        get_kv_cache_groups,
-    )
-    from app.kvcache.specs import spec_summary
+    from app.kvcache.grouping import get_kv_cache_bytes_per_block, get_kv_cache_groups
+    from app.kvcache.specs import SinkFullAttentionSpec, spec_summary
+    from app.seed_api import KVCacheSpecRegistry
 
-    groups = get_kv_cache_groups(specs)
-    bindings = KVCacheSpecRegistry.bindings()
+    bindings = KVCacheSpecRegistry.bindings()  # the active container's
+    groups = get_kv_cache_groups(specs, bindings)
     bytes_per_block = get_kv_cache_bytes_per_block(groups)
     plan: dict[str, Any] = {"num_layers": len(specs), "groups": [],
                             "bytes_per_block": bytes_per_block}

@@ -231,16 +231,13 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
 
 def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the job; the summary as a dict (``ok`` False when the check fails)."""
-    from app.backends.selector import (
-        explain_mla_decode_selection,
-        explain_mla_prefill_selection,
-    )
     from app.containers import create_container
     from app.mla.engine import MLAEngine
     from app.mla.process import tune_malloc_for_large_tensors
     from app.mla.requests import Request
     from app.mla.workload import make_workload
     from app.model.reference import reference_tolerance
+    from app.seed_api import explain_mla_decode_selection, explain_mla_prefill_selection
 
     wall_start = time.perf_counter()
     malloc_tuned = False if args.no_malloc_tuning else tune_malloc_for_large_tensors()

@@ -6,6 +6,7 @@ Usage (an engine, a scheduler, or the MLA prefill executor)
 Create a manager for ``{layer_name: spec}`` and a ``CacheConfig``::
 
     import torch
+    from app import get_container
     from app.config import CacheConfig
     from app.kvcache import KVCacheManager, MLAAttentionSpec
 
@@ -13,12 +14,13 @@ Create a manager for ``{layer_name: spec}`` and a ``CacheConfig``::
                                       dtype=torch.bfloat16)      # page: 16 * 576 * 2 bytes
     manager = KVCacheManager.from_specs(
         {f"model.layers.{i}.self_attn": spec for i in range(num_layers)},
-        CacheConfig(block_size=16, num_blocks=4096, enable_prefix_caching=True))
+        CacheConfig(block_size=16, num_blocks=4096, enable_prefix_caching=True),
+        bindings=get_container().kv_cache_spec_bindings())
 
 ``from_specs`` groups the layers (``get_kv_cache_groups``: identical MLA layers form one
 group, group 0) and builds one ``BlockPool`` of ``num_blocks`` blocks (block 0 is the null
 block, never handed out) shared by every group, with the manager class each group's spec is
-bound to in the active container (``MLAAttentionSpec`` -> ``FullAttentionManager``). The
+bound to in the container's bindings (``MLAAttentionSpec`` -> ``FullAttentionManager``). The
 tensors are the engine's: block id ``b`` of group ``g`` is page ``b`` of that group's layers.
 
 Per request, in scheduler order::
@@ -57,13 +59,16 @@ Each container holds one ``KVCacheSpecBindings`` (``container.kv_cache_spec_bind
 ``app.kvcache.bindings``), built with the container's platform and config: built-ins are
 registered on first use, then the platform's ``register_custom_kv_cache_specs(bindings,
 config)`` hook runs once. An engine passes its bindings in: ``get_kv_cache_groups(specs,
-bindings)``, ``KVCacheManager(groups, cache_config, bindings=bindings)``, and
-``spec.is_uniform_with_collection(specs, bindings)``. ``KVCacheSpecRegistry`` (vLLM's
-classmethods) and ``register_kv_cache_spec`` are the seed-API facade over the *active*
-container's bindings (``use_container`` isolates); called without bindings, the grouping and
-the manager use it too.
+bindings)`` and ``KVCacheManager(groups, cache_config, bindings=bindings)``.
+``KVCacheSpecRegistry`` (vLLM's classmethods) and ``register_kv_cache_spec`` are the seed API
+over the *active* container's bindings (``use_container`` isolates); they live in
+``app.seed_api`` and are re-exported here. ``spec.is_uniform_with_collection(specs)`` (vLLM's
+one-argument form) uses the bindings grouping puts in effect, else the active container's.
 """
 
+from typing import TYPE_CHECKING, Any
+
+from app.kvcache.bindings import KVCacheSpecBindings, KVCacheSpecMetadata
 from app.kvcache.block_pool import BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from app.kvcache.grouping import (
     KVCacheGroupSpec,
@@ -80,13 +85,6 @@ from app.kvcache.managers import (
     SingleTypeKVCacheManager,
     SinkFullAttentionManager,
     SlidingWindowManager,
-)
-from app.kvcache.registry import (
-    KVCacheSpecBindings,
-    KVCacheSpecMetadata,
-    KVCacheSpecRegistry,
-    register_builtin_kv_cache_specs,
-    register_kv_cache_spec,
 )
 from app.kvcache.request import KVCacheRequest, hash_block_tokens
 from app.kvcache.specs import (
@@ -139,7 +137,21 @@ __all__ = [
     "get_kv_cache_bytes_per_block",
     "get_kv_cache_groups",
     "hash_block_tokens",
-    "register_builtin_kv_cache_specs",
     "register_kv_cache_spec",
     "unify_kv_cache_spec_page_size",
 ]
+
+if TYPE_CHECKING:
+    from app.seed_api import KVCacheSpecRegistry, register_kv_cache_spec
+
+#: Names this package re-exports from the seed API (``app.seed_api``, above the container): looked
+#: up on first use, since the seed API imports this package's modules.
+_SEED_API = frozenset({"KVCacheSpecRegistry", "register_kv_cache_spec"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SEED_API:
+        import app.seed_api
+
+        return getattr(app.seed_api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

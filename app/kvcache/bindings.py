@@ -1,16 +1,22 @@
 """KV-cache spec bindings: spec type -> (manager class, uniform base spec), one object per
-container.
+container, and the built-in bindings.
 
 The container builds a ``KVCacheSpecBindings`` (provider ``kv_cache_spec_bindings``) with its
-platform and config; on first use it registers the built-in specs, then runs the platform hook
-``Platform.register_custom_kv_cache_specs(bindings, config)`` once. Lookups walk the spec's MRO
-(an unregistered subclass inherits its parent's binding) and are cached per type; any
-registration clears the cache. Hot paths hold the bindings and call
+platform and config; on first use it registers the built-in specs (``BUILTIN_KV_CACHE_SPECS``),
+then runs the platform hook ``Platform.register_custom_kv_cache_specs(bindings, config)`` once.
+Lookups walk the spec's MRO (an unregistered subclass inherits its parent's binding) and are
+cached per type; any registration clears the cache. Hot paths hold the bindings and call
 ``bindings.get_manager_class(spec)``: a dict lookup on ``type(spec)``.
+
+Full, MLA, TQFull, HiddenState and SinkFull share the full-attention base (they can share a
+KV-cache group); every other built-in is its own base. Adding a built-in spec kind is one spec
+class, one manager (or an existing one) and one line in ``BUILTIN_KV_CACHE_SPECS``.
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -18,26 +24,68 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+import app.kvcache.managers as m
+import app.kvcache.specs as s
 from app.kvcache.managers import SingleTypeKVCacheManager
 from app.kvcache.specs import KVCacheSpec
-from app.kvcache.table import BUILTIN_KV_CACHE_SPECS, KVCacheSpecEntry
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
     from app.platforms.base import Platform
 
 __all__ = [
+    "BUILTIN_KV_CACHE_SPECS",
     "REGISTER_HINT",
     "KVCacheSpecBindings",
+    "KVCacheSpecEntry",
     "KVCacheSpecMetadata",
-    "iter_bindings",
-    "register_builtin_kv_cache_specs",
+    "bindings_in_setup",
 ]
 
 logger = logging.getLogger(__name__)
 
 REGISTER_HINT = ("Register it with @register_kv_cache_spec(manager_class=...) or "
                   "KVCacheSpecRegistry.register(spec_cls, manager_class).")
+
+
+#: The bindings whose platform hook is running (a hook written as vLLM's registers through the
+#: seed API, which asks here first).
+_bindings_in_setup: contextvars.ContextVar[KVCacheSpecBindings | None] = contextvars.ContextVar(
+    "app_bindings_in_setup", default=None)
+
+
+def bindings_in_setup() -> KVCacheSpecBindings | None:
+    """The bindings whose platform hook is running in this thread / task, or None."""
+    return _bindings_in_setup.get()
+
+
+def _positional_parameters(function: Callable[..., Any]) -> int | None:
+    """How many positional parameters ``function`` takes (None: any number, or unknown)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+#: ``(spec type, manager class, uniform base spec)``.
+KVCacheSpecEntry = tuple[type[KVCacheSpec], type[SingleTypeKVCacheManager], type[KVCacheSpec]]
+
+#: The built-in bindings.
+BUILTIN_KV_CACHE_SPECS: tuple[KVCacheSpecEntry, ...] = (
+    (s.FullAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec),
+    (s.MLAAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec),
+    (s.TQFullAttentionSpec, m.FullAttentionManager, s.FullAttentionSpec),
+    (s.HiddenStateCacheSpec, m.FullAttentionManager, s.FullAttentionSpec),
+    (s.SinkFullAttentionSpec, m.SinkFullAttentionManager, s.FullAttentionSpec),
+    (s.SlidingWindowSpec, m.SlidingWindowManager, s.SlidingWindowSpec),
+    (s.SlidingWindowMLASpec, m.SlidingWindowManager, s.SlidingWindowMLASpec),
+    (s.ChunkedLocalAttentionSpec, m.ChunkedLocalAttentionManager, s.ChunkedLocalAttentionSpec),
+    (s.CrossAttentionSpec, m.CrossAttentionManager, s.CrossAttentionSpec),
+    (s.MambaSpec, m.MambaManager, s.MambaSpec),
+)
 
 
 def _name(cls: type) -> str:
@@ -59,9 +107,9 @@ class KVCacheSpecMetadata:
 class KVCacheSpecBindings:
     """One container's spec -> manager bindings (build one per container, or standalone).
 
-    ``builtins`` (the container passes ``app.kvcache.table.BUILTIN_KV_CACHE_SPECS``, also the
-    default) are registered on first use. ``platform`` and ``config`` (values or zero-argument
-    callables, read on first use) feed the platform hook: the container passes its
+    ``builtins`` (the container passes ``BUILTIN_KV_CACHE_SPECS``, also the default) are
+    registered on first use. ``platform`` and ``config`` (values or zero-argument callables,
+    read on first use) feed the platform hook: the container passes its
     ``platform`` and ``config`` providers. ``KVCacheSpecBindings()`` (no platform) is
     standalone: built-ins only, no hook.
     """
@@ -88,6 +136,13 @@ class KVCacheSpecBindings:
     # -- setup -------------------------------------------------------------------------------
 
     @property
+    def manager_classes_by_type(self) -> Mapping[type, type[SingleTypeKVCacheManager] | None]:
+        """The answers ``get_manager_class`` has kept, by spec type (read-only; the same dict
+        for the life of the bindings: a registration empties it in place). The seed API reads
+        it directly to answer a repeated lookup without a call."""
+        return self._manager_cache
+
+    @property
     def hook_ran(self) -> bool:
         """Whether the platform hook has run on these bindings."""
         return self._hook_ran
@@ -112,11 +167,26 @@ class KVCacheSpecBindings:
                     platform, config = self._resolve_platform()
                     if platform is not None:
                         self._hook_ran = True
-                        logger.debug("running %r.register_custom_kv_cache_specs", platform)
-                        platform.register_custom_kv_cache_specs(self, config)
+                        self._run_platform_hook(platform, config)
                 self._ready = True
             finally:
                 self._initializing = False
+
+    def _run_platform_hook(self, platform: Platform, config: EngineConfig | None) -> None:
+        """``platform.register_custom_kv_cache_specs(self, config)``; a hook written as vLLM's
+        (``register_custom_kv_cache_specs(cls, vllm_config)``, registering through
+        ``KVCacheSpecRegistry``) is called with the config alone while these bindings are the
+        ones being set up, so its registrations land here."""
+        hook = platform.register_custom_kv_cache_specs
+        logger.debug("running %r.register_custom_kv_cache_specs", platform)
+        if _positional_parameters(hook) == 1:
+            token = _bindings_in_setup.set(self)
+            try:
+                hook(config)  # type: ignore[call-arg]
+            finally:
+                _bindings_in_setup.reset(token)
+        else:
+            hook(self, config)
 
     def _resolve_platform(self) -> tuple[Platform | None, EngineConfig | None]:
         platform_src, config_src = self._platform, self._config
@@ -243,16 +313,3 @@ class KVCacheSpecBindings:
 
     def __repr__(self) -> str:
         return f"KVCacheSpecBindings({len(self._entries)} specs, hook_ran={self._hook_ran})"
-
-
-def register_builtin_kv_cache_specs(registry: KVCacheSpecBindings) -> None:
-    """Register the built-in bindings (``BUILTIN_KV_CACHE_SPECS``) on ``registry``."""
-    for spec, manager, base in BUILTIN_KV_CACHE_SPECS:
-        registry.register(spec, manager, base)
-
-
-
-
-def iter_bindings(bindings: KVCacheSpecBindings) -> Iterable[KVCacheSpecMetadata]:
-    """The metadata of every binding, in registration order."""
-    return bindings.registered_specs().values()

@@ -4,12 +4,15 @@ A KV-cache group is a set of layers that share one block table per request, mana
 single-type manager. All groups share one block pool, so every block id means the same amount
 of memory in every group.
 
-``get_kv_cache_groups({layer: spec})``:
+``get_kv_cache_groups({layer: spec}, bindings)`` (``bindings``: the container's
+``KVCacheSpecBindings``, ``container.kv_cache_spec_bindings()``):
 
 1. Every spec type must be registered (``ValueError`` naming every unregistered layer).
 2. *Uniform*: when all layers have one block size and the first spec's
-   ``is_uniform_with_collection`` accepts them all, they form one group (a block then holds
-   every layer's page: ``bytes_per_block`` is the sum of the layers' page sizes).
+   ``is_uniform_with_collection(specs)`` accepts them all (called in vLLM's one-argument form,
+   with ``bindings`` in effect, so a third-party spec may override it with that signature),
+   they form one group (a block then holds every layer's page: ``bytes_per_block`` is the sum
+   of the layers' page sizes).
 3. *Hybrid* otherwise: page sizes are unified first (a smaller attention page grows its block
    size by ``largest / page`` when that divides evenly; a Mamba state page is padded); layers
    whose specs are uniform with each other form a bucket; buckets are split into groups of
@@ -25,7 +28,7 @@ from typing import Any
 import attrs
 
 from app.kvcache.bindings import KVCacheSpecBindings
-from app.kvcache.specs import KVCacheSpec, MambaSpec, cdiv, spec_summary
+from app.kvcache.specs import KVCacheSpec, MambaSpec, cdiv, spec_summary, uniformity_bindings
 
 __all__ = ["KVCacheGroupSpec", "get_kv_cache_bytes_per_block", "get_kv_cache_groups",
            "unify_kv_cache_spec_page_size"]
@@ -109,38 +112,45 @@ def unify_kv_cache_spec_page_size(kv_cache_specs: Mapping[str, KVCacheSpec]
     return out
 
 
-def _uniform(a: KVCacheSpec, b: KVCacheSpec, bindings: KVCacheSpecBindings) -> bool:
-    return (a.block_size == b.block_size and a.is_uniform_with_collection([a, b], bindings)
-            and b.is_uniform_with_collection([b, a], bindings))
+def _uniform(a: tuple[str, KVCacheSpec], b: tuple[str, KVCacheSpec]) -> bool:
+    """Whether layers ``a`` and ``b`` (name, spec) share a bucket: each one's rule accepts the
+    pair (passed as vLLM passes it, ``{layer_name: spec}``)."""
+    pair = dict((a, b))
+    return (a[1].block_size == b[1].block_size and a[1].is_uniform_with_collection(pair)
+            and b[1].is_uniform_with_collection(pair))
 
 
 def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec],
-                        bindings: KVCacheSpecBindings | None = None) -> list[KVCacheGroupSpec]:
+                        bindings: KVCacheSpecBindings) -> list[KVCacheGroupSpec]:
     """Split ``{layer_name: spec}`` into KV-cache groups (see the module docstring).
 
     ``bindings``: the container's ``KVCacheSpecBindings`` (an engine passes
-    ``container.kv_cache_spec_bindings()``); None asks the active container, the seed API's
-    way. ``ValueError`` for unregistered spec types and for page sizes that cannot be unified.
+    ``container.kv_cache_spec_bindings()``). ``ValueError`` for unregistered spec types and for
+    page sizes that cannot be unified.
     """
+    if not isinstance(bindings, KVCacheSpecBindings):
+        raise TypeError(f"get_kv_cache_groups: bindings must be KVCacheSpecBindings (the "
+                        f"container's kv_cache_spec_bindings()), got {type(bindings).__name__}")
     if not kv_cache_specs:
         return []
-    if bindings is None:
-        from app.kvcache.registry import KVCacheSpecRegistry
-
-        bindings = KVCacheSpecRegistry.bindings()
     bindings.check_kv_cache_spec_registry(kv_cache_specs)
+    with uniformity_bindings(bindings):
+        return _groups(kv_cache_specs)
+
+
+def _groups(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     names = list(kv_cache_specs)
     values = list(kv_cache_specs.values())
     first = values[0]
     if (len({spec.block_size for spec in values}) == 1
-            and first.is_uniform_with_collection(values, bindings)):
+            and first.is_uniform_with_collection(dict(kv_cache_specs))):
         return [KVCacheGroupSpec(tuple(names), first, tuple(values))]
 
     unified = unify_kv_cache_spec_page_size(kv_cache_specs)
     buckets: list[list[str]] = []
     for name, spec in unified.items():
         for bucket in buckets:
-            if _uniform(unified[bucket[0]], spec, bindings):
+            if _uniform((bucket[0], unified[bucket[0]]), (name, spec)):
                 bucket.append(name)
                 break
         else:

@@ -1,7 +1,8 @@
 """``KVCacheManager``: what a scheduler calls, over every KV-cache group of a model.
 
 One ``BlockPool`` is shared by all groups; each group has the single-type manager its spec is
-bound to in the active container's registry. See ``app.kvcache`` for the calling sequence.
+bound to in the bindings it is given (the container's ``KVCacheSpecBindings``). See
+``app.kvcache`` for the calling sequence.
 """
 
 from __future__ import annotations
@@ -60,15 +61,18 @@ class KVCacheManager:
 
     ``KVCacheManager(groups, cache_config, bindings=...)`` or ``KVCacheManager.from_specs({layer:
     spec}, cache_config, bindings=...)``; ``bindings`` is the container's ``KVCacheSpecBindings``
-    (None asks the active container, the seed API's way). ``cache_config.num_blocks`` sizes the pool
+    (``container.kv_cache_spec_bindings()``). ``cache_config.num_blocks`` sizes the pool
     (block 0 is the null block) and ``cache_config.enable_prefix_caching`` turns caching on.
     Requests must hash their tokens at ``hash_block_size`` (``new_request`` does that).
     """
 
     def __init__(self, kv_cache_groups: Sequence[KVCacheGroupSpec],
-                 cache_config: CacheConfig | None = None, *,
-                 num_blocks: int | None = None, enable_caching: bool | None = None,
-                 bindings: KVCacheSpecBindings | None = None) -> None:
+                 cache_config: CacheConfig | None = None, *, bindings: KVCacheSpecBindings,
+                 num_blocks: int | None = None, enable_caching: bool | None = None) -> None:
+        if not isinstance(bindings, KVCacheSpecBindings):
+            raise TypeError(f"KVCacheManager: bindings must be KVCacheSpecBindings (the "
+                            f"container's kv_cache_spec_bindings()), got "
+                            f"{type(bindings).__name__}")
         if not kv_cache_groups:
             raise ValueError("KVCacheManager: no KV-cache groups (the model has no KV cache)")
         config = CacheConfig() if cache_config is None else cache_config
@@ -78,10 +82,6 @@ class KVCacheManager:
                                else bool(enable_caching))
         self.block_pool = BlockPool(config.num_blocks if num_blocks is None else num_blocks,
                                     enable_caching=self.enable_caching)
-        if bindings is None:
-            from app.kvcache.registry import KVCacheSpecRegistry
-
-            bindings = KVCacheSpecRegistry.bindings()
         self.managers: list[SingleTypeKVCacheManager] = []
         for group_id, group in enumerate(self.kv_cache_groups):
             manager_class = bindings.get_manager_class(group.kv_cache_spec)
@@ -101,9 +101,9 @@ class KVCacheManager:
 
     @classmethod
     def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec],
-                   cache_config: CacheConfig | None = None, *, num_blocks: int | None = None,
-                   enable_caching: bool | None = None,
-                   bindings: KVCacheSpecBindings | None = None) -> KVCacheManager:
+                   cache_config: CacheConfig | None = None, *, bindings: KVCacheSpecBindings,
+                   num_blocks: int | None = None,
+                   enable_caching: bool | None = None) -> KVCacheManager:
         """Group ``{layer_name: spec}`` (``get_kv_cache_groups``) and manage those groups."""
         return cls(get_kv_cache_groups(kv_cache_specs, bindings), cache_config,
                    num_blocks=num_blocks, enable_caching=enable_caching, bindings=bindings)

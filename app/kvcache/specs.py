@@ -3,8 +3,11 @@
 Every spec is an ``attrs`` class: frozen, keyword-only and hashable, so equal layers compare equal
 and specs can key dicts. ``page_size_bytes`` is the memory of one block of ``block_size`` tokens for
 one layer; ``max_memory_usage_bytes(max_model_len)`` is the most one request can hold for that
-layer. ``is_uniform_with_collection(specs, bindings)`` says whether a set of layers can share one
-KV-cache group under this spec's rule (the first spec's rule applies).
+layer. ``is_uniform_with_collection(specs)`` says whether a set of layers can share one KV-cache
+group under this spec's rule (the first spec's rule applies), as the bindings in effect see it:
+those ``uniformity_bindings(bindings)`` puts in effect (grouping does, with the bindings it is
+given), else the active container's (the seed API installs that default); ``bindings=`` passes
+them explicitly.
 
 Page sizes:
 
@@ -23,8 +26,10 @@ different kinds can share one block pool.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -48,7 +53,9 @@ __all__ = [
     "TQFullAttentionSpec",
     "UniformBaseLookup",
     "cdiv",
+    "set_default_uniformity_lookup",
     "to_kv_dtype",
+    "uniformity_bindings",
 ]
 
 #: dtype names accepted by spec ``dtype`` fields, beyond the engine's compute dtypes.
@@ -135,6 +142,39 @@ class UniformBaseLookup(Protocol):
                                    ) -> type[KVCacheSpec] | None: ...
 
 
+_bindings_in_effect: contextvars.ContextVar[UniformBaseLookup | None] = contextvars.ContextVar(
+    "app_uniformity_bindings", default=None)
+_default_lookup: list[Callable[[], UniformBaseLookup]] = []
+
+
+@contextlib.contextmanager
+def uniformity_bindings(bindings: UniformBaseLookup) -> Iterator[UniformBaseLookup]:
+    """Inside the block (this thread or task), ``is_uniform_with_collection(specs)`` called
+    without bindings uses ``bindings``: how grouping calls vLLM's one-argument form, which a
+    third-party spec may override with exactly that signature."""
+    token = _bindings_in_effect.set(bindings)
+    try:
+        yield bindings
+    finally:
+        _bindings_in_effect.reset(token)
+
+
+def set_default_uniformity_lookup(lookup: Callable[[], UniformBaseLookup]) -> None:
+    """What ``is_uniform_with_collection(specs)`` asks outside ``uniformity_bindings``: the seed
+    API (``app.seed_api``) installs the active container's bindings here."""
+    _default_lookup[:] = [lookup]
+
+
+def _uniformity_lookup() -> UniformBaseLookup:
+    in_effect = _bindings_in_effect.get()
+    if in_effect is not None:
+        return in_effect
+    if not _default_lookup:
+        raise ValueError("is_uniform_with_collection: no KV-cache spec bindings in effect; "
+                         "pass bindings= or call it inside uniformity_bindings(bindings)")
+    return _default_lookup[0]()
+
+
 @attrs.frozen(kw_only=True)
 class KVCacheSpec:
     """The KV-cache format of one layer: ``block_size`` tokens per block.
@@ -168,13 +208,15 @@ class KVCacheSpec:
 
     def is_uniform_with_collection(
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
-            bindings: UniformBaseLookup) -> bool:
+            bindings: UniformBaseLookup | None = None) -> bool:
         """Whether every spec in ``kv_cache_specs`` can share a KV-cache group under my rule.
 
-        The base rule: each spec is an instance of my uniform base spec as ``bindings`` (the
-        container's ``KVCacheSpecBindings``) registers it. ``ValueError`` when my type is not
-        registered there.
+        The base rule: each spec is an instance of my uniform base spec as the bindings (a
+        container's ``KVCacheSpecBindings``: ``bindings``, else those in effect, see the module
+        docstring) register it. ``ValueError`` when my type is not registered there.
         """
+        if bindings is None:
+            bindings = _uniformity_lookup()
         base = bindings.get_uniform_type_base_spec(self)
         if base is None:
             raise ValueError(
@@ -319,7 +361,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def is_uniform_with_collection(
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
-            bindings: UniformBaseLookup) -> bool:
+            bindings: UniformBaseLookup | None = None) -> bool:
         """The base rule, plus an equal ``sliding_window`` and an equal block size."""
         specs = _values(kv_cache_specs)
         return (super().is_uniform_with_collection(specs, bindings)
@@ -356,7 +398,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def is_uniform_with_collection(
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
-            bindings: UniformBaseLookup) -> bool:
+            bindings: UniformBaseLookup | None = None) -> bool:
         """The base rule, plus an equal ``attention_chunk_size`` and an equal block size."""
         specs = _values(kv_cache_specs)
         return (super().is_uniform_with_collection(specs, bindings)
@@ -419,7 +461,7 @@ class MambaSpec(KVCacheSpec):
 
     def is_uniform_with_collection(
             self, kv_cache_specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec],
-            bindings: UniformBaseLookup) -> bool:
+            bindings: UniformBaseLookup | None = None) -> bool:
         """The base rule, plus equal state ``shapes`` and an equal block size."""
         specs = _values(kv_cache_specs)
         return (super().is_uniform_with_collection(specs, bindings)
@@ -439,8 +481,3 @@ def spec_summary(spec: KVCacheSpec) -> dict[str, Any]:
             value = [list(v) if isinstance(v, tuple) else v for v in value]
         out[field.name] = value
     return out
-
-
-def as_spec_list(specs: Sequence[KVCacheSpec] | Mapping[str, KVCacheSpec]) -> list[KVCacheSpec]:
-    """The specs of a mapping or sequence, as a list."""
-    return _values(specs)

@@ -45,7 +45,9 @@ from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.containers import get_container
-from app.kvcache import KVCacheGroupSpec, KVCacheManager, MLAAttentionSpec, get_kv_cache_groups
+from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
+from app.kvcache.kv_cache_manager import KVCacheManager
+from app.kvcache.specs import MLAAttentionSpec
 from app.mla.requests import (
     FinishReason,
     Request,

@@ -34,7 +34,8 @@ import attrs
 import torch
 
 from app._validation import check_int_at_least
-from app.kvcache import KVCacheBlocks, KVCacheManager, KVCacheRequest
+from app.kvcache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from app.kvcache.request import KVCacheRequest
 from app.mla.requests import Request
 from app.mla.speculative import NgramIndex
 

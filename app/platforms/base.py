@@ -50,9 +50,13 @@ class Platform(ABC):
 
     def register_custom_kv_cache_specs(  # noqa: B027 - a hook, deliberately a no-op
             self, registry: Any, config: EngineConfig | None) -> None:
-        """Hook: register this platform's own KV-cache spec kinds on ``registry``.
+        """Hook: register this platform's own KV-cache spec kinds on ``registry`` (the
+        container's ``KVCacheSpecBindings``).
 
         Runs once per container, after the built-in specs are registered. No-op by default.
+        vLLM's form, a classmethod ``register_custom_kv_cache_specs(cls, vllm_config)`` that
+        registers through ``KVCacheSpecRegistry.register``, works too: it is called with the
+        config alone, and its registrations land in the container being set up.
         """
 
     def has_fast_bfloat16(self) -> bool:

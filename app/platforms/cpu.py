@@ -6,8 +6,12 @@ import torch
 
 from app._cpu import detect_cpu_features
 from app._types import DeviceCapability
-from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
+
+# The priority lists, checked against the catalog once, when this module is imported.
+_PREFILL = PREFILL_BACKENDS.check("TORCH_SDPA")
+_DECODE = DECODE_BACKENDS.check("CPU_MLA", "TORCH_SDPA")
 
 
 class CpuPlatform(Platform):
@@ -22,11 +26,11 @@ class CpuPlatform(Platform):
 
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
         """Only ``TORCH_SDPA`` runs on a CPU."""
-        return PREFILL_BACKENDS.names("TORCH_SDPA")
+        return list(_PREFILL)
 
     def mla_decode_backend_priorities(self, selector_config: object) -> list[str]:
         """The native ``CPU_MLA`` kernel, then ``TORCH_SDPA``."""
-        return DECODE_BACKENDS.names("CPU_MLA", "TORCH_SDPA")
+        return list(_DECODE)
 
     def has_fast_bfloat16(self) -> bool:
         """True only on CPUs with native bf16 products (AVX512-BF16 or AMX-BF16), read from the

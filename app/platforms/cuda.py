@@ -8,12 +8,24 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
-from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
 
 #: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.
 TRTLLM_PREFERRED_DIMENSIONS = MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64,
                                             v_head_dim=256)
+
+
+# The priority lists, checked against the catalog once, when this module is imported.
+_PREFILL_SM100 = PREFILL_BACKENDS.check("FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER",
+                                        "TOKENSPEED_MLA", "TORCH_SDPA")
+_PREFILL_SM100_TRTLLM_FIRST = PREFILL_BACKENDS.check("TRTLLM_RAGGED", "FLASH_ATTN", "FLASHINFER",
+                                                     "TOKENSPEED_MLA", "TORCH_SDPA")
+_PREFILL_SM90 = PREFILL_BACKENDS.check("FLASH_ATTN", "FLASHINFER", "TORCH_SDPA")
+_PREFILL_OTHER = PREFILL_BACKENDS.check("FLASH_ATTN", "TORCH_SDPA")
+_DECODE_SM100 = DECODE_BACKENDS.check("FLASHINFER_MLA", "TOKENSPEED_MLA", "TORCH_SDPA")
+_DECODE_SM100_MTP = DECODE_BACKENDS.check("TOKENSPEED_MLA", "FLASHINFER_MLA", "TORCH_SDPA")
+_DECODE_OTHER = DECODE_BACKENDS.check("FLASHINFER_MLA", "TORCH_SDPA")
 
 
 class CudaPlatform(Platform):
@@ -52,28 +64,23 @@ class CudaPlatform(Platform):
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
         """Fastest first: SM100 family, SM90, then everything older or newer."""
         cap = self._capability
-        names = PREFILL_BACKENDS.names
         if cap.is_family(10):
-            order = names("FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER", "TOKENSPEED_MLA",
-                          "TORCH_SDPA")
             if selector_config.mla_dimensions == TRTLLM_PREFERRED_DIMENSIONS:
-                order.remove("TRTLLM_RAGGED")
-                order.insert(0, "TRTLLM_RAGGED")
-            return order
+                return list(_PREFILL_SM100_TRTLLM_FIRST)
+            return list(_PREFILL_SM100)
         if cap.is_family(9):
-            return names("FLASH_ATTN", "FLASHINFER", "TORCH_SDPA")
-        return names("FLASH_ATTN", "TORCH_SDPA")
+            return list(_PREFILL_SM90)
+        return list(_PREFILL_OTHER)
 
     def mla_decode_backend_priorities(self, selector_config: Any) -> list[str]:
         """SM100 family: FLASHINFER_MLA, TOKENSPEED_MLA, TORCH_SDPA, except that TOKENSPEED_MLA
         goes first when ``selector_config.query_len > 1`` (its gains grow with multi-token
         prediction); SM90 and others: FLASHINFER_MLA, TORCH_SDPA."""
-        names = DECODE_BACKENDS.names
         if self._capability.is_family(10):
             if getattr(selector_config, "query_len", 1) > 1:
-                return names("TOKENSPEED_MLA", "FLASHINFER_MLA", "TORCH_SDPA")
-            return names("FLASHINFER_MLA", "TOKENSPEED_MLA", "TORCH_SDPA")
-        return names("FLASHINFER_MLA", "TORCH_SDPA")
+                return list(_DECODE_SM100_MTP)
+            return list(_DECODE_SM100)
+        return list(_DECODE_OTHER)
 
     @property
     def device(self) -> torch.device:

@@ -36,7 +36,7 @@ def app_container() -> Iterator[Application]:
 @pytest.fixture
 def override_prefill_backend(app_container: Application) -> Iterator[Callable[[Any, Any], None]]:
     """A function ``(member, cls_or_path)`` that overrides a backend for the rest of the test."""
-    from app.backends.registry import override_mla_prefill_backend
+    from app.seed_api import override_mla_prefill_backend
 
     with contextlib.ExitStack() as stack:
         def override(member: Any, cls_or_path: Any) -> None:

@@ -18,9 +18,9 @@ from app.backends import (
     override_mla_prefill_backend,
     register_mla_prefill_backend,
 )
+from app.backends.catalog import PREFILL_BACKENDS
 from app.config import AttentionConfig, EngineConfig
 from app.containers import (
-    BUILTIN_MLA_PREFILL_BACKENDS,
     Application,
     create_container,
     get_container,
@@ -69,7 +69,7 @@ def test_members_and_values() -> None:
     names = list(MLAPrefillBackendEnum.__members__)
     assert names[:6] == [*BUILTINS, "CUSTOM"]
     for name in BUILTINS:
-        assert MLAPrefillBackendEnum[name].value == BUILTIN_MLA_PREFILL_BACKENDS[name]
+        assert MLAPrefillBackendEnum[name].value == PREFILL_BACKENDS.builtins[name]
     assert MLAPrefillBackendEnum.CUSTOM.value is None
 
 
@@ -114,7 +114,7 @@ def test_config_stores_names_and_selection_resolves_them(app_container: Applicat
 def test_defaults(app_container: Application) -> None:
     for name in BUILTINS:
         member = MLAPrefillBackendEnum[name]
-        assert member.get_path() == BUILTIN_MLA_PREFILL_BACKENDS[name]
+        assert member.get_path() == PREFILL_BACKENDS.builtins[name]
         assert not member.is_overridden()
         assert member.is_registered()
     assert not MLAPrefillBackendEnum.CUSTOM.is_registered()
@@ -189,7 +189,7 @@ def test_clear_override(app_container: Application) -> None:
     assert MLAPrefillBackendEnum.TORCH_SDPA.get_class() is OtherBackend
     MLAPrefillBackendEnum.TORCH_SDPA.clear_override()
     assert not MLAPrefillBackendEnum.TORCH_SDPA.is_overridden()
-    assert MLAPrefillBackendEnum.TORCH_SDPA.get_path() == BUILTIN_MLA_PREFILL_BACKENDS[
+    assert MLAPrefillBackendEnum.TORCH_SDPA.get_path() == PREFILL_BACKENDS.builtins[
         "TORCH_SDPA"]
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, StubBackend)
     MLAPrefillBackendEnum.CUSTOM.clear_override()
@@ -323,7 +323,7 @@ def test_scoped_override_restores_the_default(app_container: Application) -> Non
         assert member is MLAPrefillBackendEnum.FLASHINFER
         assert member.get_class() is StubBackend and member.is_overridden()
     assert not MLAPrefillBackendEnum.FLASHINFER.is_overridden()
-    assert MLAPrefillBackendEnum.FLASHINFER.get_path() == BUILTIN_MLA_PREFILL_BACKENDS[
+    assert MLAPrefillBackendEnum.FLASHINFER.get_path() == PREFILL_BACKENDS.builtins[
         "FLASHINFER"]
 
 

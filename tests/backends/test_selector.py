@@ -21,7 +21,6 @@ from app.backends import (
     override_mla_prefill_backend,
     register_mla_prefill_backend,
 )
-from app.backends.selector import select_for_container
 from app.config import EngineConfig
 from app.containers import Application, create_container, get_container, use_container
 from app.platforms import TRTLLM_PREFERRED_DIMENSIONS, CpuPlatform, CudaPlatform, Platform
@@ -395,7 +394,7 @@ def test_container_provider_uses_its_own_container() -> None:
         register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, Valid)
     with use_container(b):
         assert a.mla_prefill_backend_class() is Valid
-        assert select_for_container(a) is Valid
+        assert get_mla_prefill_backend(None, container=a) is Valid
 
 
 # --- explain -------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from app._files import load_toml
 from app._imports import import_object
-from app._toml import load_toml
 from app.integrations import VLLM_ENTRY_POINT, register_vllm_plugin
 
 ROOT = Path(__file__).parent.parent.parent

@@ -11,6 +11,8 @@ import torch
 from app.kvcache import (
     FullAttentionSpec,
     KVCacheSpec,
+    KVCacheSpecBindings,
+    KVCacheSpecRegistry,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -19,13 +21,18 @@ from app.kvcache import (
     unify_kv_cache_spec_page_size,
 )
 
+
+def bindings() -> KVCacheSpecBindings:
+    """The bindings of the active container (the fixture's fresh one)."""
+    return KVCacheSpecRegistry.bindings()
+
 ATTN: dict[str, Any] = {"num_kv_heads": 8, "head_size": 128, "dtype": torch.bfloat16}
 FULL = FullAttentionSpec(block_size=16, **ATTN)
 SW = SlidingWindowSpec(block_size=16, sliding_window=1024, **ATTN)
 
 
 def test_empty_model_has_no_groups() -> None:
-    assert get_kv_cache_groups({}) == []
+    assert get_kv_cache_groups({}, bindings()) == []
     assert get_kv_cache_bytes_per_block([]) == 0
 
 
@@ -33,7 +40,7 @@ def test_uniform_layers_form_one_group() -> None:
     mla = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
     specs = {"a": FULL, "b": mla, "c": FullAttentionSpec(block_size=16, num_kv_heads=2,
                                                         head_size=64, dtype="fp16")}
-    (group,) = get_kv_cache_groups(specs)
+    (group,) = get_kv_cache_groups(specs, bindings())
     assert group.layer_names == ("a", "b", "c") and group.kv_cache_spec is FULL
     assert group.page_size_bytes == sum(s.page_size_bytes for s in specs.values())
     assert get_kv_cache_bytes_per_block([group]) == group.page_size_bytes
@@ -43,7 +50,7 @@ def test_uniform_layers_form_one_group() -> None:
 
 def test_hybrid_full_and_sliding_window() -> None:
     specs = {**{f"full.{i}": FULL for i in range(2)}, **{f"sw.{i}": SW for i in range(6)}}
-    groups = get_kv_cache_groups(specs)
+    groups = get_kv_cache_groups(specs, bindings())
     assert [g.layer_names for g in groups] == [
         ("full.0", "full.1"), ("sw.0", "sw.3"), ("sw.1", "sw.4"), ("sw.2", "sw.5")]
     assert [type(g.kv_cache_spec) for g in groups] == [FullAttentionSpec] + [SlidingWindowSpec] * 3
@@ -52,21 +59,21 @@ def test_hybrid_full_and_sliding_window() -> None:
 
 def test_hybrid_pads_to_the_larger_group_size() -> None:
     specs = {**{f"full.{i}": FULL for i in range(3)}, **{f"sw.{i}": SW for i in range(4)}}
-    groups = get_kv_cache_groups(specs)
+    groups = get_kv_cache_groups(specs, bindings())
     assert [len(g.layer_names) for g in groups] == [3, 4]
     assert get_kv_cache_bytes_per_block(groups) == FULL.page_size_bytes * 4
 
 
 def test_different_windows_are_different_groups() -> None:
     other = SW.copy_with(sliding_window=512)
-    groups = get_kv_cache_groups({"a": SW, "b": other})
+    groups = get_kv_cache_groups({"a": SW, "b": other}, bindings())
     assert len(groups) == 2
 
 
 def test_page_sizes_unify_by_block_size() -> None:
     small = SlidingWindowSpec(block_size=16, sliding_window=1024, num_kv_heads=4, head_size=128,
                               dtype=torch.bfloat16)
-    groups = get_kv_cache_groups({"full": FULL, "sw": small})
+    groups = get_kv_cache_groups({"full": FULL, "sw": small}, bindings())
     assert groups[1].kv_cache_spec.block_size == 32
     assert groups[1].kv_cache_spec.page_size_bytes == FULL.page_size_bytes
 
@@ -75,7 +82,7 @@ def test_mamba_page_is_padded() -> None:
     mamba = MambaSpec(block_size=16, shapes=[[100]], dtypes=["bf16"])
     unified = unify_kv_cache_spec_page_size({"full": FULL, "m": mamba})
     assert unified["m"].page_size_bytes == FULL.page_size_bytes
-    groups = get_kv_cache_groups({"full": FULL, "m": mamba})
+    groups = get_kv_cache_groups({"full": FULL, "m": mamba}, bindings())
     assert len(groups) == 2
 
 
@@ -83,7 +90,7 @@ def test_page_sizes_that_cannot_be_unified_are_explained() -> None:
     odd = SlidingWindowSpec(block_size=16, sliding_window=1024, num_kv_heads=3, head_size=128,
                             dtype=torch.bfloat16)
     with pytest.raises(ValueError) as info:
-        get_kv_cache_groups({"full": FULL, "odd": odd})
+        get_kv_cache_groups({"full": FULL, "odd": odd}, bindings())
     message = str(info.value)
     assert "'odd'" in message and "'full'" in message
     assert str(odd.page_size_bytes) in message and str(FULL.page_size_bytes) in message
@@ -98,4 +105,4 @@ def test_unregistered_layers_are_rejected_before_grouping() -> None:
             return 1
 
     with pytest.raises(ValueError, match="Unsupported KV cache spec type for layer x"):
-        get_kv_cache_groups({"a": FULL, "x": Orphan(block_size=16)})
+        get_kv_cache_groups({"a": FULL, "x": Orphan(block_size=16)}, bindings())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.config import CacheConfig
-from app.kvcache import KVCacheManager, KVCacheRequest, MLAAttentionSpec
+from app.kvcache import KVCacheManager, KVCacheRequest, KVCacheSpecBindings, MLAAttentionSpec
 from app.kvcache.request import hash_block_tokens
 
 
@@ -62,7 +62,8 @@ def test_good_tokens_still_hash_the_same() -> None:
 def _manager() -> tuple[KVCacheManager, KVCacheRequest]:
     spec = MLAAttentionSpec.from_dims(block_size=16, kv_lora_rank=64, qk_rope_head_dim=32,
                                       dtype=torch.bfloat16)
-    manager = KVCacheManager.from_specs({"l0": spec}, CacheConfig(block_size=16, num_blocks=8))
+    manager = KVCacheManager.from_specs({"l0": spec}, CacheConfig(block_size=16, num_blocks=8),
+                                        bindings=KVCacheSpecBindings())
     return manager, manager.new_request("r", list(range(40)))
 
 

@@ -15,11 +15,18 @@ from app.kvcache import (
     FullAttentionSpec,
     KVCacheManager,
     KVCacheRequest,
+    KVCacheSpecBindings,
+    KVCacheSpecRegistry,
     MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+
+
+def bindings() -> KVCacheSpecBindings:
+    """The bindings of the active container (the fixture's fresh one)."""
+    return KVCacheSpecRegistry.bindings()
 
 ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
 BS = 4
@@ -28,7 +35,7 @@ BS = 4
 def full_manager(num_blocks: int = 32, caching: bool = True) -> KVCacheManager:
     spec = FullAttentionSpec(block_size=BS, **ATTN)
     return KVCacheManager.from_specs({"l0": spec, "l1": spec}, CacheConfig(
-        block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching))
+        block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching), bindings=bindings())
 
 
 def schedule(manager: KVCacheManager, req: KVCacheRequest) -> CacheHit | None:
@@ -121,7 +128,7 @@ def test_request_checks() -> None:
         manager.cache_blocks(req, 100)
     manager.free("a")
     with pytest.raises(ValueError):
-        KVCacheManager([], CacheConfig())
+        KVCacheManager([], CacheConfig(), bindings=bindings())
     with pytest.raises(TypeError):
         KVCacheRequest("", [1])
     with pytest.raises(TypeError):
@@ -149,7 +156,8 @@ def test_hybrid_full_and_sliding_window_hit_converges() -> None:
     full = FullAttentionSpec(block_size=BS, **ATTN)
     sw = SlidingWindowSpec(block_size=BS, sliding_window=8, **ATTN)
     manager = KVCacheManager.from_specs({"f": full, "s": sw},
-                                        CacheConfig(block_size=BS, num_blocks=64))
+                                        CacheConfig(block_size=BS, num_blocks=64),
+                                        bindings=bindings())
     assert len(manager.managers) == 2
     a = manager.new_request("a", range(24))
     schedule(manager, a)
@@ -173,7 +181,8 @@ def test_mla_single_group_block_table() -> None:
     spec = MLAAttentionSpec.from_dims(block_size=16, kv_lora_rank=512, qk_rope_head_dim=64,
                                       dtype=torch.bfloat16)
     manager = KVCacheManager.from_specs({f"layers.{i}": spec for i in range(3)},
-                                        CacheConfig(block_size=16, num_blocks=64))
+                                        CacheConfig(block_size=16, num_blocks=64),
+                                        bindings=bindings())
     assert manager.hash_block_size == 16 and len(manager.kv_cache_groups) == 1
     req = manager.new_request("r", range(40))
     hit = manager.get_computed_blocks(req)
@@ -190,7 +199,8 @@ def test_groups_with_different_block_sizes_share_hashes() -> None:
     full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=16, dtype=torch.float16)
     big = ChunkedLocalAttentionSpec(block_size=8, attention_chunk_size=64, **ATTN)
     manager = KVCacheManager.from_specs({"f": full, "c": big},
-                                        CacheConfig(block_size=4, num_blocks=64))
+                                        CacheConfig(block_size=4, num_blocks=64),
+                                        bindings=bindings())
     assert manager.hash_block_size == 4
     schedule(manager, manager.new_request("a", range(20)))
     hit = manager.get_computed_blocks(manager.new_request("b", range(20)))
@@ -202,7 +212,8 @@ def test_cross_attention_group_does_not_limit_hits() -> None:
     full = FullAttentionSpec(block_size=BS, **ATTN)
     cross = CrossAttentionSpec(block_size=BS, **ATTN)
     manager = KVCacheManager.from_specs({"self": full, "cross": cross},
-                                        CacheConfig(block_size=BS, num_blocks=64))
+                                        CacheConfig(block_size=BS, num_blocks=64),
+                                        bindings=bindings())
     a = manager.new_request("a", range(12), num_encoder_tokens=6)
     schedule(manager, a)
     assert [len(t) for t in manager.get_block_ids("a")] == [3, 2]
@@ -213,14 +224,17 @@ def test_cross_attention_group_does_not_limit_hits() -> None:
 
 def test_mamba_and_sink_groups() -> None:
     mamba = MambaSpec(block_size=BS, shapes=[[4]], dtypes=["fp16"])
-    manager = KVCacheManager.from_specs({"m": mamba}, CacheConfig(block_size=BS, num_blocks=16))
+    manager = KVCacheManager.from_specs({"m": mamba}, CacheConfig(block_size=BS, num_blocks=16),
+                                        bindings=bindings())
     req = manager.new_request("a", range(16))
     schedule(manager, req)
     assert sum(b != 0 for b in manager.get_block_ids("a")[0]) == 1
     hit = manager.get_computed_blocks(manager.new_request("b", range(20)))
     assert hit.num_computed_tokens == 16
     sink = SinkFullAttentionSpec(block_size=BS, sink_len=8, **ATTN)
-    with_sink = KVCacheManager.from_specs({"s": sink}, CacheConfig(block_size=BS, num_blocks=16))
+    with_sink = KVCacheManager.from_specs({"s": sink},
+                                          CacheConfig(block_size=BS, num_blocks=16),
+                                          bindings=bindings())
     assert with_sink.num_free_blocks == 13
     schedule(with_sink, with_sink.new_request("a", range(8)))
     with_sink.free("a")

@@ -24,6 +24,7 @@ from app.kvcache import (
     KVCacheManager,
     KVCacheRequest,
     KVCacheSpec,
+    KVCacheSpecRegistry,
     SlidingWindowSpec,
 )
 from app.platforms import CpuPlatform
@@ -46,7 +47,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._scope = use_container(create_container(platform=CpuPlatform()))
         self._scope.__enter__()
         self.manager = KVCacheManager.from_specs(
-            self.SPECS, CacheConfig(block_size=BS, num_blocks=self.NUM_BLOCKS))
+            self.SPECS, CacheConfig(block_size=BS, num_blocks=self.NUM_BLOCKS),
+            bindings=KVCacheSpecRegistry.bindings())
         self.pool = self.manager.block_pool
         self.running: dict[str, KVCacheRequest] = {}
         #: block id -> the token prefix whose KV the block holds (full blocks only)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.config import CacheConfig
-from app.kvcache import KVCacheManager, MLAAttentionSpec
+from app.kvcache import KVCacheManager, KVCacheSpecBindings, MLAAttentionSpec
 from app.mla.requests import Request
 from app.mla.scheduler import RequestState, RequestStatus, Scheduler
 
@@ -18,7 +18,8 @@ def _manager(num_blocks: int) -> KVCacheManager:
     spec = MLAAttentionSpec.from_dims(block_size=BS, kv_lora_rank=8, qk_rope_head_dim=4,
                                       dtype=torch.float32)
     return KVCacheManager.from_specs({"layer": spec}, CacheConfig(block_size=BS,
-                                                                  num_blocks=num_blocks))
+                                                                  num_blocks=num_blocks),
+                                     bindings=KVCacheSpecBindings())
 
 
 def _state(manager: KVCacheManager, rid: str, prompt_len: int, seed: int = 0) -> RequestState:

@@ -1,10 +1,9 @@
 """Pieces the GPU decode backends (FLASHINFER_MLA, TOKENSPEED_MLA) share.
 
-- ``DecodeWorkspaces`` / ``WorkspaceSource``: kernel workspaces per (name, device), held by
-  a backend instance or passed in (the container's kernel workspaces have the same
-  ``get(name, nbytes, device, zeroed=)``), allocated on first use and replaced by a larger
-  one when a step needs more. Nothing is module-global: two containers (or two backends)
-  share a buffer only when their owner passes the same workspaces to both.
+- ``check_workspaces``: the kernel workspaces a backend was given (the container's
+  ``app.backends.workspaces.KernelWorkspaces``), or its own. Nothing is module-global: two
+  containers (or two backends) share a buffer only when their owner passes the same
+  workspaces to both.
 - ``quantize_query_fp8``: the FP8 kernels (trtllm-gen, tokenspeed) read an FP8 query when the
   cache is FP8; the query is quantised per call with its own per-tensor scale (amax / 448, a
   device tensor), which is folded into that call's softmax scale. Nothing is kept between
@@ -19,14 +18,13 @@
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
 from app._types import DeviceCapability
-from app._validation import check_int_at_least
+from app.backends.workspaces import KernelWorkspaces, WorkspaceSource
 
 if TYPE_CHECKING:
     from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
@@ -34,8 +32,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FP8_E4M3_MAX",
     "LN2",
-    "DecodeWorkspaces",
-    "WorkspaceSource",
     "base2_to_natural",
     "check_query_dtype",
     "check_workspaces",
@@ -49,59 +45,14 @@ LN2 = math.log(2.0)
 FP8_E4M3_MAX = 448.0
 
 
-@runtime_checkable
-class WorkspaceSource(Protocol):
-    """Where a backend gets its kernel workspaces: ``get(name, nbytes, device, zeroed=)``
-    returns a 1-D ``uint8`` tensor of at least ``nbytes`` bytes for kernel ``name`` on
-    ``device`` (the container's kernel workspaces have this shape)."""
-
-    def get(self, name: str, nbytes: int, device: torch.device, *,
-            zeroed: bool = False) -> torch.Tensor:
-        """The workspace ``name`` on ``device``, at least ``nbytes`` bytes."""
-        ...
-
-
-class DecodeWorkspaces:
-    """Kernel workspaces, one ``uint8`` buffer per (name, device), made on first use and
-    *replaced* by a larger one when a call needs more (the old buffer is dropped, not kept
-    beside it). ``zeroed``: made with ``torch.zeros`` (trtllm-gen keeps semaphore counters in
-    its workspace and needs them zero on first use). Thread-safe.
-
-    A backend makes its own when none is passed in; pass one to several backends (or the
-    container's) to share the buffers of a device."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def get(self, name: str, nbytes: int, device: torch.device | str, *,
-            zeroed: bool = False) -> torch.Tensor:
-        """The workspace ``name`` on ``device``, at least ``nbytes`` (and 1) bytes."""
-        check_int_at_least("DecodeWorkspaces.get: nbytes", nbytes, 0)
-        key = (name, torch.device(device))
-        with self._lock:
-            buf = self._buffers.get(key)
-            if buf is None or buf.numel() < max(nbytes, 1):
-                make = torch.zeros if zeroed else torch.empty
-                buf = make(max(nbytes, 1), dtype=torch.uint8, device=key[1])
-                self._buffers[key] = buf
-            return buf
-
-    def nbytes(self, name: str, device: torch.device | str) -> int:
-        """The size of buffer ``name`` on ``device`` (0 before the first ``get``)."""
-        with self._lock:
-            buf = self._buffers.get((name, torch.device(device)))
-            return 0 if buf is None else int(buf.numel())
-
-
 def check_workspaces(who: str, workspaces: object) -> WorkspaceSource:
-    """``workspaces`` if it has the ``WorkspaceSource`` shape, a new ``DecodeWorkspaces`` for
+    """``workspaces`` if it has the ``WorkspaceSource`` shape, a new ``KernelWorkspaces`` for
     None, else ``TypeError``."""
     if workspaces is None:
-        return DecodeWorkspaces()
+        return KernelWorkspaces()
     if not isinstance(workspaces, WorkspaceSource):
         raise TypeError(f"{who}: workspaces must have get(name, nbytes, device, zeroed=) "
-                        f"(a DecodeWorkspaces or the container's kernel workspaces), got "
+                        f"(the container's KernelWorkspaces), got "
                         f"{type(workspaces).__name__}")
     return workspaces
 
@@ -155,8 +106,7 @@ def insert_reasons(cls: type[MLADecodeBackend], base: list[str],
                     and not cls.supports_compute_capability(device_capability)))
     dtype_n = int(not cls.supports_dtype(config.dtype))
     avail_n = int(not cls.is_available())
-    dims_n = int(not cls.supports_mla_dimensions(config.kv_lora_rank,
-                                                 config.qk_rope_head_dim))
+    dims_n = int(not cls.supports_mla_dimensions(config.mla_dimensions))
     block_n = int(not cls.supports_block_size(config.block_size))
     at_dtype = cap_n + dtype_n
     at_dims = at_dtype + avail_n + dims_n

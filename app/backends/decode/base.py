@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
-from app._types import DeviceCapability
+from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least, is_int, tensors_overlap
-from app.backends._declarations import BackendDeclarations
+from app.backends.declarations import BackendDeclarations
 from app.backends.decode._checks import (
     DecodeMetadata,
     check_decode_inputs,
@@ -42,6 +42,7 @@ from app.backends.decode._checks import (
 )
 
 if TYPE_CHECKING:
+    from app.backends.workspaces import WorkspaceSource
     from app.config import EngineConfig
 
 __all__ = ["DecodeMetadata", "MLADecodeBackend", "MLADecodeSelectorConfig"]
@@ -76,6 +77,12 @@ class MLADecodeSelectorConfig:
     block_size: int = attrs.field(validator=_positive_int)
     query_len: int = attrs.field(default=1, validator=_query_len)
 
+    @property
+    def mla_dimensions(self) -> MLADimensions:
+        """The dimensions decode attention reads: ``kv_lora_rank`` and ``qk_rope_head_dim``."""
+        return MLADimensions(kv_lora_rank=self.kv_lora_rank,
+                             qk_rope_head_dim=self.qk_rope_head_dim)
+
     @classmethod
     def from_engine_config(cls, config: EngineConfig, query_len: int = 1
                            ) -> MLADecodeSelectorConfig:
@@ -89,18 +96,20 @@ class MLADecodeSelectorConfig:
 class MLADecodeBackend(BackendDeclarations):
     """Base class of every MLA decode backend (built-in or third party).
 
-    **Class declarations** (what the selector reads): ``get_name()``; ``supported_dtypes``
-    (cache dtypes); ``supported_block_sizes`` (empty = any); ``supported_head_dims``
-    (``(kv_lora_rank, qk_rope_head_dim)`` pairs, empty = any); ``max_query_len``;
-    ``requires_device_capability`` / ``supports_compute_capability``; ``is_available`` /
-    ``unavailable_reason``; ``validate_configuration`` lists every reason it cannot run.
+    **Class declarations** (what the selector reads): those of ``BackendDeclarations`` (name,
+    ``supported_dtypes`` (cache dtypes), ``compute_capabilities``, ``probe``,
+    ``install_hint``); ``supported_block_sizes`` (empty = any); ``supported_head_dims``
+    (``(kv_lora_rank, qk_rope_head_dim)`` pairs, empty = any; ``supports_mla_dimensions(dims)``
+    reads them); ``max_query_len``; ``validate_configuration`` lists every reason it cannot
+    run.
 
     **Instance API**: ``__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim,
-    kv_cache_dtype, *, device_capability=None)``; ``prepare_metadata(block_table, seq_lens,
-    query_len)`` once per step (``block_table`` int32 ``[B, max_blocks]``, ``seq_lens`` int32
-    ``[B]`` counting the step's new tokens, ``query_len`` an int 1..16 or one equal length per
-    request); ``run_decode(q, kv_cache, *, return_softmax_lse=False, out=None, k_scale=None,
-    softmax_scale=None)`` per layer: ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]``,
+    kv_cache_dtype, *, device_capability=None, workspaces=None)``;
+    ``prepare_metadata(block_table, seq_lens, query_len)`` once per step (``block_table`` int32
+    ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` counting the step's new tokens,
+    ``query_len`` an int 1..16 or one equal length per request); ``run_decode(q, kv_cache, *,
+    return_softmax_lse=False, out=None, k_scale=None, softmax_scale=None)`` per layer:
+    ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]``,
     ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` -> ``out [B,
     query_len, H, kv_lora_rank]`` (q's dtype), or ``(out, lse)`` with ``lse [H, B, query_len]``
     float32 natural log. Semantics are in the module docstring.
@@ -127,10 +136,10 @@ class MLADecodeBackend(BackendDeclarations):
             not cls.supported_block_sizes or block_size in cls.supported_block_sizes)
 
     @classmethod
-    def supports_mla_dimensions(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> bool:
-        """Whether ``(kv_lora_rank, qk_rope_head_dim)`` is supported (any, when empty)."""
-        return (not cls.supported_head_dims
-                or (kv_lora_rank, qk_rope_head_dim) in cls.supported_head_dims)
+    def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
+        """Whether ``dims.latent_head_dims`` (``(kv_lora_rank, qk_rope_head_dim)``) is in
+        ``supported_head_dims`` (always, when that is empty)."""
+        return not cls.supported_head_dims or dims.latent_head_dims in cls.supported_head_dims
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
@@ -139,7 +148,7 @@ class MLADecodeBackend(BackendDeclarations):
         availability, dimensions, block size, query_len. An empty list means valid."""
         reasons = cls.platform_reasons(device_capability, selector_config.dtype)
         rank, rope = selector_config.kv_lora_rank, selector_config.qk_rope_head_dim
-        if not cls.supports_mla_dimensions(rank, rope):
+        if not cls.supports_mla_dimensions(selector_config.mla_dimensions):
             supported = ", ".join(f"({r}, {p})" for r, p in cls.supported_head_dims)
             reasons.append(f"MLA dimensions (kv_lora_rank, qk_rope_head_dim) = ({rank}, "
                            f"{rope}) not supported (supported: {supported})")
@@ -154,7 +163,11 @@ class MLADecodeBackend(BackendDeclarations):
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,
-                 device_capability: DeviceCapability | None = None) -> None:
+                 device_capability: DeviceCapability | None = None,
+                 workspaces: WorkspaceSource | None = None) -> None:
+        """``device_capability``: the GPU's compute capability, passed in by whoever builds the
+        backend (the container, from its platform; None on a CPU). ``workspaces``: the
+        container's kernel workspaces (None: a backend whose kernels need one makes its own)."""
         name = type(self).__name__
         check_int_at_least(f"{name}: num_heads", num_heads, 1)
         check_int_at_least(f"{name}: kv_lora_rank", kv_lora_rank, 1)
@@ -176,16 +189,24 @@ class MLADecodeBackend(BackendDeclarations):
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_cache_dtype = kv_cache_dtype
         self.device_capability = device_capability
+        self.workspaces = workspaces
         self._metadata: DecodeMetadata | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig,
-                    device_capability: DeviceCapability | None = None) -> MLADecodeBackend:
-        """An instance for ``config.model``'s shape (cache dtype = the model dtype)."""
+                    device_capability: DeviceCapability | None = None, *,
+                    workspaces: WorkspaceSource | None = None) -> MLADecodeBackend:
+        """An instance for ``config.model``'s shape (cache dtype = the model dtype), as the
+        prefill base's ``from_config``: ``device_capability`` and ``workspaces`` are passed only
+        when given, so a constructor without them still works."""
         m = config.model
+        extra: dict[str, Any] = {}
+        if device_capability is not None:
+            extra["device_capability"] = device_capability
+        if workspaces is not None:
+            extra["workspaces"] = workspaces
         return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
-                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype,
-                   device_capability=device_capability)
+                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype, **extra)
 
     def prepare_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                          query_len: int | Sequence[int] | torch.Tensor) -> None:

@@ -35,7 +35,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from app._types import DeviceCapability
+from app._types import NO_GPU, ComputeCapabilities, DeviceCapability, MLADimensions
 from app.backends.cpu.loader import (
     NativeLibrary,
     NativeLibrarySpec,
@@ -46,6 +46,7 @@ from app.backends.cpu.loader import (
 from app.backends.cpu.pool import run_shares
 from app.backends.cpu.prefill_kernel import SWITCH_ENV, _requirements
 from app.backends.decode.base import DecodeMetadata, MLADecodeBackend
+from app.backends.workspaces import WorkspaceSource
 
 __all__ = ["BF16_DOT_ENV", "SPEC", "CpuMLADecodeBackend", "DecodePlan", "MlaDecodeArgs",
            "NativeMLADecodeKernel", "has_bf16_dot", "load_decode_kernel", "plan_decode"]
@@ -272,25 +273,16 @@ class CpuMLADecodeBackend(MLADecodeBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32)
 
-    @staticmethod
-    def get_name() -> str:
-        """``"CPU_MLA"`` (vLLM's name for its CPU decode backend)."""
-        return "CPU_MLA"
+    #: A CPU backend: never on a GPU.
+    compute_capabilities: ClassVar[ComputeCapabilities] = NO_GPU
+    #: Whether the native kernel builds, loads and passes its self-test here.
+    probe = staticmethod(lambda: load_native_library(SPEC).available)
 
     @classmethod
-    def supports_mla_dimensions(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> bool:
+    def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
         """``kv_lora_rank`` a multiple of 64 and ``qk_rope_head_dim`` of 32."""
-        return kv_lora_rank % 64 == 0 and kv_lora_rank > 0 and qk_rope_head_dim % 32 == 0
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """A CPU backend: never on a GPU."""
-        return False
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether the native kernel builds, loads and passes its self-test here."""
-        return load_native_library(SPEC).available
+        rank, rope = dims.latent_head_dims
+        return rank % 64 == 0 and rank > 0 and rope % 32 == 0
 
     @classmethod
     def unavailable_reason(cls) -> str:
@@ -300,10 +292,12 @@ class CpuMLADecodeBackend(MLADecodeBackend):
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,
-                 device_capability: DeviceCapability | None = None) -> None:
+                 device_capability: DeviceCapability | None = None,
+                 workspaces: WorkspaceSource | None = None) -> None:
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype,
-                         device_capability=device_capability)
-        if not self.supports_mla_dimensions(kv_lora_rank, qk_rope_head_dim):
+                         device_capability=device_capability, workspaces=workspaces)
+        if not self.supports_mla_dimensions(MLADimensions(kv_lora_rank=kv_lora_rank,
+                                                          qk_rope_head_dim=qk_rope_head_dim)):
             raise ValueError(f"{type(self).__name__}: kv_lora_rank must be a multiple of 64 "
                              f"and qk_rope_head_dim of 32, got {kv_lora_rank} and "
                              f"{qk_rope_head_dim}")

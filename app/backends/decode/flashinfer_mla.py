@@ -47,11 +47,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
-from app._types import DeviceCapability
+from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
 from app.backends.decode._checks import DecodeMetadata
 from app.backends.decode._gpu import (
-    WorkspaceSource,
     check_query_dtype,
     check_workspaces,
     insert_reasons,
@@ -59,6 +58,7 @@ from app.backends.decode._gpu import (
 )
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.prefill.flashinfer import INSTALL_HINT
+from app.backends.workspaces import WorkspaceSource
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
@@ -178,25 +178,12 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     #: Whether the kernels need CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
 
-    @staticmethod
-    def get_name() -> str:
-        """``"FLASHINFER_MLA"``."""
-        return "FLASHINFER_MLA"
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """SM80 and newer (fa2); SM90 runs fa3, Blackwell trtllm-gen."""
-        return device_capability.major >= 8
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether flashinfer's MLA decode entry points import."""
-        return _probe() is not None
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The install hint."""
-        return INSTALL_HINT
+    #: SM80 and newer (fa2); SM90 runs fa3, Blackwell trtllm-gen.
+    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
+        minimum=DeviceCapability(8, 0))
+    #: flashinfer's MLA decode entry points (late-bound: tests swap the module's ``_probe``).
+    probe = staticmethod(lambda: _probe())
+    install_hint: ClassVar[str] = INSTALL_HINT
 
     @classmethod
     def block_sizes_for(cls, device_capability: DeviceCapability, num_heads: int
@@ -238,11 +225,11 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
                  workspaces: WorkspaceSource | None = None,
                  block_size: int | None = None) -> None:
         """``device_capability`` picks the kernel (required); ``workspaces`` may be shared
-        (the container's kernel workspaces; default: this instance's own ``DecodeWorkspaces``);
+        (the container's kernel workspaces; default: this instance's own ``KernelWorkspaces``);
         ``block_size``, when known, lets ``prepare_metadata`` plan at once (else the first
         layer's call plans)."""
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype,
-                         device_capability=device_capability)
+                         device_capability=device_capability, workspaces=workspaces)
         name = type(self).__name__
         if device_capability is None:
             raise ValueError(f"{name}: device_capability is required (the GPU's compute "
@@ -250,7 +237,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         if not self.supports_compute_capability(device_capability):
             raise ValueError(f"{name}: compute capability {device_capability} not supported "
                              f"(SM80 or newer)")
-        if not self.supports_mla_dimensions(kv_lora_rank, qk_rope_head_dim):
+        if not self.supports_mla_dimensions(MLADimensions(kv_lora_rank=kv_lora_rank,
+                                                          qk_rope_head_dim=qk_rope_head_dim)):
             raise ValueError(f"{name}: (kv_lora_rank, qk_rope_head_dim) must be one of "
                              f"{list(self.supported_head_dims)}, got "
                              f"({kv_lora_rank}, {qk_rope_head_dim})")
@@ -264,7 +252,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             check_int_at_least(f"{name}: block_size", block_size, 1)
             self._check_block_size(block_size)
         self.block_size = block_size
-        self.workspaces = check_workspaces(name, workspaces)
+        self.workspaces: WorkspaceSource = check_workspaces(name, workspaces)
         self._wrappers: dict[torch.device, Any] = {}
         self._planned: _PlanKey | None = None
         # re-entrant: a run holds it across its plan check and launch, so another thread's

@@ -44,10 +44,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from app._types import DeviceCapability
+from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
 from app.backends.decode._checks import DecodeMetadata
 from app.backends.decode._gpu import (
-    WorkspaceSource,
     base2_to_natural,
     check_query_dtype,
     check_workspaces,
@@ -55,10 +54,11 @@ from app.backends.decode._gpu import (
     quantize_query_fp8,
 )
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.backends.prefill.tokenspeed_mla import INSTALL_HINT
+from app.backends.prefill.tokenspeed_mla import INSTALL_HINT, SUPPORTED_CAPABILITIES
+from app.backends.workspaces import WorkspaceSource
 
 if TYPE_CHECKING:
-    from app.config import EngineConfig
+    pass
 
 __all__ = [
     "MAX_HEADS",
@@ -67,8 +67,6 @@ __all__ = [
     "tokenspeed_workspace_bytes",
 ]
 
-#: (major, minor) of the GPUs the decode kernels support (mla_helpers.get_mla_decode_arch).
-_SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 #: The most query heads one kernel tile holds (mla_decode_fp16.py:3996).
 MAX_HEADS = 128
 #: The kernel's query-row tile (M) and the largest split-KV count its heuristics pick.
@@ -116,25 +114,11 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
     #: Whether the kernel needs CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
 
-    @staticmethod
-    def get_name() -> str:
-        """``"TOKENSPEED_MLA"``."""
-        return "TOKENSPEED_MLA"
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """SM100, SM103 and SM107 only (the kernels raise for any other architecture)."""
-        return (device_capability.major, device_capability.minor) in _SUPPORTED_CAPABILITIES
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether tokenspeed-mla and its CuTe-DSL runtime import."""
-        return _probe() is not None
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The install hint."""
-        return INSTALL_HINT
+    #: SM100, SM103 and SM107, as prefill (mla_helpers.get_mla_decode_arch).
+    compute_capabilities: ClassVar[ComputeCapabilities] = SUPPORTED_CAPABILITIES
+    #: tokenspeed-mla and its CuTe-DSL runtime (late-bound: tests swap the module's ``_probe``).
+    probe = staticmethod(lambda: _probe())
+    install_hint: ClassVar[str] = INSTALL_HINT
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
@@ -152,34 +136,24 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
                  device_capability: DeviceCapability | None = None,
                  workspaces: WorkspaceSource | None = None) -> None:
         """``workspaces``: shared kernel workspaces (the container's; default: this
-        instance's own ``DecodeWorkspaces``)."""
+        instance's own ``KernelWorkspaces``)."""
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype,
-                         device_capability=device_capability)
+                         device_capability=device_capability, workspaces=workspaces)
         name = type(self).__name__
         if device_capability is not None and not self.supports_compute_capability(
                 device_capability):
             raise ValueError(f"{name}: compute capability {device_capability} not supported "
                              f"(SM100, SM103 or SM107)")
-        if not self.supports_mla_dimensions(kv_lora_rank, qk_rope_head_dim):
+        if not self.supports_mla_dimensions(MLADimensions(kv_lora_rank=kv_lora_rank,
+                                                          qk_rope_head_dim=qk_rope_head_dim)):
             raise ValueError(f"{name}: (kv_lora_rank, qk_rope_head_dim) must be one of "
                              f"{list(self.supported_head_dims)}, got "
                              f"({kv_lora_rank}, {qk_rope_head_dim})")
         if num_heads > MAX_HEADS:
             raise ValueError(f"{name}: at most {MAX_HEADS} query heads, got {num_heads}")
-        self.workspaces = check_workspaces(name, workspaces)
+        self.workspaces: WorkspaceSource = check_workspaces(name, workspaces)
         self._num_sms: dict[torch.device, int] = {}
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig,
-                    device_capability: DeviceCapability | None = None, *,
-                    workspaces: WorkspaceSource | None = None
-                    ) -> TokenSpeedMLADecodeBackend:
-        """An instance for ``config.model`` (cache dtype = the model dtype)."""
-        m = config.model
-        return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
-                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype,
-                   device_capability=device_capability, workspaces=workspaces)
 
     def query_dtypes(self) -> tuple[torch.dtype, ...]:
         """The query dtypes the kernel reads with this backend's cache dtype."""

@@ -63,11 +63,6 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
 
-    @staticmethod
-    def get_name() -> str:
-        """``"TORCH_SDPA"``."""
-        return "TORCH_SDPA"
-
     def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:

@@ -25,19 +25,24 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import INT32_MAX, check_int_at_least, is_int
-from app.backends._declarations import BackendDeclarations
+from app.backends.declarations import BackendDeclarations
 
 if TYPE_CHECKING:
-    from app.backends.prefill.kernel_base import KernelWorkspaces
+    from app.backends.workspaces import KernelWorkspaces
     from app.config import EngineConfig
 
 __all__ = [
+    "R1_MLA_DIMENSIONS",
     "ContextChunkMetadata",
     "MLAPrefillBackend",
     "MLAPrefillMetadata",
     "MLAPrefillSelectorConfig",
 ]
 
+
+
+#: DeepSeek R1's (and V3's) prefill dimensions.
+R1_MLA_DIMENSIONS = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
 @attrs.frozen
@@ -149,12 +154,18 @@ class MLAPrefillBackend(BackendDeclarations):
 
     #: MLA dimensions the kernels accept; empty means any.
     supported_mla_dimensions: ClassVar[Sequence[MLADimensions]] = ()
+    #: vLLM's declaration: the kernels need DeepSeek R1's dimensions (128, 64, 128).
+    requires_r1_mla_dimensions: ClassVar[bool] = False
     #: Whether ``out=`` is honoured (the kernel writes in place).
     supports_out: ClassVar[bool] = False
 
     @classmethod
     def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
-        """Whether ``dims`` is in ``supported_mla_dimensions`` (always, when that is empty)."""
+        """Whether ``dims`` (the prefill dimensions: ``qk_nope_head_dim``,
+        ``qk_rope_head_dim``, ``v_head_dim``) is in ``supported_mla_dimensions`` (always, when
+        that is empty), and R1's when ``requires_r1_mla_dimensions``."""
+        if cls.requires_r1_mla_dimensions and dims != R1_MLA_DIMENSIONS:
+            return False
         return not cls.supported_mla_dimensions or dims in cls.supported_mla_dimensions
 
     @classmethod
@@ -165,7 +176,8 @@ class MLAPrefillBackend(BackendDeclarations):
         reasons = cls.platform_reasons(device_capability, selector_config.dtype)
         dims = selector_config.mla_dimensions
         if not cls.supports_mla_dimensions(dims):
-            supported = ", ".join(str(d) for d in cls.supported_mla_dimensions)
+            supported = ", ".join(str(d) for d in (
+                cls.supported_mla_dimensions or [R1_MLA_DIMENSIONS]))
             reasons.append(f"Model does not have supported MLA dimensions "
                            f"(got {dims}; supported: {supported})")
         return reasons
@@ -210,8 +222,8 @@ class MLAPrefillBackend(BackendDeclarations):
         self._metadata: MLAPrefillMetadata | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *,
-                    device_capability: DeviceCapability | None = None,
+    def from_config(cls, config: EngineConfig,
+                    device_capability: DeviceCapability | None = None, *,
                     workspaces: KernelWorkspaces | None = None) -> MLAPrefillBackend:
         """An instance for ``config.model``'s shape (``device_capability`` and ``workspaces``
         as in the constructor; passed only when given, so a third-party constructor without

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from app._types import DeviceCapability
+from app._types import ComputeCapabilities, DeviceCapability
 from app.backends.prefill.base import MLAPrefillSelectorConfig
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
@@ -71,26 +71,15 @@ class FlashAttnBackend(RaggedKernelBackend):
     supports_out: ClassVar[bool] = False
     requires_device_capability: ClassVar[bool] = True
 
-    @staticmethod
-    def get_name() -> str:
-        """``"FLASH_ATTN"``."""
-        return "FLASH_ATTN"
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """SM80 (Ampere) and newer."""
-        return device_capability.major >= 8
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether flash-attn-4 (``flash_attn.cute``) or flash-attn 2 imports."""
-        return _probe_fa4() is not None or _probe_fa2() is not None
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The install hint."""
-        return ("neither flash-attn-4 (pip install --pre flash-attn-4, plus triton) nor "
-                "flash-attn 2 (pip install flash-attn, builds against CUDA) is installed")
+    #: SM80 (Ampere) and newer.
+    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
+        minimum=DeviceCapability(8, 0))
+    #: flash-attn-4 (``flash_attn.cute``) or flash-attn 2 (late-bound: tests swap the
+    #: module's probes).
+    probe = staticmethod(lambda: _probe_fa4() or _probe_fa2())
+    install_hint: ClassVar[str] = (
+        "neither flash-attn-4 (pip install --pre flash-attn-4, plus triton) nor flash-attn 2 "
+        "(pip install flash-attn, builds against CUDA) is installed")
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from app._types import DeviceCapability
+from app._types import ComputeCapabilities, DeviceCapability
 from app.backends.prefill.kernel_base import (
     KernelWorkspaces,
     RaggedKernelBackend,
@@ -77,25 +77,12 @@ class FlashInferBackend(RaggedKernelBackend):
     supports_out: ClassVar[bool] = True
     requires_device_capability: ClassVar[bool] = True
 
-    @staticmethod
-    def get_name() -> str:
-        """``"FLASHINFER"``."""
-        return "FLASHINFER"
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """SM80 (Ampere) and newer."""
-        return device_capability.major >= 8
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether flashinfer-python imports."""
-        return _probe() is not None
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The install hint."""
-        return INSTALL_HINT
+    #: SM80 (Ampere) and newer.
+    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
+        minimum=DeviceCapability(8, 0))
+    #: flashinfer-python (late-bound: tests swap the module's ``_probe``).
+    probe = staticmethod(lambda: _probe())
+    install_hint: ClassVar[str] = INSTALL_HINT
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,

@@ -1,5 +1,6 @@
 """The public base of kernel backends: ``RaggedKernelBackend``, its ragged layouts and input
-checks, and per-device kernel workspaces. Third-party backends build on it as the built-ins do.
+checks, and (re-exported from ``app.backends.workspaces``) the per-device kernel workspaces.
+Third-party backends build on it as the built-ins do.
 
 A kernel must never be handed a shape it would read out of bounds, so every backend calls
 ``check_attention_inputs`` before a launch (rank, heads, head dims, dtype, device, token counts
@@ -22,6 +23,7 @@ import torch
 from app._validation import INT32_MAX, tensors_overlap
 from app.backends.lse import lse_rows_to_heads_tokens
 from app.backends.prefill.base import ContextChunkMetadata, MLAPrefillBackend, MLAPrefillMetadata
+from app.backends.workspaces import KernelWorkspaces
 
 if TYPE_CHECKING:
     from app._types import DeviceCapability
@@ -274,39 +276,6 @@ def zero_empty_rows(out: torch.Tensor, lse: torch.Tensor | None,
     out.masked_fill_(mask.view(-1, 1, 1), 0.0)
     if lse is not None:
         lse.masked_fill_(mask.view(1, -1), float("-inf"))
-
-
-class KernelWorkspaces:
-    """Kernel workspaces, one ``uint8`` buffer per (name, device), made on first use.
-
-    The container holds one (its ``kernel_workspaces`` provider) and passes it to the backends
-    it builds, so every backend of a container shares one workspace per kernel and device and
-    two containers share nothing. Thread-safe. A buffer asked for again with more bytes is
-    replaced by a larger one.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def get(self, name: str, nbytes: int, device: torch.device, *, zeroed: bool = False
-            ) -> torch.Tensor:
-        """The ``uint8`` workspace ``name`` on ``device``, at least ``nbytes`` long
-        (``zeroed``: filled with zeros when made, as some kernels need)."""
-        device = torch.device(device)
-        with self._lock:
-            buf = self._buffers.get((name, device))
-            if buf is None or buf.numel() < nbytes:
-                make = torch.zeros if zeroed else torch.empty
-                buf = make(nbytes, dtype=torch.uint8, device=device)
-                self._buffers[(name, device)] = buf
-            return buf
-
-    def __len__(self) -> int:
-        return len(self._buffers)
-
-    def __repr__(self) -> str:
-        return f"KernelWorkspaces({sorted((n, str(d)) for n, d in self._buffers)})"
 
 
 _T = TypeVar("_T")

@@ -25,17 +25,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from app._types import DeviceCapability, MLADimensions
+from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
-__all__ = ["INSTALL_HINT", "TokenSpeedMLABackend"]
+__all__ = ["INSTALL_HINT", "SUPPORTED_CAPABILITIES", "TokenSpeedMLABackend"]
 
 logger = logging.getLogger(__name__)
 
 #: What to install for TOKENSPEED_MLA (prefill and decode).
 INSTALL_HINT = "tokenspeed-mla is not installed (pip install 'app[tokenspeed]')"
-#: (major, minor) of the GPUs tokenspeed-mla's prefill supports.
-_SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
+#: The GPUs tokenspeed-mla's kernels (prefill and decode) support: SM100, SM103 and SM107.
+SUPPORTED_CAPABILITIES = ComputeCapabilities(only=(
+    DeviceCapability(10, 0), DeviceCapability(10, 3), DeviceCapability(10, 7)))
 _warmed: set[tuple[torch.dtype, int, int]] = set()
 _warm_lock = threading.Lock()
 
@@ -72,25 +73,11 @@ class TokenSpeedMLABackend(RaggedKernelBackend):
     supports_out: ClassVar[bool] = True
     requires_device_capability: ClassVar[bool] = True
 
-    @staticmethod
-    def get_name() -> str:
-        """``"TOKENSPEED_MLA"``."""
-        return "TOKENSPEED_MLA"
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """SM100, SM103 and SM107 only (the kernels raise for any other architecture)."""
-        return (device_capability.major, device_capability.minor) in _SUPPORTED_CAPABILITIES
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether tokenspeed-mla and its CuTe-DSL runtime import."""
-        return _probe() is not None
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The install hint."""
-        return INSTALL_HINT
+    #: SM100, SM103 and SM107 only (the kernels raise for any other architecture).
+    compute_capabilities: ClassVar[ComputeCapabilities] = SUPPORTED_CAPABILITIES
+    #: tokenspeed-mla and its CuTe-DSL runtime (late-bound: tests swap the module's ``_probe``).
+    probe = staticmethod(lambda: _probe())
+    install_hint: ClassVar[str] = INSTALL_HINT
 
     def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The kernel always writes bf16."""

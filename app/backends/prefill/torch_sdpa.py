@@ -55,7 +55,7 @@ from app.backends.prefill._dense import all_finite, attend_dense
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
 if TYPE_CHECKING:
-    from app.backends.prefill.kernel_base import KernelWorkspaces
+    from app.backends.workspaces import KernelWorkspaces
     from app.config import EngineConfig
 
 __all__ = ["TorchSDPABackend", "cpu_compute_dtype"]
@@ -89,11 +89,6 @@ class TorchSDPABackend(RaggedKernelBackend):
     #: Query rows per block of the plain-matmul path for short float32 causal calls (0: use
     #: the aten kernel's chunks instead); keys past a block's last row are skipped.
     cpu_blocked_rows: ClassVar[int] = 64
-
-    @staticmethod
-    def get_name() -> str:
-        """``"TORCH_SDPA"``."""
-        return "TORCH_SDPA"
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,

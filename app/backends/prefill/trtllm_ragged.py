@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from app._types import DeviceCapability, MLADimensions
+from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
 from app.backends.prefill.flashinfer import INSTALL_HINT
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 
@@ -54,25 +54,13 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
     supports_out: ClassVar[bool] = True
     requires_device_capability: ClassVar[bool] = True
 
-    @staticmethod
-    def get_name() -> str:
-        """``"TRTLLM_RAGGED"``."""
-        return "TRTLLM_RAGGED"
-
-    @classmethod
-    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
-        """The SM100 family (10.x) only: the cubins have no other architecture."""
-        return device_capability.major == 10
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether ``flashinfer.prefill.trtllm_ragged_attention_deepseek`` imports."""
-        return _probe() is not None
-
-    @classmethod
-    def unavailable_reason(cls) -> str:
-        """The install hint."""
-        return INSTALL_HINT
+    #: The SM100 family (10.x) only: the cubins have no other architecture.
+    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
+        minimum=DeviceCapability(10, 0), below=DeviceCapability(11, 0))
+    #: ``flashinfer.prefill.trtllm_ragged_attention_deepseek`` (late-bound: tests swap
+    #: the module's ``_probe``).
+    probe = staticmethod(lambda: _probe())
+    install_hint: ClassVar[str] = INSTALL_HINT
 
     def run_kwargs(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, causal: bool, out: torch.Tensor, lse_nh: torch.Tensor,

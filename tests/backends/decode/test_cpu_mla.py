@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from app._types import MLADimensions
 from app.backends.cpu.loader import load_native_library, reset_native_libraries
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend, plan_decode
@@ -102,8 +103,10 @@ def test_concurrent_calls_from_many_threads() -> None:
 def test_declarations_and_refusals() -> None:
     assert CpuMLADecodeBackend.get_name() == "CPU_MLA"
     assert CpuMLADecodeBackend.supports_block_size(7)
-    assert CpuMLADecodeBackend.supports_mla_dimensions(512, 64)
-    assert not CpuMLADecodeBackend.supports_mla_dimensions(500, 64)
+    assert CpuMLADecodeBackend.supports_mla_dimensions(MLADimensions(kv_lora_rank=512,
+                                                                      qk_rope_head_dim=64))
+    assert not CpuMLADecodeBackend.supports_mla_dimensions(MLADimensions(kv_lora_rank=500,
+                                                                          qk_rope_head_dim=64))
     if CpuMLADecodeBackend.is_available():
         with pytest.raises(ValueError, match="multiple of 64"):
             CpuMLADecodeBackend(16, 0.1, 96, 64, torch.bfloat16)

@@ -1,6 +1,6 @@
 """The GPU decode backends' workspaces, checked without a GPU: TokenSpeed's bound against the
 package's own split-KV arithmetic, growth with the batch and query_len, sharing between
-backends only when the same workspaces are passed in, and ``DecodeWorkspaces`` itself."""
+backends only when the same workspaces are passed in, and ``KernelWorkspaces`` itself."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 from app._types import DeviceCapability
 from app.backends.decode import flashinfer_mla as fi_mod
 from app.backends.decode import tokenspeed_mla as ts_mod
-from app.backends.decode._gpu import DecodeWorkspaces, WorkspaceSource
 from app.backends.decode.flashinfer_mla import FlashInferMLADecodeBackend
 from app.backends.decode.tokenspeed_mla import (
     TokenSpeedMLADecodeBackend,
     tokenspeed_workspace_bytes,
 )
+from app.backends.workspaces import KernelWorkspaces, WorkspaceSource
 from tests.backends.decode import _gpu_support as support
 from tests.backends.decode import _kernel_fakes as fakes
 
@@ -52,7 +52,7 @@ def test_tokenspeed_workspace_bound_covers_the_package_requirement(dtype: torch.
 
 def _ws_bytes(backend: Any) -> int:
     workspaces = backend.workspaces
-    assert isinstance(workspaces, DecodeWorkspaces)
+    assert isinstance(workspaces, KernelWorkspaces)
     return workspaces.nbytes(ts_mod.WORKSPACE_NAME, "cpu")
 
 
@@ -78,7 +78,7 @@ def test_tokenspeed_workspace_grows_with_batch_and_query_len(
 
 
 def test_decode_workspaces_per_name_and_device_replaced_when_grown() -> None:
-    ws = DecodeWorkspaces()
+    ws = KernelWorkspaces()
     assert isinstance(ws, WorkspaceSource)
     first = ws.get("a", 64, "cpu", zeroed=True)
     assert first.numel() == 64 and first.dtype == torch.uint8 and not first.any()
@@ -101,7 +101,7 @@ def test_decode_workspaces_per_name_and_device_replaced_when_grown() -> None:
 
 def test_backends_share_workspaces_only_when_given_the_same(
         fake_flashinfer: fakes.FakeFlashInferMLA, fake_tokenspeed: list[dict[str, Any]]) -> None:
-    shared = DecodeWorkspaces()
+    shared = KernelWorkspaces()
     a, b = (support.on_cpu(FlashInferMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16,
                                                       workspaces=shared) for _ in range(2))
     own = support.on_cpu(FlashInferMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16)
@@ -133,7 +133,7 @@ def test_trtllm_gen_workspace_grows_with_the_batch_when_the_lse_is_asked(
 
 def test_the_container_kernel_workspaces_fit(fake_tokenspeed: list[dict[str, Any]]) -> None:
     """The container's ``KernelWorkspaces`` can be handed to both backends as is."""
-    from app.backends.prefill.kernel_base import KernelWorkspaces
+    from app.backends.workspaces import KernelWorkspaces
 
     shared = KernelWorkspaces()
     assert isinstance(shared, WorkspaceSource)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app._types import MLADimensions
 from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend, decode_one_request
 from app.testing import assert_decode_conformance
 
@@ -17,7 +18,8 @@ def test_torch_sdpa_decode_conforms(dtype: torch.dtype) -> None:
 def test_name_and_declarations() -> None:
     assert TorchSDPADecodeBackend.get_name() == "TORCH_SDPA"
     assert TorchSDPADecodeBackend.supports_block_size(7)
-    assert TorchSDPADecodeBackend.supports_mla_dimensions(256, 32)
+    assert TorchSDPADecodeBackend.supports_mla_dimensions(MLADimensions(kv_lora_rank=256,
+                                                                         qk_rope_head_dim=32))
 
 
 def test_hidden_non_finite_key_stays_hidden() -> None:

@@ -15,8 +15,8 @@ import torch
 from app._types import DeviceCapability, MLADimensions
 from app.backends.merge import merge_attn_states
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillSelectorConfig
-from app.backends.registry import MLAPrefillBackendEnum
 from app.containers import Application, create_container
+from app.seed_api import MLAPrefillBackendEnum
 from app.testing import assert_conformance
 
 pytestmark = [pytest.mark.gpu,

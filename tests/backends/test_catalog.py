@@ -1,5 +1,6 @@
-"""Adding a built-in backend is one new module and one table line: proven on a copy of the
-package with a fake backend of each kind added exactly that way."""
+"""Adding a built-in backend is one new module and one catalog line: proven on a copy of the
+package with a fake backend of each kind added exactly that way (the classes declare no name:
+they take it from their catalog line)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 
 APP = Path(__file__).parent.parent.parent / "app"
 
@@ -21,31 +22,29 @@ from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
 
 
 class FakePrefill(TorchSDPABackend):
-    @staticmethod
-    def get_name() -> str:
-        return "FAKE_PREFILL"
+    pass
 
 
 class FakeDecode(TorchSDPADecodeBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "FAKE_DECODE"
+    pass
 '''
 
 CHECK = '''
 from app.backends import (MLADecodeBackendEnum, MLAPrefillBackendEnum, get_mla_decode_backend,
                           get_mla_prefill_backend)
 from app.backends.fake_backend import FakeDecode, FakePrefill
-from app.backends.table import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.config import EngineConfig
 from app.containers import create_container
 from app.platforms import CpuPlatform
 
 class Fakes(CpuPlatform):
     def mla_prefill_backend_priorities(self, selector_config):
-        return PREFILL_BACKENDS.names("FAKE_PREFILL", "TORCH_SDPA")
+        return PREFILL_BACKENDS.check("FAKE_PREFILL", "TORCH_SDPA")
     def mla_decode_backend_priorities(self, selector_config):
-        return DECODE_BACKENDS.names("FAKE_DECODE", "TORCH_SDPA")
+        return DECODE_BACKENDS.check("FAKE_DECODE", "TORCH_SDPA")
+
+assert FakePrefill.get_name() == "FAKE_PREFILL" and FakeDecode.get_name() == "FAKE_DECODE"
 
 assert MLAPrefillBackendEnum.FAKE_PREFILL.value == "app.backends.fake_backend.FakePrefill"
 assert MLADecodeBackendEnum["FAKE_DECODE"].get_class() is FakeDecode
@@ -58,7 +57,7 @@ forced = EngineConfig.from_dict({"attention": {"mla_prefill_backend": "FAKE_PREF
 assert get_mla_prefill_backend(forced, container=create_container(forced)) is FakePrefill
 assert get_mla_decode_backend(forced, container=create_container(forced)) is FakeDecode
 try:
-    PREFILL_BACKENDS.names("NOT_IN_TABLE")
+    PREFILL_BACKENDS.check("NOT_IN_CATALOG")
 except ValueError:
     pass
 else:
@@ -67,24 +66,24 @@ print("ok")
 '''
 
 
-def _add_line(table: str, constant: str, line: str) -> str:
-    start = table.index(f"{constant} = BackendTable(")
-    end = table.index("])", start)
-    return table[:end] + line + table[end:]
+def _add_line(catalog: str, constant: str, line: str) -> str:
+    start = catalog.index(f"{constant} = BackendCatalog(")
+    end = catalog.index("})", start)
+    return catalog[:end] + line + catalog[end:]
 
 
-def test_one_module_and_one_table_line_add_a_backend(tmp_path: Path) -> None:
+def test_one_module_and_one_catalog_line_add_a_backend(tmp_path: Path) -> None:
     copy = tmp_path / "app"
     shutil.copytree(APP, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     (copy / "backends" / "fake_backend.py").write_text(FAKE_MODULE)
-    table_path = copy / "backends" / "table.py"
-    table = table_path.read_text()
+    catalog_path = copy / "backends" / "catalog.py"
+    catalog = catalog_path.read_text()
     module = "app.backends.fake_backend"
-    table = _add_line(table, "PREFILL_BACKENDS",
-                      f'    BackendEntry("FAKE_PREFILL", "{module}.FakePrefill"),\n')
-    table = _add_line(table, "DECODE_BACKENDS",
-                      f'    BackendEntry("FAKE_DECODE", "{module}.FakeDecode"),\n')
-    table_path.write_text(table)
+    catalog = _add_line(catalog, "PREFILL_BACKENDS",
+                        f'    "FAKE_PREFILL": "{module}.FakePrefill",\n')
+    catalog = _add_line(catalog, "DECODE_BACKENDS",
+                        f'    "FAKE_DECODE": "{module}.FakeDecode",\n')
+    catalog_path.write_text(catalog)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CHECK)], cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path), "APP_PLUGINS": "",
                                "PATH": "/usr/bin:/bin"},
@@ -92,8 +91,20 @@ def test_one_module_and_one_table_line_add_a_backend(tmp_path: Path) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-@pytest.mark.parametrize("table", [PREFILL_BACKENDS, DECODE_BACKENDS])
-def test_table_names_are_unique_and_paths_dotted(table: object) -> None:
-    names = [entry.name for entry in table]  # type: ignore[attr-defined]
+@pytest.mark.parametrize("catalog", [PREFILL_BACKENDS, DECODE_BACKENDS])
+def test_catalog_names_are_unique_and_paths_dotted(catalog: BackendCatalog) -> None:
+    names = list(catalog.builtins)
     assert len(names) == len(set(names)) and "CUSTOM" not in names
-    assert all("." in entry.class_path for entry in table)  # type: ignore[attr-defined]
+    assert all("." in path for path in catalog.builtins.values())
+    assert list(catalog)[:len(names) + 1] == [*names, "CUSTOM"]
+
+
+@pytest.mark.parametrize("catalog", [PREFILL_BACKENDS, DECODE_BACKENDS])
+def test_each_builtin_takes_its_name_from_its_catalog_line(catalog: BackendCatalog) -> None:
+    """The name is written once: in the catalog, never again in the class."""
+    from app._imports import import_object
+
+    for name, path in catalog.builtins.items():
+        cls = import_object(path)
+        assert cls.get_name() == name == cls.name
+        assert "get_name" not in vars(cls) and "name" in vars(cls)

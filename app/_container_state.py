@@ -1,0 +1,165 @@
+"""The state of the containers that outlives a call: which container is active, and a count of
+every change to any container's providers.
+
+**Which container is active**: a ``ContextVar`` per thread and asyncio task, set by
+``activate`` (``app.containers.use_container``; the plugin loader makes a container active while
+a plugin runs). The process-default container and ``get_container`` live in
+``app.containers``.
+
+**What changed**: every provider the containers are built from is one of the ``Counted*``
+types below. Their ``override``, ``reset_override`` and ``reset_last_overriding`` (and a
+singleton's ``reset``) bump ``CHANGES`` *after* they act, however they are reached: called
+directly, as a context manager, through ``container.override_providers(...)``,
+``container.reset_override()`` or ``container.reset_singletons()``. The registry bumps it too
+when it adds or removes a backend provider, and so does replacing the process-default container.
+
+A reader takes ``CHANGES.count`` *before* it resolves anything and keeps the result with that
+count; the result is current while the count is the same. (A change racing with the reader only
+makes the kept result unusable, never wrong.) ``app.backends.selection.SelectionCache`` keys its
+entries by the count; ``app.seed_api`` keeps its last answers per active container with
+``keep_if_unchanged`` and drops them on every change (``on_change``), so its hot path compares
+nothing but the active container.
+
+This module imports nothing from the package: it sits below everything that builds providers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from dependency_injector import providers
+
+__all__ = [
+    "ACTIVE_CONTAINER",
+    "CHANGES",
+    "ChangeCounter",
+    "CountedCallable",
+    "CountedContainer",
+    "CountedFactory",
+    "CountedObject",
+    "CountedSingleton",
+    "activate",
+    "active",
+]
+
+#: The container made active for this thread / task (None: the process default).
+ACTIVE_CONTAINER: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "app_active_container", default=None)
+
+
+def active() -> Any:
+    """The container made active by the innermost ``activate`` block, or None."""
+    return ACTIVE_CONTAINER.get()
+
+
+@contextlib.contextmanager
+def activate(container: Any) -> Iterator[Any]:
+    """Make ``container`` the active one inside the ``with`` block (this thread / task only);
+    the caller has checked it is a container."""
+    token = ACTIVE_CONTAINER.set(container)
+    try:
+        yield container
+    finally:
+        ACTIVE_CONTAINER.reset(token)
+
+
+class ChangeCounter:
+    """A counter that only goes up (thread-safe); read ``count``, call ``bump()``.
+
+    ``on_change(forget)`` registers a function called (under the counter's lock) on every
+    bump, so a reader can drop what it kept instead of comparing counts on every call; a
+    reader stores what it resolved with ``keep_if_unchanged``, which refuses a result computed
+    before a change that happened meanwhile."""
+
+    def __init__(self) -> None:
+        #: The number of changes so far.
+        self.count = 0
+        self._lock = threading.Lock()
+        self._forgetters: list[Callable[[], None]] = []
+
+    def bump(self) -> None:
+        """Count one change (call it after the change is complete)."""
+        with self._lock:
+            self.count += 1
+            for forget in self._forgetters:
+                forget()
+
+    def on_change(self, forget: Callable[[], None]) -> None:
+        """Call ``forget()`` on every change from now on."""
+        with self._lock:
+            self._forgetters.append(forget)
+
+    def keep_if_unchanged(self, count: int, keep: Callable[[], None]) -> bool:
+        """Call ``keep()`` only if nothing changed since ``count`` was read (atomically with
+        respect to ``bump``); whether it was called."""
+        with self._lock:
+            if self.count != count:
+                return False
+            keep()
+            return True
+
+    def __repr__(self) -> str:
+        return f"ChangeCounter(count={self.count})"
+
+
+#: The one counter of this process.
+CHANGES = ChangeCounter()
+
+
+T = TypeVar("T")
+
+
+class _Counted:
+    """Bumps ``CHANGES`` after every change to the provider's override stack."""
+
+    def override(self, provider: Any) -> Any:
+        """As the provider's own ``override``; counted."""
+        try:
+            return super().override(provider)  # type: ignore[misc]
+        finally:
+            CHANGES.bump()
+
+    def reset_override(self) -> None:
+        """As the provider's own ``reset_override``; counted."""
+        try:
+            super().reset_override()  # type: ignore[misc]
+        finally:
+            CHANGES.bump()
+
+    def reset_last_overriding(self) -> None:
+        """As the provider's own ``reset_last_overriding``; counted."""
+        try:
+            super().reset_last_overriding()  # type: ignore[misc]
+        finally:
+            CHANGES.bump()
+
+
+class CountedObject(_Counted, providers.Object[T]):
+    """``providers.Object`` whose overrides are counted."""
+
+
+class CountedCallable(_Counted, providers.Callable[T]):
+    """``providers.Callable`` whose overrides are counted."""
+
+
+class CountedFactory(_Counted, providers.Factory[T]):
+    """``providers.Factory`` whose overrides are counted."""
+
+
+class CountedContainer(_Counted, providers.Container[T]):
+    """``providers.Container`` whose overrides are counted."""
+
+
+class CountedSingleton(_Counted, providers.Singleton[T]):
+    """``providers.Singleton`` whose overrides and resets are counted."""
+
+    def reset(self) -> Any:
+        """As ``Singleton.reset``; counted (the next call makes a new instance)."""
+        try:
+            return super().reset()
+        finally:
+            CHANGES.bump()

@@ -1,0 +1,113 @@
+"""What every attention backend declares about itself, shared by the prefill and decode bases.
+
+A backend declares, as class attributes:
+
+- ``name``: its name. A built-in takes it from its line in ``app.backends.catalog`` (where every
+  name is written once); a third-party backend sets it, or defines vLLM's ``get_name()``.
+- ``supported_dtypes``: the input dtypes its kernels accept.
+- ``compute_capabilities``: the GPUs its kernels run on (``ComputeCapabilities``), and
+  ``requires_device_capability``: whether it needs a GPU at all (False: it also runs where there
+  is no capability, on a CPU).
+- ``probe``: a function of no arguments that returns None (or False) when the kernel package is
+  missing; ``install_hint``: what to install then.
+
+The seed's classmethods (``get_name()``, ``supports_compute_capability()``, ``supports_dtype()``,
+``is_available()``) read these attributes, and ``platform_reasons`` gives the first three reasons
+of ``validate_configuration`` in their fixed order: capability, dtype, availability. A backend
+may still override any classmethod (vLLM's documentation shows ``get_name`` and
+``is_available`` overridden that way).
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+
+from app._imports import object_path
+from app._types import ANY_GPU, ComputeCapabilities, DeviceCapability
+from app.backends.catalog import CATALOGS
+
+__all__ = ["DEFAULT_UNAVAILABLE_REASON", "BackendDeclarations"]
+
+DEFAULT_UNAVAILABLE_REASON = "required dependencies not available"
+
+
+class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run methods
+    """Class-level declarations of a backend; the kind's base adds its own dimension checks."""
+
+    #: The backend's name (``"FLASHINFER"``, ``"CPU_MLA"``); built-ins take it from the catalog.
+    name: ClassVar[str | None] = None
+    #: Input dtypes the kernels accept.
+    supported_dtypes: ClassVar[Sequence[torch.dtype]] = (torch.float16, torch.bfloat16)
+    #: The GPUs the kernels run on.
+    compute_capabilities: ClassVar[ComputeCapabilities] = ANY_GPU
+    #: Whether the backend needs a GPU compute capability (False: runs where it is None).
+    requires_device_capability: ClassVar[bool] = False
+    #: Called with no arguments; None or False means the kernel package is missing. None: the
+    #: backend is always available.
+    probe: ClassVar[Callable[[], object] | None] = None
+    #: The reason given when the probe finds nothing (an install hint, ideally).
+    install_hint: ClassVar[str] = DEFAULT_UNAVAILABLE_REASON
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in vars(cls):
+            for catalog in CATALOGS.values():
+                builtin = catalog.name_of(object_path(cls))
+                if builtin is not None:
+                    cls.name = builtin
+                    break
+
+    @classmethod
+    def get_name(cls) -> str:
+        """The backend's name (``name``); ``TypeError`` when the class declares none."""
+        if not cls.name:
+            raise TypeError(f"{object_path(cls)} declares no backend name: set the class "
+                            f"attribute name = 'MY_BACKEND' or define get_name()")
+        return cls.name
+
+    @classmethod
+    def supports_compute_capability(cls, device_capability: DeviceCapability) -> bool:
+        """Whether the kernels run on a GPU of this capability (``compute_capabilities``)."""
+        return device_capability in cls.compute_capabilities
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        """Whether ``dtype`` is in ``supported_dtypes``."""
+        return dtype in cls.supported_dtypes
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the kernel package / native kernel is usable (``probe``, asked on every
+        call, never assumed at module import)."""
+        probe = cls.probe
+        if probe is None:
+            return True
+        found = probe()
+        return found is not None and found is not False
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """The reason given when ``is_available()`` is False (``install_hint``)."""
+        return cls.install_hint
+
+    @classmethod
+    def platform_reasons(cls, device_capability: DeviceCapability | None,
+                         dtype: torch.dtype) -> list[str]:
+        """The first reasons of ``validate_configuration``, in order: capability, dtype,
+        availability."""
+        reasons: list[str] = []
+        if device_capability is None:
+            if cls.requires_device_capability:
+                reasons.append("device capability not available")
+        elif not cls.supports_compute_capability(device_capability):
+            reasons.append(f"compute capability {device_capability.major}."
+                           f"{device_capability.minor} not supported")
+        if not cls.supports_dtype(dtype):
+            reasons.append(f"dtype {dtype} not supported")
+        if not cls.is_available():
+            reasons.append(cls.unavailable_reason())
+        return reasons

@@ -1,0 +1,522 @@
+"""vLLM's documented API (the seeds), over the *active* container: the one module that asks which
+container is active.
+
+- The backend enums ``MLAPrefillBackendEnum`` / ``MLADecodeBackendEnum`` (``get_path``,
+  ``get_class``, ``is_overridden``, ``clear_override``, and ``is_registered``), and
+  ``register_mla_prefill_backend`` / ``override_mla_prefill_backend`` (decode alike).
+- The selectors ``get_mla_prefill_backend`` / ``get_mla_decode_backend`` and their
+  ``explain_*`` forms; each takes ``container=`` (default: the active container).
+- ``KVCacheSpecRegistry`` and ``register_kv_cache_spec``, and the bindings that
+  ``KVCacheSpec.is_uniform_with_collection(specs)`` uses when it is given none.
+
+Each call resolves the active container (``app.containers.get_container()``; ``use_container``
+picks another one) and hands its providers to the library, which never looks a container up
+itself. The last answers of the selectors and of ``KVCacheSpecRegistry.get_manager_class`` are
+kept for the active container and dropped on every provider change (``app._container_state``): any
+override, reset or registration, made through this API or directly on a provider, takes effect
+on the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from enum import Enum, EnumMeta
+from typing import Any, Protocol, TypeVar
+
+from app._container_state import ACTIVE_CONTAINER, CHANGES
+from app.backends.catalog import CUSTOM
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.prefill.base import MLAPrefillBackend
+from app.backends.registry import (
+    DECODE,
+    PREFILL,
+    REGISTRATION_LOCK,
+    BackendKind,
+    check_backend_class,
+    check_new_name,
+    check_target,
+    class_path,
+    override_backend,
+    provider_of,
+    register_backend,
+    reserve_names,
+    resolve_class,
+    unregistered_message,
+)
+from app.backends.selection import SelectionExplanation, explain_selection, select_backend
+from app.config import EngineConfig
+from app.containers import Application, get_container
+from app.kvcache.bindings import KVCacheSpecBindings, KVCacheSpecMetadata, bindings_in_setup
+from app.kvcache.managers import SingleTypeKVCacheManager
+from app.kvcache.specs import KVCacheSpec, set_default_uniformity_lookup
+
+__all__ = [
+    "BackendEnum",
+    "ClassDecorator",
+    "KVCacheSpecRegistry",
+    "MLADecodeBackendEnum",
+    "MLAPrefillBackendEnum",
+    "explain_mla_decode_selection",
+    "explain_mla_prefill_selection",
+    "get_mla_decode_backend",
+    "get_mla_prefill_backend",
+    "override_mla_decode_backend",
+    "override_mla_prefill_backend",
+    "register_kv_cache_spec",
+    "register_mla_decode_backend",
+    "register_mla_prefill_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+_E = TypeVar("_E", bound=Enum)
+_C = TypeVar("_C", bound=type)
+SpecT = TypeVar("SpecT", bound=type[KVCacheSpec])
+
+#: The active container as ``use_container`` set it (None: the process default). Bound once:
+#: the kept answers below are keyed by it.
+_active_key = ACTIVE_CONTAINER.get
+
+
+# -- the enums ---------------------------------------------------------------------------------
+
+class BackendEnumMeta(EnumMeta):
+    """``Enum["NAME"]`` raises ``ValueError`` listing the valid names (vLLM's wording)."""
+
+    def __getitem__(cls: type[_E], name: str) -> _E:  # type: ignore[misc]
+        try:
+            return cls._member_map_[name]  # type: ignore[return-value]
+        except (KeyError, TypeError):
+            kind: BackendKind = cls.__kind__  # type: ignore[attr-defined]
+            raise ValueError(kind.catalog.unknown_message(name)) from None
+
+
+class BackendEnum(Enum, metaclass=BackendEnumMeta):
+    """Base of ``MLAPrefillBackendEnum`` and ``MLADecodeBackendEnum``: its members are the
+    kind's catalog (built-ins, ``CUSTOM``, then names registered at run time); a built-in's
+    value is the class path its provider imports by default (None for ``CUSTOM`` and run-time
+    members, whose class lives only in the containers they were registered in)."""
+
+    @classmethod
+    def _kind(cls) -> BackendKind:
+        kind: BackendKind = cls.__kind__  # type: ignore[attr-defined]
+        return kind
+
+    def _provider(self) -> Any:
+        return provider_of(self._kind().backends_of(get_container()), self.name)
+
+    def get_path(self) -> str:
+        """The dotted path of the class this member resolves to in the active container
+        (overrides honoured). ``ValueError`` when the member is not registered there."""
+        kind, provider = self._kind(), self._provider()
+        if provider is None:
+            raise ValueError(unregistered_message(kind, self.name, in_container=True))
+        return class_path(kind, self.name, provider)
+
+    def get_class(self) -> type[Any]:
+        """The backend class in the active container, imported on first use.
+
+        Raises ``ValueError`` when the member is not registered there, ``ImportError`` when its
+        path does not import and ``TypeError`` when the object is not a concrete backend class.
+        """
+        return resolve_class(self._kind(), self.name, self._provider())
+
+    def is_overridden(self) -> bool:
+        """Whether the active container overrides this member's default class."""
+        provider = self._provider()
+        return provider is not None and bool(provider.overridden)
+
+    def is_registered(self) -> bool:
+        """Whether this member resolves to a class in the active container (without importing
+        it): always for the built-ins, after registration for ``CUSTOM`` and run-time members."""
+        provider = self._provider()
+        if provider is None:
+            return False
+        try:
+            class_path(self._kind(), self.name, provider)
+        except ValueError:
+            return False
+        return True
+
+    def clear_override(self) -> None:
+        """Drop every override of this member in the active container: a built-in goes back to
+        its default class, ``CUSTOM`` and run-time members become unregistered."""
+        with REGISTRATION_LOCK:
+            provider = self._provider()
+            if provider is not None and provider.overridden:
+                provider.reset_override()
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # By name: several members have the value None.
+        return getattr, (type(self), self._name_)
+
+
+class MLAPrefillBackendEnum(BackendEnum, metaclass=BackendEnumMeta):
+    """The MLA prefill backends (``app.backends.catalog.PREFILL_BACKENDS``: the built-ins, then
+    ``CUSTOM``, then names registered at run time); each built-in's value is the class path its
+    provider imports by default. ``CUSTOM`` (value None, never an alias of another member) is
+    the placeholder for a third-party backend and must be registered before use."""
+
+    __kind__ = PREFILL
+
+
+class MLADecodeBackendEnum(BackendEnum, metaclass=BackendEnumMeta):
+    """The MLA decode backends (``app.backends.catalog.DECODE_BACKENDS``), as
+    ``MLAPrefillBackendEnum`` is for prefill."""
+
+    __kind__ = DECODE
+
+
+def _add_member(enum_cls: type[_E], name: str, value: str | None, *, by_value: bool) -> None:
+    """Add member ``name`` to ``enum_cls`` (CPython enum surgery, kept here and nowhere else).
+    ``by_value``: ``enum_cls(value)`` finds it (only the built-ins and ``CUSTOM``: run-time
+    members all have value None, and ``Enum(None)`` stays ``CUSTOM``)."""
+    if name in enum_cls.__members__:
+        return
+    members: Any = enum_cls
+    member: Any = object.__new__(enum_cls)
+    member._name_ = name
+    member._value_ = value
+    member._sort_order_ = len(members._member_names_)
+    setattr(members, name, member)
+    members._member_map_[name] = member
+    members._member_names_.append(name)
+    if by_value:
+        members._value2member_map_.setdefault(value, member)
+
+
+def _follow_catalog(enum_cls: type[BackendEnum]) -> None:
+    """Give ``enum_cls`` a member for every name of its kind's catalog, now and later."""
+    catalog = enum_cls._kind().catalog
+    with catalog.lock:
+        for name in catalog:
+            builtin = name in catalog.builtins or name == CUSTOM
+            _add_member(enum_cls, name, catalog.builtins.get(name), by_value=builtin)
+        catalog.on_add(lambda name: _add_member(enum_cls, name, None, by_value=False))
+
+
+for _enum in (MLAPrefillBackendEnum, MLADecodeBackendEnum):
+    _follow_catalog(_enum)
+    # A member is an attribute of its enum and a provider of its container: neither may be
+    # shadowed by a backend name.
+    reserve_names(name for cls in (*inspect.getmro(_enum), *inspect.getmro(BackendEnumMeta))
+                  for name in vars(cls))
+
+
+# -- registering -------------------------------------------------------------------------------
+
+class ClassDecorator(Protocol):
+    """What ``register_*_backend`` returns: a class decorator (or a no-op one)."""
+
+    def __call__(self, cls: _C, /) -> _C: ...
+
+
+def _identity(cls: _C, /) -> _C:
+    return cls
+
+
+def _register(kind: BackendKind, enum_cls: type[BackendEnum], backend: object,
+              target: str | type[Any] | None) -> ClassDecorator:
+    where = kind.register_name
+    if isinstance(backend, enum_cls):
+        name, new_name = backend.name, False
+    elif isinstance(backend, str):
+        name, new_name = backend, True
+    else:
+        raise TypeError(f"{where}: expected a {kind.enum_name} member or a new backend "
+                        f"name, got {backend!r} ({type(backend).__name__})")
+    backends = kind.backends_of(get_container())
+    if new_name:
+        check_new_name(kind, backends, name)
+    if target is not None:
+        register_backend(kind, backends, name, check_target(kind, target, where),
+                         new_name=new_name)
+        return _identity
+
+    def register_class(cls: _C, /) -> _C:
+        register_backend(kind, backends, name, check_backend_class(kind, cls, where),
+                         new_name=new_name)
+        return cls
+
+    return register_class
+
+
+@contextlib.contextmanager
+def _override(kind: BackendKind, enum_cls: type[BackendEnum], backend: object,
+              target: str | type[Any]) -> Iterator[BackendEnum]:
+    if isinstance(backend, str):
+        member = enum_cls[backend]
+    elif isinstance(backend, enum_cls):
+        member = backend
+    else:
+        raise TypeError(f"{kind.override_name}: expected a {kind.enum_name} member or its "
+                        f"name, got {backend!r} ({type(backend).__name__})")
+    with override_backend(kind, kind.backends_of(get_container()), member.name, target):
+        yield member
+
+
+def register_mla_prefill_backend(
+        backend: MLAPrefillBackendEnum | str,
+        class_path: str | type[Any] | None = None) -> ClassDecorator:
+    """Register or override an MLA prefill backend in the active container.
+
+    - ``register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "my.mod.MyBackend")``:
+      overrides at once (the class is imported on first use); returns a no-op decorator.
+    - ``@register_mla_prefill_backend(MLAPrefillBackendEnum.FLASHINFER)`` on a class: records
+      that class (``TypeError`` if it is not a concrete ``MLAPrefillBackend`` subclass).
+    - ``register_mla_prefill_backend("MY_BACKEND", path_or_class)`` or
+      ``@register_mla_prefill_backend("MY_BACKEND")``: adds member ``MY_BACKEND`` to
+      ``MLAPrefillBackendEnum`` and registers it in the active container. ``ValueError`` for a
+      non-identifier or reserved name and for a duplicate: a built-in member's name, or a name
+      already registered in the active container (a run-time member added in *another*
+      container is registered here by name, so a plugin can run once per container).
+
+    ``class_path`` may also be the class itself. Thread-safe.
+    """
+    return _register(PREFILL, MLAPrefillBackendEnum, backend, class_path)
+
+
+def override_mla_prefill_backend(
+        backend: MLAPrefillBackendEnum | str,
+        cls_or_path: str | type[Any]) -> contextlib.AbstractContextManager[BackendEnum]:
+    """Override ``backend`` in the active container for the ``with`` block; yields the member.
+
+    On exit, even on an exception, exactly the override this block pushed is removed, wherever
+    it sits in the member's override stack: nested blocks restore the state each one entered
+    with, and blocks that overlap in different threads of one container never leave an
+    override behind. Other members and other containers are untouched.
+    """
+    return _override(PREFILL, MLAPrefillBackendEnum, backend, cls_or_path)
+
+
+def register_mla_decode_backend(
+        backend: MLADecodeBackendEnum | str,
+        class_path: str | type[Any] | None = None) -> ClassDecorator:
+    """Register or override an MLA decode backend in the active container (as
+    ``register_mla_prefill_backend``; the class must be a concrete ``MLADecodeBackend``)."""
+    return _register(DECODE, MLADecodeBackendEnum, backend, class_path)
+
+
+def override_mla_decode_backend(
+        backend: MLADecodeBackendEnum | str,
+        cls_or_path: str | type[Any]) -> contextlib.AbstractContextManager[BackendEnum]:
+    """Override an MLA decode backend in the active container for the ``with`` block (as
+    ``override_mla_prefill_backend``)."""
+    return _override(DECODE, MLADecodeBackendEnum, backend, cls_or_path)
+
+
+# -- selecting ---------------------------------------------------------------------------------
+
+_NOTHING = object()
+#: The last answer of each selector: ``(container key, config, query_len, class)``; dropped
+#: on every provider change (``_forget``).
+_FORGOTTEN: tuple[Any, Any, int, Any] = (_NOTHING, _NOTHING, 0, None)
+_last_prefill = _FORGOTTEN
+_last_decode = _FORGOTTEN
+
+
+def _select(kind: BackendKind, config: EngineConfig | None, container: Application | None,
+            **selection_args: Any) -> type[Any]:
+    c = get_container() if container is None else container
+    return select_backend(kind, c.config() if config is None else config, c.platform(),
+                          kind.backends_of(c), c.selection_cache(), **selection_args)
+
+
+def get_mla_prefill_backend(config: EngineConfig | None = None, *,
+                            container: Application | None = None
+                            ) -> type[MLAPrefillBackend]:
+    """The MLA prefill backend class for ``config`` (default: the container's config) on the
+    platform of ``container`` (default: the active container). ``ValueError`` when a forced
+    backend is invalid here, or when no backend in the platform's priority list is valid."""
+    key = _active_key() if container is None else container
+    last = _last_prefill
+    if last[0] is key and last[1] is config:
+        found: type[MLAPrefillBackend] = last[3]
+        return found
+    changes = CHANGES.count
+    found = _select(PREFILL, config, container)
+    CHANGES.keep_if_unchanged(changes, lambda: _keep("prefill", (key, config, 1, found)))
+    return found
+
+
+def get_mla_decode_backend(config: EngineConfig | None = None, *, query_len: int = 1,
+                           container: Application | None = None) -> type[MLADecodeBackend]:
+    """The MLA decode backend class for ``config`` and ``query_len`` (tokens per request per
+    step, 1..16; multi-token prediction selects differently) on ``container``'s platform.
+    Errors as in ``get_mla_prefill_backend``."""
+    key = _active_key() if container is None else container
+    last = _last_decode
+    if last[0] is key and last[1] is config and last[2] == query_len:
+        found: type[MLADecodeBackend] = last[3]
+        return found
+    changes = CHANGES.count
+    found = _select(DECODE, config, container, query_len=query_len)
+    CHANGES.keep_if_unchanged(changes, lambda: _keep("decode", (key, config, query_len, found)))
+    return found
+
+
+def _explain(kind: BackendKind, config: EngineConfig | None, container: Application | None,
+             **selection_args: Any) -> SelectionExplanation:
+    c = get_container() if container is None else container
+    return explain_selection(kind, c.config() if config is None else config, c.platform(),
+                             kind.backends_of(c), **selection_args)
+
+
+def explain_mla_prefill_selection(config: EngineConfig | None = None, *,
+                                  container: Application | None = None
+                                  ) -> SelectionExplanation:
+    """Why each prefill backend is or is not valid for ``config`` on ``container``'s platform
+    (defaults as in ``get_mla_prefill_backend``), and which one is chosen. Never cached."""
+    return _explain(PREFILL, config, container)
+
+
+def explain_mla_decode_selection(config: EngineConfig | None = None, *, query_len: int = 1,
+                                 container: Application | None = None
+                                 ) -> SelectionExplanation:
+    """Why each decode backend is or is not valid (as ``explain_mla_prefill_selection``)."""
+    return _explain(DECODE, config, container, query_len=query_len)
+
+
+# -- KV-cache specs ----------------------------------------------------------------------------
+
+#: ``(container key, the bindings' manager classes by spec type)``; dropped on every provider
+#: change (``_forget``).
+_NO_BINDINGS: tuple[Any, Mapping[type, Any]] = (_NOTHING, {})
+_last_bindings = _NO_BINDINGS
+
+
+def _keep(what: str, kept: tuple[Any, ...]) -> None:
+    """Keep an answer (called by ``CHANGES.keep_if_unchanged``, under its lock)."""
+    global _last_prefill, _last_decode, _last_bindings
+    if what == "prefill":
+        _last_prefill = kept
+    elif what == "decode":
+        _last_decode = kept
+    else:
+        _last_bindings = kept
+
+
+def _forget() -> None:
+    """Drop every kept answer (on every provider change, under the counter's lock)."""
+    global _last_prefill, _last_decode, _last_bindings
+    _last_prefill = _last_decode = _FORGOTTEN
+    _last_bindings = _NO_BINDINGS
+
+
+CHANGES.on_change(_forget)
+
+
+def _active_bindings() -> KVCacheSpecBindings:
+    """The active container's bindings (its ``kv_cache_spec_bindings`` provider, called); while
+    a platform hook written as vLLM's runs, the bindings it is setting up."""
+    in_setup = bindings_in_setup()
+    if in_setup is not None:
+        return in_setup
+    bindings = get_container().kv_cache_spec_bindings()
+    if not isinstance(bindings, KVCacheSpecBindings):
+        raise TypeError("the container's kv_cache_spec_bindings provider must provide "
+                        f"KVCacheSpecBindings, got {bindings!r}")
+    return bindings
+
+
+def _manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager] | None:
+    """``get_manager_class`` the long way, keeping the bindings' table for the next call."""
+    key, changes = _active_key(), CHANGES.count
+    bindings = _active_bindings()
+    found = bindings.get_manager_class(kv_cache_spec)
+    if bindings_in_setup() is None:
+        table = bindings.manager_classes_by_type
+        CHANGES.keep_if_unchanged(changes, lambda: _keep("bindings", (key, table)))
+    return found
+
+
+class KVCacheSpecRegistry:
+    """The facade over the active container's ``KVCacheSpecBindings`` (vLLM's API).
+
+    Every classmethod resolves the active container (``use_container`` picks another one) and
+    calls its ``kv_cache_spec_bindings`` provider, so an override of that provider takes
+    effect at once. Nothing inside the library calls it: services get their bindings passed in.
+    """
+
+    @classmethod
+    def bindings(cls) -> KVCacheSpecBindings:
+        """The active container's bindings, built-ins and platform hook done."""
+        bindings = _active_bindings()
+        bindings.ensure_ready()
+        return bindings
+
+    @classmethod
+    def register(cls, kv_cache_spec_cls: type[KVCacheSpec],
+                 manager_class: type[SingleTypeKVCacheManager] | None = None,
+                 uniform_type_base_spec: type[KVCacheSpec] | None = None) -> None:
+        """Bind a spec type in the active container (see ``KVCacheSpecBindings.register``)."""
+        _active_bindings().register(kv_cache_spec_cls, manager_class, uniform_type_base_spec)
+
+    @classmethod
+    def get_manager_class(cls, kv_cache_spec: KVCacheSpec
+                          ) -> type[SingleTypeKVCacheManager] | None:
+        """The manager class bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
+        last = _last_bindings
+        if last[0] is _active_key():
+            try:
+                found: type[SingleTypeKVCacheManager] | None = last[1][type(kv_cache_spec)]
+                return found
+            except KeyError:
+                pass
+        return _manager_class(kv_cache_spec)
+
+    @classmethod
+    def get_uniform_type_base_spec(cls, kv_cache_spec: KVCacheSpec
+                                   ) -> type[KVCacheSpec] | None:
+        """The uniform base spec bound to ``kv_cache_spec``'s type (or a base in its MRO)."""
+        return _active_bindings().get_uniform_type_base_spec(kv_cache_spec)
+
+    @classmethod
+    def get_metadata(cls, kv_cache_spec: KVCacheSpec | type[KVCacheSpec]
+                     ) -> KVCacheSpecMetadata | None:
+        """The binding that applies to a spec or spec type, or None."""
+        return _active_bindings().get_metadata(kv_cache_spec)
+
+    @classmethod
+    def check_kv_cache_spec_registry(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> None:
+        """``ValueError`` naming every layer whose spec type is not registered."""
+        _active_bindings().check_kv_cache_spec_registry(kv_cache_specs)
+
+    @classmethod
+    def registered_specs(cls) -> dict[type[KVCacheSpec], KVCacheSpecMetadata]:
+        """A copy of the active container's bindings."""
+        return _active_bindings().registered_specs()
+
+
+def register_kv_cache_spec(
+        manager_class: type[SingleTypeKVCacheManager] | None = None,
+        uniform_type_base_spec: type[KVCacheSpec] | None = None) -> Callable[[SpecT], SpecT]:
+    """Class decorator: register the decorated spec in the active container.
+
+    ::
+
+        @register_kv_cache_spec(manager_class=FullAttentionManager,
+                                uniform_type_base_spec=FullAttentionSpec)
+        @attrs.frozen(kw_only=True)
+        class MyFullAttentionSpec(FullAttentionSpec): ...
+
+    A decorator at module level registers into whichever container is active when the module
+    is imported; specs that every container must know belong in a platform's
+    ``register_custom_kv_cache_specs`` hook, which runs once per container.
+    """
+    if manager_class is None:
+        raise ValueError("register_kv_cache_spec: manager_class is required")
+
+    def decorator(kv_cache_spec_cls: SpecT) -> SpecT:
+        KVCacheSpecRegistry.register(kv_cache_spec_cls, manager_class, uniform_type_base_spec)
+        return kv_cache_spec_cls
+
+    return decorator
+
+
+# ``spec.is_uniform_with_collection(specs)`` with no bindings (vLLM's signature) outside a
+# grouping asks the active container's.
+set_default_uniformity_lookup(KVCacheSpecRegistry.bindings)
