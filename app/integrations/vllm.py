@@ -1,4 +1,4 @@
-"""Our TORCH_SDPA CPU prefill (the native kernel) behind vLLM 0.33's ``MLAPrefillBackend``.
+"""Our TORCH_SDPA CPU prefill (the native kernel) behind vLLM's ``MLAPrefillBackend``.
 
 :class:`AppCPUMLAPrefillBackend` implements vLLM's interface (``vllm.v1.attention.backends.
 mla.prefill.base.MLAPrefillBackend``: a constructor taking ``vllm_config``, ``clone``,
@@ -31,7 +31,7 @@ try:
         MLAPrefillBackend as VllmMLAPrefillBackend,
     )
 except ImportError as _exc:  # pragma: no cover - exercised where vLLM is absent
-    raise ImportError(f"app.integrations.vllm needs vLLM 0.33's MLA prefill backend base "
+    raise ImportError(f"app.integrations.vllm needs vLLM's MLA prefill backend base "
                       f"(vllm.v1.attention.backends.mla.prefill.base): {_exc}. Install vLLM "
                       f"(see README, 'Use inside vLLM')") from _exc
 
@@ -64,7 +64,7 @@ def _field(obj: Any, name: str) -> Any:
         return getattr(obj, name)
     except AttributeError:
         raise TypeError(f"AppCPUMLAPrefillBackend: vLLM's {type(obj).__name__} has no "
-                        f"{name!r} (this integration was written against vLLM 0.33)") from None
+                        f"{name!r} (this integration was written against vLLM 0.32's CPU build)") from None
 
 
 class AppCPUMLAPrefillBackend(VllmMLAPrefillBackend):  # type: ignore[misc,unused-ignore]
