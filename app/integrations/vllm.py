@@ -64,7 +64,8 @@ def _field(obj: Any, name: str) -> Any:
         return getattr(obj, name)
     except AttributeError:
         raise TypeError(f"AppCPUMLAPrefillBackend: vLLM's {type(obj).__name__} has no "
-                        f"{name!r} (this integration was written against vLLM 0.32's CPU build)") from None
+                        f"{name!r} (this integration was written against vLLM 0.32's CPU "
+                        f"build)") from None
 
 
 class AppCPUMLAPrefillBackend(VllmMLAPrefillBackend):  # type: ignore[misc,unused-ignore]

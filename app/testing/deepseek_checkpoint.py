@@ -153,11 +153,15 @@ def transformers_greedy(path: str | Path, prompts: list[list[int]], max_tokens: 
     out: list[dict[str, list[Any]]] = []
     with torch.no_grad():
         for prompt in prompts:
-            logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
-            sequence = list(prompt)
-            for _ in range(max_tokens):   # whole forward each step: no EOS, no cache subtleties
-                sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
-            out.append({"tokens": sequence[len(prompt):],
+            step = model(torch.tensor([prompt]), use_cache=True)
+            logprobs = torch.log_softmax(step.logits[0].float(), dim=-1)
+            tokens: list[int] = []
+            for _ in range(max_tokens):    # greedy, no EOS stop (as vLLM's ignore_eos)
+                tokens.append(int(step.logits[0, -1].argmax()))
+                if len(tokens) < max_tokens:
+                    step = model(torch.tensor([tokens[-1:]]),
+                                 past_key_values=step.past_key_values, use_cache=True)
+            out.append({"tokens": tokens,
                         "prompt_logprobs": [float(logprobs[i, prompt[i + 1]])
                                             for i in range(len(prompt) - 1)]})
     return out

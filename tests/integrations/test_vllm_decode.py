@@ -198,7 +198,7 @@ def test_what_the_backend_declares() -> None:
     with pytest.raises(ValueError, match="Head dimension 192 is not supported"):
         MLACommonMetadata(**{**vars(_step([1], table, 576)), "head_dim": 192})
     assert _step([1], table, 192).head_dim == 192
-    with pytest.raises(ValueError, match="head size 100 .* not supported by our CPU MLA"):
+    with pytest.raises(ValueError, match=r"head size 100 .* not supported by our CPU MLA"):
         _step([1], table, 100)
 
 
@@ -219,3 +219,28 @@ def test_wrong_inputs_are_typed_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         _impl(AppCPUMLAImpl).forward_mqa(q[..., :512], cache, built, None)
     with pytest.raises(ValueError, match="kv_cache"):
         _impl(AppCPUMLAImpl).forward_mqa(q, cache.to(torch.bfloat16), built, None)
+
+
+def test_bf16_error_is_vllms_on_the_float32_path_and_bounded_on_bf16_dot_products(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 cache and q against float64: vLLM's kernel computes in float32 and rounds the
+    output; ours does the same with ``APP_CPU_DECODE_BF16_DOT=0`` (the same error, to the
+    rounding order); by default on AVX512-BF16 it takes bf16 dot products and rounds the
+    probabilities to bf16 before p.v (as GPU kernels do): a little more error, ~3x faster."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [1, 17, 300, 64, 129, 2000]
+    cache, table = _paged(seq_lens, 16, 576, torch.bfloat16, gen)
+    q = torch.randn(len(seq_lens), HEADS, 576, generator=gen).to(torch.bfloat16)
+    step = _step(seq_lens, table, 576)
+    ref, _ = reference_decode(q.unsqueeze(1), cache, table, seq_lens, 512, 0.07)
+
+    def error(out: torch.Tensor) -> float:
+        return float((out.double() - ref.squeeze(1)).abs().mean())
+
+    theirs = error(_impl(CPUMLAImpl).forward_mqa(q, cache, step, None)[0])
+    built = _build(monkeypatch, _builder(512, torch.bfloat16), step)
+    fast = error(_impl(AppCPUMLAImpl).forward_mqa(q, cache, built, None)[0])
+    monkeypatch.setenv("APP_CPU_DECODE_BF16_DOT", "0")
+    exact = error(_impl(AppCPUMLAImpl).forward_mqa(q, cache, built, None)[0])
+    assert exact == pytest.approx(theirs, rel=1e-3)
+    assert fast < 2 * theirs
