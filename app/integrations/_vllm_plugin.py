@@ -30,7 +30,7 @@ import inspect
 import logging
 import threading
 
-from app.integrations import _vllm_backends
+import app.integrations._vllm_backends as _vllm_backends
 from app.integrations._vllm_interface import (
     DECODE_CLASS_PATH,
     PREFILL_CLASS_PATH,
