@@ -244,3 +244,27 @@ def test_bf16_error_is_vllms_on_the_float32_path_and_bounded_on_bf16_dot_product
     exact = error(_impl(AppCPUMLAImpl).forward_mqa(q, cache, built, None)[0])
     assert exact == pytest.approx(theirs, rel=1e-3)
     assert fast < 2 * theirs
+
+
+def test_an_engine_binds_its_own_container_once() -> None:
+    from dependency_injector import providers
+
+    from app.backends.decode.cpu_mla import CpuMLADecodeBackend
+    from app.containers import create_container
+    from app.integrations import bind_vllm_container
+
+    class Mine(CpuMLADecodeBackend):
+        pass
+
+    container = create_container()
+    container.mla_decode_backends.CPU_MLA.override(providers.Object(Mine))
+    try:
+        bind_vllm_container(container)
+        assert _vllm_backends.decode_backend_class() is Mine
+        assert type(_builder(512, torch.float32).decode_backend) is Mine
+        with pytest.raises(TypeError, match="expected an app.containers.Application, got str"):
+            bind_vllm_container("default")  # type: ignore[arg-type]
+        assert _vllm_backends.decode_backend_class() is Mine        # nothing half-applied
+    finally:
+        bind_vllm_container(create_container())
+    assert _vllm_backends.decode_backend_class() is CpuMLADecodeBackend
