@@ -262,7 +262,7 @@ def test_an_engine_binds_its_own_container_once() -> None:
         bind_vllm_container(container)
         assert _vllm_backends.decode_backend_class() is Mine
         assert type(_builder(512, torch.float32).decode_backend) is Mine
-        with pytest.raises(TypeError, match="expected an app.containers.Application, got str"):
+        with pytest.raises(TypeError, match=r"expected an app\.containers\.Application, got str"):
             bind_vllm_container("default")  # type: ignore[arg-type]
         assert _vllm_backends.decode_backend_class() is Mine        # nothing half-applied
     finally:
