@@ -165,6 +165,8 @@ def _side_figures(runs: list[dict[str, Any]], load: dict[str, Any]) -> dict[str,
         "decode_heavy_tokens_per_s": round(extra_tokens / decode_s, 2) if decode_s > 0 else None,
         "decode_heavy_whole_tokens_per_s": round(requests * load["decode_tokens"]
                                                  / best["decode-heavy"], 2),
+        "seconds_per_engine": [{job["name"]: [round(x, 4) for x in job["seconds"]]
+                                for job in run["jobs"]} for run in runs],
         "init_s": [r["init_s"] for r in runs],
         "impl_classes": runs[-1].get("impl_classes"),
         "prefill_classes": runs[-1].get("prefill_classes")}
