@@ -10,9 +10,10 @@ general plugin; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine in this pr
 Spec: ``{"fake_amx": bool, "engines": [{"label", "model", "dtype", "max_model_len",
 "max_num_seqs", "tensor_parallel_size", "attention_backend", "jobs": [{"name", "prompts":
 [[token ids]], "max_tokens", "prompt_logprobs": bool, "logprobs": bool, "repeat": int,
-"warmup": bool}]}]}``. Out: ``{"vllm_version", "pid", "cpu_threads", "engines": [{"label",
-"init_s", "impl_classes", "prefill_classes", "jobs": [{"name", "tokens", "prompt_logprobs",
-"logprobs", "seconds", "prompt_tokens", "generated_tokens"}]} or {"label", "error"}]}``.
+"warmup": bool}]}]}``. Out: ``{"vllm_version", "pid", "torch_threads", "engines": [{"label",
+"init_s", "registered_here", "impl_classes", "prefill_classes", "jobs": [{"name", "tokens",
+"prompt_logprobs", "logprobs", "seconds", "prompt_tokens", "generated_tokens"}]} or {"label",
+"error"}]}``.
 ``fake_amx`` makes torch report AMX tiles (vLLM's check) before vLLM is imported, in this
 process only (an in-process engine), to test what vLLM and our plugin do on an AMX CPU.
 """
@@ -88,6 +89,16 @@ def _classes_in_use() -> tuple[list[str], list[str]]:
     return sorted(impls), sorted(prefills)
 
 
+def _registered() -> dict[str, str]:
+    """The classes vLLM's registries name in this process (the front-end of a multiprocess
+    engine loads general plugins too)."""
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return {"prefill_CPU": MLAPrefillBackendEnum.CPU.get_path(),
+            "CPU_MLA": AttentionBackendEnum.CPU_MLA.get_path()}
+
+
 def _run_engine(engine: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
@@ -105,6 +116,7 @@ def _run_engine(engine: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"label": engine.get("label", ""),
                               "init_s": round(time.perf_counter() - start, 2)}
+    result["registered_here"] = _registered()
     result["jobs"] = [_run_job(llm, job) for job in engine.get("jobs", [])]
     result["impl_classes"], result["prefill_classes"] = _classes_in_use()
     del llm

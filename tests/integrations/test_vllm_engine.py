@@ -241,6 +241,9 @@ def test_the_classes_in_each_engine_are_the_expected_ones(
         ours: tuple[dict[str, dict[str, Any]], str]) -> None:
     own, mine = vllms_own["v3-hub"], ours[0]["v3-hub"]
     assert own["impl_classes"] == ["vllm.v1.attention.backends.mla.cpu_mla.CPUMLAImpl"]
+    assert own["registered_here"] == {
+        "prefill_CPU": "vllm.v1.attention.backends.mla.prefill.cpu_sdpa.CPUSDPAMLAPrefillBackend",
+        "CPU_MLA": "vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend"}
     assert own["prefill_classes"] == [
         "vllm.v1.attention.backends.mla.prefill.cpu_sdpa.CPUSDPAMLAPrefillBackend"]
     assert mine["impl_classes"] == [OURS_IMPL]
@@ -256,6 +259,9 @@ def test_the_default_multiprocess_engine_loads_the_plugin_in_every_engine_proces
     assert processes == {"EngineCore", "VllmWorker"}, lines
     assert len({line["pid"] for line in lines}) == len(lines) == 2   # one line per process
     assert "its CPU MLA decode (AttentionBackendEnum.CPU_MLA) is now" in ours_multiprocess[1]
+    # The front-end process loaded it too (it runs no model, so it logs nothing).
+    assert ours_multiprocess[0]["v2-lite-hub"]["registered_here"] == {
+        "prefill_CPU": OURS_PREFILL, "CPU_MLA": "app.integrations.vllm_decode.AppCPUMLABackend"}
 
 
 def test_tensor_parallel_2_gives_the_tokens_of_1(
