@@ -18,6 +18,7 @@ the plugin setting is the same, each result computed once per module (~3-4 minut
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -196,35 +197,47 @@ def _gaps(run: dict[str, Any], reference: dict[str, Any]) -> list[float]:
                                        strict=True) for x, y in zip(a, b, strict=True)]
 
 
-def _decode_gaps(run: dict[str, Any], reference: dict[str, Any]) -> list[float]:
-    """Generated-token logprob gaps while the run still follows the float32 tokens."""
-    gaps = [0.0]
-    for toks, lps, ref_toks, ref_lps in zip(run["tokens"], run["logprobs"],
-                                            reference["tokens"], reference["logprobs"],
-                                            strict=True):
-        for tok, lp, ref_tok, ref_lp in zip(toks, lps, ref_toks, ref_lps, strict=True):
-            if tok != ref_tok:
-                break
-            gaps.append(abs(lp - ref_lp))
+def _decode_gaps(runs: list[dict[str, Any]], reference: dict[str, Any]) -> list[list[float]]:
+    """Each run's generated-token logprob gaps to the float32 run, at the positions where every
+    run still follows the float32 tokens (so that both are measured on the same steps)."""
+    gaps: list[list[float]] = [[] for _ in runs]
+    for i, ref_tokens in enumerate(reference["tokens"]):
+        follow = min(_common_prefix(run["tokens"][i], ref_tokens) for run in runs)
+        for gap, run in zip(gaps, runs, strict=True):
+            gap += [abs(x - y) for x, y in zip(run["logprobs"][i][:follow],
+                                               reference["logprobs"][i][:follow], strict=True)]
     return gaps
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1],
+                                              zip(a, b, strict=True)))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def test_bfloat16_our_logprobs_are_as_close_to_float32_as_vllms_own(
         vllms_own: dict[str, dict[str, Any]],
         ours: tuple[dict[str, dict[str, Any]], str]) -> None:
-    """Both bf16 runs against vLLM's own float32 run, prompt logprobs position by position
-    (prefill) and generated-token logprobs while the tokens agree (decode). The gaps are
-    mostly the bf16 rounding of the layers ours shares with vLLM (projections, MLP, MoE), so
-    "no larger" is read within that noise: mean within 10%, max within 25%. Our attention's
-    own bf16 error is vLLM's on the float32 kernel paths and a bounded amount more on the
-    bf16 dot products (``test_vllm_decode.py``)."""
+    """Both bf16 runs against vLLM's own float32 run: prompt logprobs position by position
+    (prefill), and generated-token logprobs at the steps where both bf16 runs still follow the
+    float32 tokens (decode). The gaps are mostly the bf16 rounding of the layers ours shares
+    with vLLM (projections, MLP, MoE), so "no larger" is read within that noise: mean gap
+    within 10%, and the largest prompt gap within 25% (measured here: prompt mean 0.0315 vs
+    0.0297, max 0.245 vs 0.236; decode mean 0.0315 vs 0.0295 over 30 shared steps). Our
+    attention's own bf16 error is vLLM's on our float32 kernel paths and a bounded amount more
+    on the bf16 dot products (``test_vllm_decode.py``)."""
     reference = _ok(vllms_own["v2-lite-hub"])
     theirs, mine = _ok(vllms_own["v2-lite-hub bf16"]), _ok(ours[0]["v2-lite-hub bf16"])
     own, our = _gaps(theirs, reference), _gaps(mine, reference)
-    assert sum(our) / len(our) <= 1.10 * sum(own) / len(own), (our, own)
-    assert 0 < max(our) <= 1.25 * max(own)
-    assert max(_decode_gaps(mine, reference)) <= max(1.25 * max(_decode_gaps(theirs,
-                                                                            reference)), 0.05)
+    assert _mean(our) <= 1.10 * _mean(own), (_mean(our), _mean(own))
+    assert 0 < max(our) <= 1.25 * max(own), (max(our), max(own))
+    own_decode, our_decode = _decode_gaps([theirs, mine], reference)
+    assert len(our_decode) >= 10
+    assert _mean(our_decode) <= 1.10 * _mean(own_decode), (_mean(our_decode),
+                                                           _mean(own_decode))
 
 
 def test_kv_lora_rank_256_runs_with_ours_and_equals_transformers(
