@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
-from typing import TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
+
+if TYPE_CHECKING:
+    import torch
 
 #: The largest value an int32 holds: token counts and block ids are stored as int32.
 INT32_MAX = 2**31 - 1
+#: The largest seed a user may give (an int64, as the command line's ``--seed``); what is
+#: derived from it (``seed + layer``, ``seed + 0x5EED``) stays within a torch generator's
+#: uint64 seed.
+MAX_SEED = 2**63 - 1
+#: The largest seed a ``torch.Generator`` takes (``manual_seed``: a uint64).
+MAX_GENERATOR_SEED = 2**64 - 1
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -60,3 +69,27 @@ def check_positive_finite(name: str, value: object) -> float:
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"{name}: expected a positive, finite float, got {value!r}")
     return number
+
+
+def check_seed(name: str, value: object, maximum: int = MAX_SEED) -> int:
+    """``value`` if it is an int (not a bool) in ``[0, maximum]`` (``MAX_SEED`` for a seed a
+    user gives); else ``TypeError``/``ValueError`` naming ``name`` and the allowed range (torch
+    would say only "Overflow when unpacking long long")."""
+    return check_int(name, value, 0, maximum)
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: the same storage and intersecting byte spans
+    (a kernel writing ``out`` while it reads ``q`` or the cache there would read its own
+    output: a silent wrong result)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

@@ -219,7 +219,7 @@ def _build_section(name: str, cls: type[Any], raw: object) -> Any:
         raise TypeError(f"EngineConfig.{name}: expected a table/dict, got {raw!r} "
                         f"({type(raw).__name__})")
     allowed = [f.name for f in attrs.fields(cls)]
-    unknown = sorted(set(raw) - set(allowed))
+    unknown = sorted(set(raw) - set(allowed), key=repr)  # keys of any type (from_dict)
     if unknown:
         raise ValueError(f"EngineConfig.{name}: unknown key(s) {unknown}; allowed: {allowed}")
     return cls(**raw)
@@ -247,7 +247,7 @@ class EngineConfig:
         """
         if not isinstance(data, Mapping):
             raise TypeError(f"EngineConfig.from_dict: expected a dict, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(_SECTIONS))
+        unknown = sorted(set(data) - set(_SECTIONS), key=repr)
         if unknown:
             raise ValueError(f"EngineConfig: unknown section(s) {unknown}; "
                              f"allowed: {sorted(_SECTIONS)}")

@@ -75,6 +75,13 @@ class _CliExit(Exception):
     """A CLI case: its exit code and what it printed on stderr."""
 
 
+def _deployment_file(text: str) -> str:
+    _TMP.mkdir(exist_ok=True)
+    path = _TMP / "deployment.toml"
+    path.write_text(text)
+    return str(path)
+
+
 def _deployment(text: str) -> Callable[[], object]:
     def run() -> object:
         _TMP.mkdir(exist_ok=True)
@@ -145,6 +152,77 @@ def _spec(**kw: object) -> FullAttentionSpec:
                                "dtype": torch.float16}
     args.update(kw)
     return FullAttentionSpec(**args)  # type: ignore[arg-type]
+
+
+def _fifo() -> str:
+    _TMP.mkdir(exist_ok=True)
+    path = _TMP / "fifo.toml"
+    if not path.exists():
+        os.mkfifo(path)
+    return str(path)
+
+
+def _huge_file() -> str:
+    _TMP.mkdir(exist_ok=True)
+    path = _TMP / "huge.toml"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    return str(path)
+
+
+def _with_host_memory(gib: int, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` on a pretend host with ``gib`` GiB available (the doc must not depend on the
+    machine that writes it)."""
+    def run() -> object:
+        from app.commands import _args, _memory
+
+        saved = _args.available_host_bytes, _memory.available_host_bytes
+        _args.available_host_bytes = _memory.available_host_bytes = lambda: gib << 30
+        try:
+            return fn()
+        finally:
+            _args.available_host_bytes, _memory.available_host_bytes = saved
+    return run
+
+
+def _decode_metadata(table: list[list[int]], seq_lens: list[int]) -> Callable[[], object]:
+    def run() -> object:
+        from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
+
+        backend = TorchSDPADecodeBackend(num_heads=2, scale=0.1, kv_lora_rank=64,
+                                         qk_rope_head_dim=32, kv_cache_dtype=torch.float32)
+        backend.prepare_metadata(torch.tensor(table, dtype=torch.int64),
+                                 torch.tensor(seq_lens, dtype=torch.int64), 1)
+        return backend
+    return run
+
+
+def _prefill_cu_beyond_int32() -> object:
+    host = torch.tensor([0, 2**32 + 4], dtype=torch.int64)
+    narrowed = host.to(torch.int32)
+    return _backend().prepare_metadata(MLAPrefillMetadata(
+        cu_seqlens_q=narrowed, cu_seqlens_q_cpu=host, max_query_len=2**32 + 4,
+        total_q=2**32 + 4, cu_seqlens_kv_new=narrowed, cu_seqlens_kv_new_cpu=host,
+        max_new_kv_len=2**32 + 4, total_new_kv=2**32 + 4))
+
+
+def _decode_switch() -> object:
+    from app.backends.cpu.loader import load_native_library
+    from app.backends.decode.cpu_mla import SPEC
+
+    return load_native_library(SPEC)
+
+
+def _engine_seed() -> object:
+    from app.mla import MLAEngine
+
+    return MLAEngine(seed=2**70)
+
+
+def _token_ids() -> object:
+    from app.kvcache import KVCacheRequest
+
+    return KVCacheRequest("r", [1, 2]).append_token_ids([3, 2**70])
 
 
 CASES: list[tuple[str, str, Callable[[], object]]] = [
@@ -275,6 +353,34 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
          "full": _spec(head_size=64),
          "swa": SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=48,
                                   dtype=torch.float16, sliding_window=128)}))),
+    ("decode", "an int64 block id `2**32 + 3` (it was narrowed to block 3)",
+     _decode_metadata([[0, 2**32 + 3]], [20])),
+    ("decode", "an int64 `seq_len` `2**32 + 7` (it was narrowed to 7)",
+     _decode_metadata([[0, 1]], [2**32 + 7])),
+    ("tensors", "int64 prefill `cu_seqlens` ending beyond int32", _prefill_cu_beyond_int32),
+    ("platform", "`APP_CPU_DECODE_BF16_DOT=maybe` (read when CPU_MLA is first loaded)",
+     _with_env("APP_CPU_DECODE_BF16_DOT", "maybe", _decode_switch)),
+    ("engine", "`MLAEngine(seed=2**70)`", _engine_seed),
+    ("KV cache", "a token id beyond int64 (`append_token_ids([3, 2**70])`)", _token_ids),
+    ("files", "a deployment file that is `/dev/zero`", lambda: load("/dev/zero")),
+    ("files", "a config file that is a FIFO (never opened)",
+     lambda: _cli("kv-plan", "--config", _fifo())()),
+    ("files", "a deployment file of 1 GiB", lambda: _cli("backends", "--deployment",
+                                                          _huge_file())()),
+    ("files", "`--output` naming a FIFO",
+     lambda: _cli("bench", "selection", "--output", _fifo())()),
+    ("CLI", "`python -m app bench decode --stream-gib 1e3` (on a host with 8 GiB free)",
+     _with_host_memory(8, _cli("bench", "decode", "--stream-gib", "1e3"))),
+    ("CLI", "`python -m app bench decode --stream-gib 1e-12`",
+     _cli("bench", "decode", "--stream-gib", "1e-12")),
+    ("CLI", "`python -m app bench kv --tokens 2147483647` (on a host with 8 GiB free)",
+     _with_host_memory(8, _cli("bench", "kv", "--tokens", "2147483647"))),
+    ("kv-plan", "a layer name of 1099 characters",
+     _kv_plan(_PLAN.replace('"l.{i}"', '"' + "x" * 1096 + '{i}"'))),
+    ("deployment", "`[model] hidden_size = 262144, num_heads = 1024` for `run` (8 GiB free)",
+     _with_host_memory(8, lambda: _cli("run", "--no-progress", "--deployment",
+                                       _deployment_file("[model]\nhidden_size = 262144\n"
+                                                        "num_heads = 1024\n"))())),
 ]
 
 

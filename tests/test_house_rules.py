@@ -214,7 +214,7 @@ def test_config_and_specs_sit_at_the_bottom(bottom: str) -> None:
         if name not in seen:
             seen.add(name)
             todo.extend(_imports_of(name, modules[name], modules))
-    assert seen - {bottom} <= {"app._toml", "app._types", "app._validation",
+    assert seen - {bottom} <= {"app._files", "app._toml", "app._types", "app._validation",
                                "app.config"}, sorted(seen)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from app._validation import is_int
 from app.backends.kinds import DECODE, PREFILL, BackendKind
 from app.backends.selection import (
     BackendVerdict,
@@ -100,9 +101,17 @@ def check_decode_block_size(backend_class: type[MLADecodeBackend], block_size: i
     """``ValueError`` when ``backend_class`` cannot use KV blocks of ``block_size`` tokens,
     listing the block sizes it accepts: what an engine calls at start-up, after selecting its
     decode backend and before allocating the cache."""
+    from app.backends.decode.base import MLADecodeBackend
+
+    if not (isinstance(backend_class, type) and issubclass(backend_class, MLADecodeBackend)):
+        raise TypeError(f"check_decode_block_size: expected an MLADecodeBackend subclass, got "
+                        f"{backend_class!r}")
+    if not is_int(block_size):
+        raise TypeError(f"CacheConfig.block_size = {block_size!r}: expected an int, got "
+                        f"{type(block_size).__name__}")
     if backend_class.supports_block_size(block_size):
         return
-    accepted = ", ".join(str(b) for b in backend_class.supported_block_sizes) or "any"
+    accepted = ", ".join(str(b) for b in backend_class.supported_block_sizes) or "any >= 1"
     raise ValueError(f"CacheConfig.block_size = {block_size}: the selected MLA decode backend "
                      f"{backend_class.get_name()} cannot use it; it accepts block sizes "
                      f"{accepted}")

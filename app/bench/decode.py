@@ -55,7 +55,8 @@ from app.backends.table import DECODE_BACKENDS as DECODE_BACKEND_TABLE
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
-from app.commands._args import bench_device, positive_float, positive_int, resolve_device
+from app.commands._args import bench_device, buffer_gib, positive_int, resolve_device
+from app.commands._memory import check_host_memory
 
 HELP = "MLA decode backends over a paged cache: ms, GB/s, GFLOP/s, roofline fraction"
 
@@ -107,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=64, help="cache block size (64)")
     parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed calls per case (default 5, 2 with --quick)")
-    parser.add_argument("--stream-gib", type=positive_float, default=None,
+    parser.add_argument("--stream-gib", type=buffer_gib, default=None,
                         help="GiB read to measure the stream bandwidth (default 1; 0.0625 quick)")
     parser.add_argument("--no-baseline", action="store_true",
                         help=f"do not time {BASELINE} beside each backend")
@@ -126,6 +127,25 @@ def stream_bandwidth(device: torch.device, gib: float, repeat: int = 5) -> float
     return x.numel() * 4 / best / 1e9
 
 
+def check_bench_memory(device: torch.device, cases: list[Case], block_size: int,
+                       stream_gib: float) -> None:
+    """``ValueError`` before anything is allocated when the largest case's cache (made in
+    float32 on the host, then bf16 on ``device``; a huge ``--block-size`` pads every request
+    to a whole block) and the stream buffer cannot fit in memory."""
+    rows = max(c.batch * -(-c.context // block_size) * block_size for c in cases)
+    cache = rows * (RANK + ROPE)
+    stream = int(stream_gib * 2**30)
+    what = f"bench decode with --block-size {block_size} and --stream-gib {stream_gib}"
+    if device.type == "cuda":
+        check_host_memory(what, cache * 4)
+        free, _ = torch.cuda.mem_get_info(device)
+        if cache * 2 + stream > free:
+            raise ValueError(f"{what} needs {(cache * 2 + stream) / 2**30:.1f} GiB on {device}; "
+                             f"it has {free / 2**30:.1f} GiB free")
+    else:
+        check_host_memory(what, cache * 6 + stream)
+
+
 def _capability(device: torch.device) -> DeviceCapability | None:
     if device.type != "cuda":
         return None
@@ -137,8 +157,9 @@ def _backend_classes(names: str, device: torch.device
     wanted = list(DECODE_BACKENDS) if names == "valid" else [
         n.strip().upper() for n in names.split(",") if n.strip()]
     unknown = sorted(set(wanted) - set(DECODE_BACKENDS))
-    if unknown:
-        raise ValueError(f"--backends: unknown {unknown}; known: {sorted(DECODE_BACKENDS)}")
+    if unknown or not wanted:
+        raise ValueError(f"--backends: unknown {unknown or names!r}; known: "
+                         f"{sorted(DECODE_BACKENDS)}, or 'valid'")
     valid, skipped = [], {}
     config = MLADecodeSelectorConfig(dtype=torch.bfloat16, kv_lora_rank=RANK,
                                      qk_rope_head_dim=ROPE, num_heads=16, block_size=64)
@@ -335,6 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gib = args.stream_gib if args.stream_gib is not None else (0.0625 if args.quick else 1.0)
     if not gib > 0:
         raise ValueError(f"--stream-gib must be > 0, got {gib}")
+    check_bench_memory(device, default_cases(args.quick), args.block_size, gib)
     repeat = args.repeat or (2 if args.quick else 5)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     classes, skipped = _backend_classes(args.backends, device)

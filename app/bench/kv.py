@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.commands._args import positive_float, positive_int
+from app.commands._memory import check_host_memory
 
 HELP = "KV-cache pool/managers/registry: allocate, cache, hit, free, lookups/s (vs vLLM)"
 
@@ -74,9 +75,22 @@ def _workload(args: argparse.Namespace) -> dict[str, int]:
                  "lookups"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    return {"requests": args.requests, "tokens": args.tokens, "block_size": args.block_size,
-            "sliding_window": args.sliding_window, "repeat": args.repeat,
-            "hit_calls": args.hit_calls, "lookups": args.lookups}
+    w = {"requests": args.requests, "tokens": args.tokens, "block_size": args.block_size,
+         "sliding_window": args.sliding_window, "repeat": args.repeat,
+         "hit_calls": args.hit_calls, "lookups": args.lookups}
+    check_host_memory(f"bench kv with --requests {w['requests']}, --tokens {w['tokens']}, "
+                      f"--block-size {w['block_size']} and --lookups {w['lookups']}",
+                      workload_bytes(w))
+    return w
+
+
+def workload_bytes(w: dict[str, int]) -> int:
+    """A lower bound of the host memory our side of the workload holds at once: int64 tokens,
+    one hash and one pool block per block (~300 B with the manager's lists), and the lookup
+    list (built as a repeated list, then sliced: two lists of pointers at once). Refused up
+    front when it cannot fit: it would otherwise grow until it fails."""
+    blocks = w["requests"] * -(-w["tokens"] // w["block_size"])
+    return w["requests"] * w["tokens"] * 8 + blocks * 300 + w["lookups"] * 16
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -290,6 +304,8 @@ def _bench_vllm(python: str, w: dict[str, int], timeout: float) -> dict[str, Any
                               text=True, timeout=timeout, env=env, check=False)
     except FileNotFoundError:
         return {"error": f"--vllm-python {python!r} does not exist"}
+    except OSError as exc:  # a directory, a device, not executable ...
+        return {"error": f"--vllm-python {python!r} cannot be run: {exc.strerror or exc}"}
     except subprocess.TimeoutExpired:
         return {"error": f"the vLLM side took longer than {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):

@@ -232,6 +232,9 @@ def _backend_classes(names: str, container: Any
                 raise ValueError(f"--backends: unknown or unregistered backend {raw!r}; "
                                  f"registered: {registered}")
             wanted.append(name)
+        if not wanted:
+            raise ValueError(f"--backends: expected 'valid' or a comma list of backend names, "
+                             f"got {names!r}; registered: {registered}")
     builders: list[Callable[[], MLAPrefillBackend]] = []
     skipped: dict[str, list[str]] = {}
     for name in wanted:

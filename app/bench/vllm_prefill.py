@@ -176,6 +176,8 @@ def _run_vllm_side(python: str, spec: dict[str, Any], timeout: float) -> dict[st
                               text=True, timeout=timeout, env=env, check=False)
     except FileNotFoundError:
         return {"error": f"--vllm-python {python!r} does not exist"}
+    except OSError as exc:  # a directory, a device, not executable ...
+        return {"error": f"--vllm-python {python!r} cannot be run: {exc.strerror or exc}"}
     except subprocess.TimeoutExpired:
         return {"error": f"the vLLM side took longer than {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):

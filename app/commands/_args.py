@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from app._files import check_writable_file
+from app._host import available_host_bytes
 from app._validation import INT32_MAX
 
-__all__ = ["bench_device", "int_in", "output_file", "positive_float", "positive_int",
-           "resolve_device"]
+__all__ = ["bench_device", "buffer_gib", "int_in", "output_file", "positive_float",
+           "positive_int", "resolve_device"]
 
 
 def int_in(minimum: int, maximum: int = INT32_MAX) -> Callable[[str], int]:
@@ -52,6 +53,26 @@ def positive_float(text: str) -> float:
     return value
 
 
+#: The smallest measurement buffer a benchmark takes (smaller ones time nothing but overhead).
+MIN_BUFFER_GIB = 2.0**-10
+
+
+def buffer_gib(text: str) -> float:
+    """An argparse ``type``: the size in GiB of a host buffer a benchmark allocates, a finite
+    number of at least 1 MiB and at most half the host memory available now (the benchmark
+    needs the rest): ``1e3`` would try to allocate 1 TiB."""
+    value = positive_float(text)
+    if value < MIN_BUFFER_GIB:
+        raise argparse.ArgumentTypeError(f"expected at least {MIN_BUFFER_GIB} GiB (1 MiB), got "
+                                         f"{text!r}")
+    have = available_host_bytes()
+    if have is not None and value * 2**30 > have / 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} GiB is more than half the host memory available now "
+            f"({have / 2**30:.1f} GiB); use at most {have / 2**31:.2f}")
+    return value
+
+
 def bench_device(text: str) -> str:
     """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N`` (whether that device exists is
     checked when the benchmark starts)."""
@@ -77,14 +98,10 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def output_file(text: str) -> Path:
-    """An argparse ``type``: a file path the result can be written to (not a directory; its
-    folder exists and is writable), checked before the command runs."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file path")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
-    return path
+    """An argparse ``type``: a file path the result can be written to (a regular file, or a new
+    file in an existing, writable folder; never a directory, FIFO or device), checked before
+    the command runs."""
+    try:
+        return check_writable_file(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None

@@ -7,13 +7,13 @@ fail; this says up front how much memory it needs, how much there is, and how ma
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from app._host import available_host_bytes, physical_memory_bytes
 from app.config import EngineConfig
 
-__all__ = ["available_memory_bytes", "check_cache_fits", "check_request_fits"]
+__all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
+           "check_host_memory", "check_request_fits", "check_weights_fit", "weights_bytes"]
 
 #: Host memory one block costs beyond its latent storage (the pool's Python block object).
 _BLOCK_OVERHEAD_BYTES = 256
@@ -27,10 +27,40 @@ def available_memory_bytes(device: torch.device) -> int | None:
             return None
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return physical_memory_bytes()
+
+
+def check_host_memory(what: str, needed: int) -> None:
+    """``ValueError`` naming ``what`` (a flag and its value) when ``needed`` bytes of host
+    memory are more than the host has available now: said up front, instead of an
+    allocation failing (or the OOM killer coming) minutes later."""
+    have = available_host_bytes()
+    if have is not None and needed > have:
+        raise ValueError(f"{what} needs {needed / 2**30:.1f} GiB of host memory; this machine "
+                         f"has {have / 2**30:.1f} GiB available now")
+
+
+def weights_bytes(config: EngineConfig, num_layers: int, vocab_size: int) -> int:
+    """Host bytes the engine's weights take: per layer ``w_q [H*(P+R), D]``, ``w_kv_a [L+R,
+    D]``, ``w_kv_b [H*(P+V), L]`` and ``w_o [D, H*V]`` in float64 (the reference's copy) plus
+    a float32 compute copy, and the float64 embedding ``[vocab, D]``."""
+    m = config.model
+    h, d = m.num_heads, m.hidden_size
+    per_layer = (h * (m.qk_nope_head_dim + m.qk_rope_head_dim) * d
+                 + (m.kv_lora_rank + m.qk_rope_head_dim) * d
+                 + h * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+                 + d * h * m.v_head_dim)
+    return num_layers * per_layer * 12 + vocab_size * d * 8
+
+
+def check_weights_fit(config: EngineConfig, num_layers: int, vocab_size: int) -> None:
+    """``ValueError`` when the model's weights cannot fit in host memory (a deployment's
+    ``hidden_size = 262144, num_heads = 1024`` is nearly 1 TiB of weights): said before they are
+    drawn, instead of an allocation failing or the OOM killer coming."""
+    m = config.model
+    check_host_memory(f"a model of {num_layers} layer(s) with num_heads {m.num_heads}, "
+                      f"hidden_size {m.hidden_size}, kv_lora_rank {m.kv_lora_rank} "
+                      f"(its weights)", weights_bytes(config, num_layers, vocab_size))
 
 
 def check_cache_fits(config: EngineConfig, device: torch.device) -> None:

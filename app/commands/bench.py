@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 
+from app._files import write_regular_file
 from app.commands._args import output_file
 from app.commands._output import print_json, print_text
 
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; JSON with ``--json``, a readable summary otherwise."""
     result = args._bench.run(args)
     if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_regular_file(args.output, (json.dumps(result, indent=2, default=str) + "\n"
+                                         ).encode(), "--output")
     if args.json:
         print_json(result)
     else:

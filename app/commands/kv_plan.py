@@ -71,8 +71,11 @@ _LAYER_KEYS = ("name", "count", "indices", "spec")
 #: Tables of the file.
 _TABLES = ("cache", "plan", "defaults", "layers")
 _PLAN_KEYS = ("memory", "max_model_len", "max_num_batched_tokens")
-#: Most layers one ``[[layers]]`` entry may name, and the largest head size / rank accepted.
+#: Most layers the file may name (in all its ``[[layers]]`` entries), the longest layer name,
+#: and the largest head size / rank accepted. A 100 KB file naming 100000 layers of 100 KB
+#: names would otherwise expand to 10 GB of names.
 _MAX_LAYERS = 100_000
+_MAX_NAME_CHARS = 1024
 _MAX_DIM = 2**16
 
 
@@ -138,6 +141,9 @@ def _layer_names(entry: Mapping[str, Any], where: str) -> list[str]:
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}.name = {name!r}: expected a non-empty string")
+    if len(name) > _MAX_NAME_CHARS:
+        raise ValueError(f"{where}.name: {len(name)} characters; a layer name may have at most "
+                         f"{_MAX_NAME_CHARS}")
     count, indices = entry.get("count"), entry.get("indices")
     if count is not None and indices is not None:
         raise ValueError(f"{where}: give 'count' or 'indices', not both")
@@ -237,6 +243,8 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     for index, entry in enumerate(layers):
         where = f"{path}: layers[{index}]"
         names = _layer_names(_table(entry, where), where)
+        if len(specs) + len(names) > _MAX_LAYERS:
+            raise ValueError(f"{where}: the file names more than {_MAX_LAYERS} layers in all")
         cls = _spec_class(entry.get("spec"), where)
         spec = _build_spec(cls, entry, defaults, cache.block_size, where)
         for name in names:

@@ -28,7 +28,7 @@ import torch
 
 from app import deployment
 from app.commands._args import int_in, positive_int
-from app.commands._memory import check_cache_fits, check_request_fits
+from app.commands._memory import check_cache_fits, check_request_fits, check_weights_fit
 from app.commands._output import print_json, print_text
 from app.config import DTYPE_ALIASES, EngineConfig
 
@@ -285,7 +285,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
         explain_mla_prefill_selection,
     )
     from app.containers import create_container
-    from app.mla.engine import MLAEngine
+    from app.mla.engine import DEFAULT_VOCAB_SIZE, MLAEngine
     from app.mla.process import tune_malloc_for_large_tensors
     from app.mla.reference import reference_tolerance
     from app.mla.requests import Request
@@ -300,7 +300,13 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     else:
         config = build_config(args, EngineConfig())
         container = create_container(config)
-    check_cache_fits(config, container.platform().device)
+    try:
+        check_cache_fits(config, container.platform().device)
+        check_weights_fit(config, args.layers, DEFAULT_VOCAB_SIZE)
+    except ValueError as exc:  # the sizes may come from the deployment: name it
+        if args.deployment is None:
+            raise
+        raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     check_request_fits(config, args.max_len)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from app._validation import is_int
+from app._host import available_host_bytes
+from app._validation import INT32_MAX, is_int
 
-__all__ = ["BlockHash", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
+__all__ = ["BLOCK_HOST_BYTES", "BlockHash", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
+
+#: Host memory one block's bookkeeping takes (a ``KVCacheBlock`` and its list slot; measured
+#: ~136 B with tracemalloc, rounded up).
+BLOCK_HOST_BYTES = 160
 
 #: A block hash: the digest of a chained prefix (see ``app.kvcache.request``).
 BlockHash = bytes
@@ -162,6 +167,17 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks must be >= 2 (block 0 is the null block), "
                              f"got {num_blocks}")
+        if num_blocks > INT32_MAX:
+            raise ValueError(f"BlockPool: num_blocks must be at most {INT32_MAX} (block ids are "
+                             f"int32), got {num_blocks}")
+        have = available_host_bytes()
+        if have is not None and num_blocks * BLOCK_HOST_BYTES > have:
+            # 2**31 - 1 blocks are ~290 GB of Python objects: refused before building them.
+            raise ValueError(f"BlockPool: {num_blocks} blocks need "
+                             f"{num_blocks * BLOCK_HOST_BYTES / 2**30:.1f} GiB of host memory "
+                             f"for their bookkeeping ({BLOCK_HOST_BYTES} B each); this host has "
+                             f"{have / 2**30:.1f} GiB available: use at most "
+                             f"{have // BLOCK_HOST_BYTES} blocks")
         self.num_blocks = num_blocks
         self.enable_caching = bool(enable_caching)
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]

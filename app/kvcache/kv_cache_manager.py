@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from app._validation import check_int
 from app.config import CacheConfig
 from app.kvcache.bindings import KVCacheSpecBindings
 from app.kvcache.block_pool import BlockPool, KVCacheBlock
@@ -176,9 +177,8 @@ class KVCacheManager:
         window (or chunk) are freed first.
         """
         self._check_request(request)
-        if num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError(f"allocate_slots: token counts must be >= 0, got "
-                             f"{num_new_tokens} new and {num_lookahead_tokens} lookahead")
+        check_int("allocate_slots: num_new_tokens", num_new_tokens, 0)
+        check_int("allocate_slots: num_lookahead_tokens", num_lookahead_tokens, 0)
         managers = self.managers
         request_id = request.request_id
         hit_blocks: tuple[Sequence[KVCacheBlock], ...] = tuple(() for _ in managers)
@@ -218,6 +218,7 @@ class KVCacheManager:
         the full blocks among those tokens to the prefix cache. Call it after each step.
         """
         if num_computed_tokens is not None:
+            check_int("cache_blocks: num_computed_tokens", num_computed_tokens, 0)
             if num_computed_tokens > request.num_tokens:
                 raise ValueError(f"cache_blocks: {num_computed_tokens} computed tokens, but "
                                  f"request {request.request_id!r} has {request.num_tokens}")

@@ -26,11 +26,36 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
                       extra: bytes | None = None) -> BlockHash:
     """The chained hash of one full block: ``sha256(parent || int64 tokens || extra)``."""
     digest = hashlib.sha256(ROOT_BLOCK_HASH if parent is None else parent)
-    digest.update(array("q", token_ids).tobytes())
+    digest.update(_token_array("hash_block_tokens", token_ids).tobytes())
     if extra:
         digest.update(b"\x00salt\x00")
         digest.update(extra)
     return digest.digest()
+
+
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
+def _token_array(what: str, token_ids: object) -> array[int]:
+    """``token_ids`` (an iterable of ints, not bools) as an ``array('q')``, checked whole
+    before anything uses it: ``TypeError`` for a str/bytes, a non-iterable or a non-int,
+    ``ValueError`` for an int outside int64 (bytes would be read as raw int64 words)."""
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
+            token_ids, Iterable):
+        raise TypeError(f"{what}: token ids must be an iterable of ints, got "
+                        f"{type(token_ids).__name__}")
+    tokens = list(token_ids)
+    flag = next((t for t in tokens if isinstance(t, bool)), None)
+    if flag is not None:
+        raise TypeError(f"{what}: token ids must be ints, got {flag!r} (bool)")
+    try:
+        return array("q", tokens)  # takes anything with __index__, refuses floats
+    except OverflowError:
+        out = next(t for t in tokens if not _INT64_MIN <= int(t) <= _INT64_MAX)
+        raise ValueError(f"{what}: token ids must be ints in the int64 range, got "
+                         f"{int(out)}") from None
+    except TypeError as exc:
+        raise TypeError(f"{what}: token ids must be ints ({exc})") from None
 
 
 class KVCacheRequest:
@@ -57,12 +82,11 @@ class KVCacheRequest:
                             f"got {request_id!r}")
         check_int_at_least("KVCacheRequest: hash_block_size", hash_block_size, 1)
         check_int_at_least("KVCacheRequest: num_encoder_tokens", num_encoder_tokens, 0)
+        if cache_salt is not None and not isinstance(cache_salt, (str, bytes)):
+            raise TypeError(f"KVCacheRequest {request_id!r}: cache_salt must be a str, bytes or "
+                            f"None, got {cache_salt!r} ({type(cache_salt).__name__})")
         self.request_id = request_id
-        try:
-            self._token_ids = array("q", prompt_token_ids)
-        except (TypeError, OverflowError) as exc:
-            raise TypeError(f"KVCacheRequest {request_id!r}: token ids must be ints in the "
-                            f"int64 range ({exc})") from None
+        self._token_ids = _token_array(f"KVCacheRequest {request_id!r}", prompt_token_ids)
         self.num_prompt_tokens = len(self._token_ids)
         self.hash_block_size = hash_block_size
         self.num_encoder_tokens = num_encoder_tokens
@@ -82,11 +106,17 @@ class KVCacheRequest:
         return self._token_ids
 
     def append_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        """Append generated tokens; hashes of newly full blocks are computed."""
-        if isinstance(token_ids, int):
+        """Append generated tokens; hashes of newly full blocks are computed. A token that is
+        not an int in the int64 range is a ``TypeError``/``ValueError`` and nothing is
+        appended."""
+        what = f"KVCacheRequest {self.request_id!r}"
+        if type(token_ids) is int:  # the engine's per-token call: no list, no array
+            if not _INT64_MIN <= token_ids <= _INT64_MAX:
+                raise ValueError(f"{what}: token ids must be ints in the int64 range, got "
+                                 f"{token_ids}")
             self._token_ids.append(token_ids)
         else:
-            self._token_ids.extend(token_ids)
+            self._token_ids.extend(_token_array(what, token_ids))
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:

@@ -217,12 +217,23 @@ class GenerationCheck:
     @property
     def prefill_relative_error(self) -> float:
         """Prefill rows' largest error over the reference's largest value."""
-        return self.prefill_max_abs_error / self.ref_max_abs if self.ref_max_abs else 0.0
+        return _relative(self.prefill_max_abs_error, self.ref_max_abs)
 
     @property
     def decode_relative_error(self) -> float:
         """Decode rows' largest error over the reference's largest value."""
-        return self.decode_max_abs_error / self.ref_max_abs if self.ref_max_abs else 0.0
+        return _relative(self.decode_max_abs_error, self.ref_max_abs)
+
+
+def _relative(error: float, scale: float) -> float:
+    """``error / scale``; infinite when either is not finite (a NaN reference made NaN, which
+    every comparison and ``max`` dropped: a NaN run passed) or when a zero reference meets a
+    non-zero error."""
+    if not (math.isfinite(error) and math.isfinite(scale)):
+        return float("inf")
+    if scale == 0:
+        return 0.0 if error == 0 else float("inf")
+    return error / scale
 
 
 def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -278,6 +289,6 @@ def check_generation(reference: TeacherForcedReference, output: RequestOutput,
         decode_rows_computed=int((kinds == int(RowKind.DECODE)).sum()),
         prefill_max_abs_error=_max_error(got[~is_decode], want[~is_decode]),
         decode_max_abs_error=_max_error(got[is_decode], want[is_decode]),
-        ref_max_abs=float(want.abs().max()),
+        ref_max_abs=_max_error(want, torch.zeros_like(want)),  # NaN: inf, never dropped
         tokens_checked=agree + ties + mismatches, tokens_agreeing=agree, near_ties=ties,
         token_mismatches=mismatches)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from app._validation import check_int_at_least
+from app._validation import check_int_at_least, check_seed
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.prefill.base import MLAPrefillBackend
 from app.backends.selector import (
@@ -157,6 +157,7 @@ class MLAEngine:
                  keep_outputs: bool = True, timer: PhaseTimer | None = None,
                  prefill_backend_class: type[MLAPrefillBackend] | None = None,
                  decode_backend_class: type[MLADecodeBackend] | None = None) -> None:
+        check_seed("MLAEngine: seed", seed)
         check_int_at_least("num_layers", num_layers, 1)
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("num_speculative_tokens", num_speculative_tokens, 0)

@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from app._cpu import detect_cpu_features
-from app._validation import check_int_at_least, is_int
+from app._validation import MAX_GENERATOR_SEED, check_int_at_least, check_seed
 from app.config import ModelConfig
 
 __all__ = [
@@ -80,8 +80,7 @@ class MLALayerWeights:
     def generate(cls, model: ModelConfig, seed: int = 0) -> MLALayerWeights:
         """Draw the weights for ``model``'s dims from ``seed`` (on the CPU; deterministic)."""
         _check_model(model)
-        if not is_int(seed):
-            raise TypeError(f"seed must be an int, got {seed!r}")
+        check_seed("MLALayerWeights.generate: seed", seed, MAX_GENERATOR_SEED)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         h, d = model.num_heads, model.hidden_size
         lr, p, r, v = (model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim,
@@ -117,6 +116,7 @@ class TokenEmbedding:
                  seed: int = 0) -> TokenEmbedding:
         """Draw a ``[vocab_size, hidden_size]`` unit-variance table from ``seed``."""
         check_int_at_least("vocab_size", vocab_size, 1)
+        check_seed("TokenEmbedding.generate: seed", seed, MAX_GENERATOR_SEED - 0x5EED)
         gen = torch.Generator(device="cpu").manual_seed(seed + 0x5EED)
         table = torch.randn(vocab_size, hidden_size, generator=gen, dtype=torch.float64)
         return cls(table=table.to(dtype).double(), dtype=dtype)

@@ -43,6 +43,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
+from app._validation import check_seed
 from app.backends.merge import merge_attn_states
 from app.backends.prefill.base import (
     MLAPrefillBackend,
@@ -56,6 +57,7 @@ __all__ = [
     "CaseResult",
     "ConformanceReport",
     "assert_conformance",
+    "kit_device",
     "reference_attention",
     "run_conformance",
 ]
@@ -384,6 +386,22 @@ def _capability(device: torch.device) -> DeviceCapability | None:
     return DeviceCapability(major, minor)
 
 
+def kit_device(who: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` a kit can run on; ``ValueError`` naming ``who`` for a
+    name torch does not know (``"tpu"``) or a CUDA device on a machine without CUDA."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{who}: device must be a name ('cpu', 'cuda:0') or a torch.device, "
+                        f"got {device!r} ({type(device).__name__})")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{who}: device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{who}: device {device!r}: CUDA is not available here "
+                         f"(torch {torch.__version__})")
+    return dev
+
+
 def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, dims: MLADimensions | None = None,
                     num_heads: int = 8, seed: int = 0, cases: Sequence[str] | None = None,
@@ -400,7 +418,8 @@ def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.devic
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, MLAPrefillBackend)):
         raise TypeError(f"run_conformance: expected an MLAPrefillBackend subclass, "
                         f"got {backend_cls!r}")
-    device = torch.device(device)
+    device = kit_device("run_conformance", device)
+    check_seed("run_conformance: seed", seed)
     if dtype not in DEFAULT_TOLERANCES and tolerances is None:
         raise ValueError(f"run_conformance: no default tolerances for {dtype}; pass tolerances")
     names = list(cases) if cases is not None else [c for c in CASES

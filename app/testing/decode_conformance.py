@@ -4,22 +4,24 @@ It builds a decode backend from its class, writes random latents into a paged ca
 random page tables and compares every output and LSE with ``reference_decode`` (float64, from
 the same inputs). The cases:
 
-=====================  ======================================================================
-``paged``              pages out of order and shared between requests, seq_len 1, seq_lens
-                       that are and are not multiples of the block size, unused table
-                       entries -1, huge values in the unused rows of last blocks
-``causal_query_len_4`` query_len 4: row i sees keys ``[0, seq_len - 4 + i]``
-``max_query_len``      the backend's ``max_query_len`` (16 by default)
-``batch_1``            one request with a long context
-``batch_33``           33 requests of random lengths
-``empty_batch``        B = 0: empty outputs, no error
-``out_buffer``         ``out=`` (pre-filled with NaN) is written in place and returned
-``noncontiguous_q``    q as a strided view of a larger tensor
-``scales_per_call``    ``softmax_scale``/``k_scale`` change between calls; nothing is cached
-``other_block_size``   a second block size (5 when any is accepted)
-``nonfinite_keys``     NaN in a step's last new token: exactly the rows that see it are
-                       non-finite; NaN in unused rows of a block changes nothing
-=====================  ======================================================================
+=======================  ====================================================================
+``paged``                pages out of order and shared between requests, seq_len 1, seq_lens
+                         that are and are not multiples of the block size, unused table
+                         entries -1, huge values in the unused rows of last blocks
+``causal_query_len_4``   query_len 4: row i sees keys ``[0, seq_len - 4 + i]``
+``max_query_len``        the backend's ``max_query_len`` (16 by default)
+``batch_1``              one request with a long context
+``batch_33``             33 requests of random lengths
+``empty_batch``          B = 0: empty outputs, no error
+``out_buffer``           ``out=`` (pre-filled with NaN) is written in place and returned
+``noncontiguous_q``      q as a strided view of a larger tensor
+``scales_per_call``      ``softmax_scale``/``k_scale`` change between calls; nothing is cached
+``other_block_size``     a second block size (5 when any is accepted)
+``nonfinite_keys``       NaN in a step's last new token: exactly the rows that see it are
+                         non-finite; NaN in unused rows of a block changes nothing
+``reused_step_buffers``  the caller rewrites its block table and seq_lens between two layers
+                         (to other valid values): the second layer gives the step's result
+=======================  ====================================================================
 
 Every case checks the LSE (``return_softmax_lse=True``) and the plain call. Run it on your backend::
 
@@ -39,8 +41,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from app._types import DeviceCapability
+from app._validation import check_seed
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.testing.conformance import DEFAULT_TOLERANCES, CaseResult, ConformanceReport
+from app.testing.conformance import (
+    DEFAULT_TOLERANCES,
+    CaseResult,
+    ConformanceReport,
+    kit_device,
+)
 
 __all__ = [
     "DECODE_CASES",
@@ -52,7 +60,8 @@ __all__ = [
 #: Every decode case name, in the order they run.
 DECODE_CASES: tuple[str, ...] = (
     "paged", "causal_query_len_4", "max_query_len", "batch_1", "batch_33", "empty_batch",
-    "out_buffer", "noncontiguous_q", "scales_per_call", "other_block_size", "nonfinite_keys")
+    "out_buffer", "noncontiguous_q", "scales_per_call", "other_block_size", "nonfinite_keys",
+    "reused_step_buffers")
 
 
 def reference_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -261,6 +270,27 @@ class _DecodeKit:
         self.compare("visible rows", torch.where(keep, out, 0), lse.masked_fill(hidden, 0),
                      (torch.where(keep, ref[0], 0), ref[1].masked_fill(hidden, 0)), errors)
 
+    def reused_step_buffers(self, errors: dict[str, float]) -> None:
+        """The caller rewrites the tensors it gave ``prepare_metadata`` between two layers (an
+        engine reusing its buffers): the step must not change. Every rewritten value stays
+        valid (other blocks, shorter requests), so a backend that reads the caller's tensors
+        gives another step's answer here rather than reading out of bounds."""
+        seq_lens, qlen = [2 * self.bs + 3, self.bs + 1, 9], 2
+        cache, table = self.layout(seq_lens, self.bs)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        be = self.backend()
+        be.prepare_metadata(table, lens, qlen)
+        q = self.randn(len(seq_lens), qlen, self.heads, self.dim)
+        ref = reference_decode(q, cache, table, seq_lens, self.rank, self.scale)
+        first = be.run_decode(q, cache, return_softmax_lse=True)
+        self.compare("layer 0", first[0], first[1], ref, errors)
+        num_blocks = int(cache.shape[0])
+        table.copy_(torch.where(table >= 0, (table + 1) % num_blocks, table))
+        lens.fill_(qlen)
+        second = be.run_decode(q, cache, return_softmax_lse=True)
+        self.compare("layer 1, after the caller rewrote its block table and seq_lens",
+                     second[0], second[1], ref, errors)
+
 
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
@@ -295,7 +325,8 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, MLADecodeBackend)):
         raise TypeError(f"run_decode_conformance: expected an MLADecodeBackend subclass, "
                         f"got {backend_cls!r}")
-    device = torch.device(device)
+    device = kit_device("run_decode_conformance", device)
+    check_seed("run_decode_conformance: seed", seed)
     if dtype not in DEFAULT_TOLERANCES and tolerances is None:
         raise ValueError(f"run_decode_conformance: no default tolerances for {dtype}; "
                          f"pass tolerances")

@@ -135,3 +135,18 @@ def test_config_decode_backend_round_trips() -> None:
     assert EngineConfig.from_dict(config.to_dict()) == config
     assert config.attention.mla_decode_backend == "TORCH_SDPA"
     assert torch.bfloat16 == config.model.dtype
+
+
+def test_check_decode_block_size_types_its_arguments() -> None:
+    from app.backends import check_decode_block_size
+    from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
+
+    with pytest.raises(TypeError, match="expected an MLADecodeBackend subclass, got <class"):
+        check_decode_block_size(int, 16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"block_size = '16': expected an int, got str"):
+        check_decode_block_size(TorchSDPADecodeBackend, "16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="= True: expected an int, got bool"):
+        check_decode_block_size(TorchSDPADecodeBackend, True)
+    with pytest.raises(ValueError, match="accepts block sizes any >= 1"):
+        check_decode_block_size(TorchSDPADecodeBackend, 0)
+    check_decode_block_size(TorchSDPADecodeBackend, 5)

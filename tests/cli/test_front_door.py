@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import pathlib
+import os
 from pathlib import Path
 
 import pytest
@@ -95,15 +95,15 @@ def test_bench_on_cuda_without_a_gpu(run_cli: CliRunner, bench: str) -> None:
 
 def test_an_unreadable_file_names_it(run_cli: CliRunner, plan_file: Path,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # Root reads a mode-000 file anyway: make the read fail as it does for other users.
-    real = pathlib.Path.read_bytes
+    # Root reads a mode-000 file anyway: make the open fail as it does for other users.
+    real = os.open
 
-    def read_bytes(self: Path) -> bytes:
-        if self == plan_file:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self)
+    def open_(path: object, flags: int, *args: int) -> int:
+        if Path(os.fspath(path)) == plan_file:  # type: ignore[arg-type]
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, flags, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", open_)
     for argv in (["kv-plan", "--config"], ["backends", "--deployment"], ["run", "--deployment"]):
         code, _, err = run_cli(*argv, str(plan_file))
         assert_one_line_usage_error(code, err, str(plan_file), "cannot be read: permission denied")

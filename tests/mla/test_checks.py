@@ -60,3 +60,26 @@ def test_the_check_catches_a_wrong_row_and_a_wrong_token() -> None:
     check_generation(reference, b)
     assert reference.reused_tokens - reused == 24
     assert int((b.row_kinds == int(RowKind.NOT_COMPUTED)).sum()) >= 16   # b's prefix hit
+
+
+def test_a_nan_or_a_zero_reference_never_passes() -> None:
+    # issue 21: with softmax_scale = 1e308 the engine and the reference were both NaN; NaN
+    # relative errors were dropped by max() and the run passed with "max error 0".
+    from app.mla.checks import GenerationCheck
+
+    def check(error: float, scale: float) -> GenerationCheck:
+        return GenerationCheck("r", 1, 1, 1, 1, error, error, scale, 0, 0, 0, 0)
+
+    nan, inf = float("nan"), float("inf")
+    for error, scale in ((inf, nan), (1.0, nan), (nan, 1.0), (1e-3, 0.0), (inf, 2.0)):
+        assert check(error, scale).prefill_relative_error == inf
+        assert check(error, scale).decode_relative_error == inf
+    assert check(0.0, 0.0).decode_relative_error == 0.0
+    assert check(1e-3, 2.0).decode_relative_error == 5e-4
+    engine, (a, _) = _run()
+    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    assert a.hidden is not None
+    hidden = a.hidden.clone()
+    hidden[42] = float("nan")
+    poisoned = check_generation(reference, attrs.evolve(a, hidden=hidden), None)
+    assert poisoned.decode_relative_error == inf

@@ -169,3 +169,13 @@ class _Dims(TorchSDPABackend):
 def test_dims_default_to_deepseek() -> None:
     report = run_conformance(_Dims, dtype=torch.float32, cases=["causal_new_tokens"])
     assert report.passed
+
+
+def test_kit_arguments_get_typed_errors_too() -> None:
+    from app.backends.prefill.torch_sdpa import TorchSDPABackend
+    from app.testing import run_conformance
+
+    with pytest.raises(ValueError, match="run_conformance: device 'tpu'"):
+        run_conformance(TorchSDPABackend, device="tpu")
+    with pytest.raises(ValueError, match="run_conformance: seed: expected an int in"):
+        run_conformance(TorchSDPABackend, seed=2**64)

@@ -70,6 +70,24 @@ class NoLse(TorchSDPADecodeBackend):
             lse.mul_(1.4426950408889634)
 
 
+class ReadsCallersTensors(TorchSDPADecodeBackend):
+    """Reads the block table and seq_lens the caller gave (not the checked snapshots), as the
+    native kernel did before issue 21: a caller reusing its buffers changes the step."""
+
+    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        bs = int(kv_cache.shape[1])
+        for b, n in enumerate(metadata.seq_lens.tolist()):
+            blocks = metadata.block_table[b, :-(-n // bs)].long()
+            latent = kv_cache.index_select(0, blocks).reshape(-1, self.head_dim)[:n]
+            o, lg = decode_one_request(q[b], latent, self.kv_lora_rank,
+                                       softmax_scale * k_scale, k_scale)
+            out[b].copy_(o)
+            if lse is not None:
+                lse[b].copy_(lg)
+
+
 def _failed(cls: type[TorchSDPADecodeBackend], cases: list[str]) -> set[str]:
     report = run_decode_conformance(cls, dtype=torch.float32, num_heads=4, kv_lora_rank=32,
                                     qk_rope_head_dim=8, cases=cases)
@@ -88,6 +106,8 @@ def test_kit_catches_broken_backends() -> None:
     assert _failed(CachesScales, ["paged", "scales_per_call"]) == {"scales_per_call"}
     assert _failed(ReadsWholeBlocks, ["paged", "batch_33"]) == {"paged", "batch_33"}
     assert _failed(NoLse, ["batch_1"]) == {"batch_1"}
+    assert _failed(ReadsCallersTensors, ["paged", "reused_step_buffers"]) == {
+        "reused_step_buffers"}
 
 
 def test_kit_reports_unsupported_and_bad_arguments() -> None:
@@ -109,3 +129,24 @@ def test_reference_decode_matches_a_dense_computation() -> None:
     s0 = (q[0, 0, 0] @ keys[:4].t()) * 0.5            # row 0 sees keys 0..3
     assert torch.allclose(lse[0, 0, 0], torch.logsumexp(s0, 0))
     assert torch.allclose(out[0, 0, 0], torch.softmax(s0, 0) @ keys[:4, :4])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"device": "tpu"}, ValueError, "run_decode_conformance: device 'tpu': Expected one of"),
+    ({"device": 3j}, TypeError, "device must be a name ('cpu', 'cuda:0') or a torch.device"),
+    ({"seed": 2**70}, ValueError, "run_decode_conformance: seed: expected an int in [0, "),
+    ({"seed": -1}, ValueError, "run_decode_conformance: seed: expected an int in [0, "),
+])
+def test_kit_arguments_get_typed_errors(kwargs: dict[str, object], error: type[Exception],
+                                        message: str) -> None:
+    # issue 21: "tpu" was a bare RuntimeError, 2**70 "Overflow when unpacking long long".
+    with pytest.raises(error) as info:
+        run_decode_conformance(TorchSDPADecodeBackend, **kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_kit_on_cuda_without_cuda_says_so() -> None:
+    # It was an AssertionError from torch ("Torch not compiled with CUDA enabled").
+    with pytest.raises(ValueError, match="device 'cuda': CUDA is not available here"):
+        run_decode_conformance(TorchSDPADecodeBackend, device="cuda")

@@ -41,8 +41,16 @@ others or sticky (as ``/tmp``). Directories the loader creates get mode 0700. A 
 directory is skipped and the reason kept in ``NativeLibraryStatus.notes`` (or ``reasons``,
 when none is usable). A cached file is loaded only if it is a regular file owned by the user
 and not writable by group or others. A build runs in a fresh private directory
-(``mkdtemp``) and is renamed into place atomically. A cached library that does not load
-("invalid ELF header"), fails the ABI check or fails its self-test is deleted and rebuilt once.
+(``mkdtemp``), is loaded and checked there, and is renamed into place atomically only once it
+passes. A cached library that does not load ("invalid ELF header"), fails the ABI check or
+fails its self-test is rebuilt once, and replaced only when the rebuilt one passes: when the
+rebuilt one fails too, the failure is not the cached file's (the environment, the CPU) and the
+cached file is kept.
+
+Settings: every on/off switch a library or its self-test reads is listed in
+``spec.switches`` and checked by :func:`load_native_library`, by name, before anything is
+built, loaded or deleted (``ValueError``; nothing cached). A bad value therefore never fails a
+self-test, which would have cost a valid cached library on every start.
 """
 
 from __future__ import annotations
@@ -94,7 +102,8 @@ class NativeLibrarySpec:
     ``(C struct name, ctypes.Structure)`` pairs whose layouts must agree; ``self_test``:
     returns ``None`` or what is wrong; ``requirements``: returns why the library cannot run
     here (CPU, switches; a C compiler is checked by the loader); it may raise ``ValueError``
-    for a bad setting.
+    for a bad setting; ``switches``: the on/off environment variables the library, its
+    requirements or its self-test read (``read_switch``), checked by the loader first.
     """
 
     name: str
@@ -105,6 +114,7 @@ class NativeLibrarySpec:
     structs: tuple[tuple[str, type[ctypes.Structure]], ...] = ()
     self_test: Callable[[NativeLibrary], str | None] | None = None
     requirements: Callable[[], Sequence[str]] | None = None
+    switches: tuple[str, ...] = ()
 
 
 class NativeLibrary:
@@ -287,9 +297,11 @@ def _library_file_name(spec: NativeLibrarySpec, compiler: str) -> str:
     return f"{spec.name}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(spec: NativeLibrarySpec, compiler: str, target: Path) -> None:
-    """Compile into a fresh private directory, then rename onto ``target`` (atomic: a
-    concurrent loader sees the old file or the whole new one)."""
+def _build_and_open(spec: NativeLibrarySpec, compiler: str, target: Path
+                    ) -> tuple[NativeLibrary | None, str]:
+    """Compile into a fresh private directory, load and check the library there, and only
+    when it passes rename it onto ``target`` (atomic: a concurrent loader sees the old file or
+    the whole new one); the library, or ``None`` and what is wrong (``target`` untouched)."""
     build_dir = Path(tempfile.mkdtemp(prefix=f".{spec.name}-build-", dir=target.parent))
     try:
         out = build_dir / target.name
@@ -299,7 +311,11 @@ def _build(spec: NativeLibrarySpec, compiler: str, target: Path) -> None:
         if proc.returncode:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         os.chmod(out, 0o700)
-        os.replace(out, target)
+        library, problem = _open(spec, out)
+        if library is not None:
+            os.replace(out, target)
+            library.path = target
+        return library, problem
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
 
@@ -388,26 +404,37 @@ def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     directory = _private_cache_directory(notes)
     if directory is None:
         return NativeLibraryStatus(False, ("no usable cache directory: " + "; ".join(notes),))
+    cached_problem: str | None = None
     try:
         target = directory / _library_file_name(spec, compiler)
         if os.path.lexists(target):
-            problem = _file_problem(target)
-            if problem is None:
+            cached_problem = _file_problem(target)
+            if cached_problem is None:
                 library, problem = _open(spec, target)
                 if library is not None:
                     return NativeLibraryStatus(True, (), target, tuple(notes), library)
-            notes.append(f"cached {target.name} was unusable ({problem}); rebuilt it")
-            target.unlink()
-        _build(spec, compiler, target)
+                cached_problem = problem
+        library, problem = _build_and_open(spec, compiler, target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return NativeLibraryStatus(False, (f"could not build or load it: {exc}",), None,
                                    tuple(notes))
-    library, problem = _open(spec, target)
     if library is None:
-        target.unlink(missing_ok=True)
+        if cached_problem is not None:
+            # The same checks fail on a fresh build: not the cached file's fault, so it stays.
+            notes.append(f"cached {target.name} failed ({cached_problem}) and so does a fresh "
+                         f"build; kept the cached file")
         return NativeLibraryStatus(False, (f"freshly built {target.name}: {problem}",), None,
                                    tuple(notes))
+    if cached_problem is not None:
+        notes.append(f"cached {target.name} was unusable ({cached_problem}); rebuilt it")
     return NativeLibraryStatus(True, (), target, tuple(notes), library)
+
+
+def _check_switches(spec: NativeLibrarySpec) -> None:
+    """``ValueError`` naming the first of ``spec.switches`` set to a value ``read_switch``
+    refuses: a setting is the user's to fix, never a reason to rebuild or delete a library."""
+    for env in spec.switches:
+        read_switch(env)
 
 
 _lock = threading.RLock()  # re-entrant: a self-test may load another library
@@ -426,9 +453,11 @@ def load_native_library(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     """Build (first use), check and load ``spec``'s library, once per process (thread-safe).
 
     Never raises for a library that cannot be built or loaded: the status says why (and is
-    logged once at INFO). Raises ``ValueError`` when ``spec.requirements`` does (a bad
+    logged once at INFO). Raises ``ValueError`` when one of ``spec.switches`` has a bad value
+    (checked on every call, before anything else), when ``spec.requirements`` raises (a bad
     setting; nothing is cached then) or another spec already uses ``spec.name``.
     """
+    _check_switches(spec)
     with _lock:
         cached = _results.get(spec.name)
         if cached is not None:

@@ -316,7 +316,7 @@ SPEC = NativeLibrarySpec(
     name="mla_prefill_cpu", sources=("mla_prefill_cpu.c",), abi_version=ABI_VERSION,
     flags=("-O3", "-mavx512f", "-mfma", "-mf16c"),
     structs=(("mla_prefill_args", MlaPrefillArgs),), self_test=_self_test,
-    requirements=_requirements)
+    requirements=_requirements, switches=(SWITCH_ENV,))
 
 _kernel_lock = threading.Lock()
 _kernel: list[tuple[NativeLibrary, NativeMLAPrefillKernel]] = []  # the library it wraps

@@ -111,7 +111,7 @@ SPEC_BF16 = NativeLibrarySpec(
     name="mla_prefill_cpu_bf16", sources=SPEC.sources, abi_version=ABI_VERSION,
     flags=(*SPEC.flags, "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-DMLA_PREFILL_BF16"),
     structs=(("mla_prefill_args", MlaPrefillArgs),), self_test=_self_test,
-    requirements=_requirements)
+    requirements=_requirements, switches=(*SPEC.switches, BF16_SWITCH_ENV))
 
 _kernel_lock = threading.Lock()
 _kernel: list[tuple[NativeLibrary, NativeMLAPrefillKernel]] = []

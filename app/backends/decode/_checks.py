@@ -2,7 +2,10 @@
 
 A decode kernel reads the paged cache through the block table, so a block table too narrow for
 ``seq_lens``, a block id out of range or a query whose batch does not match the table would be
-an out-of-bounds read. ``DecodeMetadata.build`` checks the step's layout once (host copies);
+an out-of-bounds read. ``DecodeMetadata.build`` checks the step's layout once and keeps its own
+int32 host snapshots: never the caller's tensors, so a caller that reuses (rewrites) its
+buffers between two layers of a step cannot change what was checked; int64 values that do not
+fit int32 are refused, never narrowed (``2**32 + 3`` would otherwise read block 3).
 ``check_decode_inputs`` checks each call's tensors against it, before any kernel runs. Every
 failure is a ``ValueError`` (``TypeError`` for a non-tensor) naming the expected and actual value.
 """
@@ -16,13 +19,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from app._validation import is_int
+from app._validation import INT32_MAX, is_int
 
 __all__ = [
     "DecodeMetadata",
     "check_decode_inputs",
     "check_positive_scale",
     "check_query_len",
+    "host_int32_snapshot",
 ]
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -40,10 +44,15 @@ def check_positive_scale(what: str, value: object) -> float:
                              f"dtype {value.dtype}")
         value = float(value.detach().reshape(()).cpu())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a finite float > 0, got {value!r} "
+                         f"({type(value).__name__})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not math.isfinite(number) or not number > 0:
         raise ValueError(f"{what} must be a finite float > 0, got {value!r}")
-    if not math.isfinite(value) or not value > 0:
-        raise ValueError(f"{what} must be a finite float > 0, got {value!r}")
-    return float(value)
+    return number
 
 
 def check_query_len(what: str, query_len: object, batch: int, max_query_len: int) -> int:
@@ -83,7 +92,27 @@ def _check_int_tensor(what: str, t: object, dim: int) -> torch.Tensor:
     if t.dim() != dim or t.dtype not in _INT_DTYPES:
         raise ValueError(f"{what}: expected a {dim}-D int32 tensor, got shape {list(t.shape)} "
                          f"dtype {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{what}: a meta tensor has no values to read")
     return t
+
+
+def host_int32_snapshot(what: str, t: torch.Tensor) -> torch.Tensor:
+    """A contiguous int32 host copy of the int32/int64 tensor ``t`` that is never ``t``'s
+    storage (the caller may rewrite its tensor afterwards). An int64 value outside int32 is a
+    ``ValueError`` naming its index and value: it is never narrowed."""
+    host = t.detach().to("cpu")
+    if host.dtype == torch.int64 and host.numel():
+        low, high = (int(x) for x in torch.aminmax(host))
+        if low < -INT32_MAX - 1 or high > INT32_MAX:
+            bad = ((host < -INT32_MAX - 1) | (host > INT32_MAX)).nonzero()[0].tolist()
+            index = ", ".join(str(i) for i in bad)
+            raise ValueError(f"{what}[{index}] = {int(host[tuple(bad)])} does not fit int32 "
+                             f"(block ids and lengths are int32: at most {INT32_MAX}); it is "
+                             f"refused, not narrowed")
+    snapshot = torch.empty(tuple(host.shape), dtype=torch.int32)
+    snapshot.copy_(host)
+    return snapshot
 
 
 @attrs.define(eq=False)
@@ -91,8 +120,10 @@ class DecodeMetadata:
     """One decode step's layout, shared by every layer of the step.
 
     ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` as given (any
-    device) with int32 contiguous host copies (``*_cpu``); ``query_len`` the uniform number of
-    new tokens per request. ``seq_lens`` counts those new tokens (already in the cache).
+    device; read for their device only) with int32 contiguous host snapshots (``*_cpu``,
+    copies taken and checked at ``build``: what every kernel reads); ``query_len`` the uniform
+    number of new tokens per request. ``seq_lens`` counts those new tokens (already in the
+    cache).
     """
 
     block_table: torch.Tensor
@@ -122,14 +153,15 @@ class DecodeMetadata:
             raise ValueError(f"{what}: block_table has {bt.shape[0]} rows but seq_lens has "
                              f"{sl.shape[0]} entries (one row per request)")
         qlen = check_query_len(what, query_len, int(sl.shape[0]), max_query_len)
-        sl_cpu = sl.detach().to("cpu", torch.int32).contiguous()
+        # Snapshots, never the caller's tensors: checked here once, read by every layer.
+        sl_cpu = host_int32_snapshot(f"{what}: seq_lens", sl)
         lens = tuple(int(x) for x in sl_cpu.tolist())
         for b, n in enumerate(lens):
             if n < qlen:
                 raise ValueError(f"{what}: seq_lens[{b}] = {n} is less than query_len {qlen} "
                                  f"(seq_lens count this step's new tokens)")
         return cls(block_table=bt, seq_lens=sl,
-                   block_table_cpu=bt.detach().to("cpu", torch.int32).contiguous(),
+                   block_table_cpu=host_int32_snapshot(f"{what}: block_table", bt),
                    seq_lens_cpu=sl_cpu, query_len=qlen, seq_lens_list=lens,
                    max_seq_len=max(lens, default=0))
 

@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability
-from app._validation import check_int_at_least, is_int
+from app._validation import check_int_at_least, is_int, tensors_overlap
 from app.backends._declarations import BackendDeclarations
 from app.backends.decode._checks import (
     DecodeMetadata,
@@ -238,7 +238,10 @@ class MLADecodeBackend(BackendDeclarations):
                             qk_rope_head_dim=self.qk_rope_head_dim,
                             kv_cache_dtype=self.kv_cache_dtype)
         shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
-        target = out if out is not None and out.is_contiguous() else torch.empty(
+        # An out= that shares memory with q or the cache is written after the kernel, never
+        # during it (the kernel would read its own output).
+        target = out if out is not None and out.is_contiguous() and not tensors_overlap(
+            out, q) and not tensors_overlap(out, kv_cache) else torch.empty(
             shape, dtype=q.dtype, device=q.device)
         # Kernels write the LSE token-major (next to their output rows); it is handed out
         # head-major.

@@ -44,7 +44,7 @@ from app.backends.cpu.loader import (
     read_switch,
 )
 from app.backends.cpu.pool import run_shares
-from app.backends.cpu.prefill_kernel import _requirements
+from app.backends.cpu.prefill_kernel import SWITCH_ENV, _requirements
 from app.backends.decode.base import DecodeMetadata, MLADecodeBackend
 
 __all__ = ["BF16_DOT_ENV", "SPEC", "CpuMLADecodeBackend", "DecodePlan", "MlaDecodeArgs",
@@ -248,7 +248,7 @@ SPEC = NativeLibrarySpec(
     name="mla_decode_cpu", sources=("mla_decode_cpu.c",), abi_version=ABI_VERSION,
     flags=("-O3", "-mavx512f", "-mfma", "-mf16c"),
     structs=(("mla_decode_args", MlaDecodeArgs),), self_test=_self_test,
-    requirements=_requirements)
+    requirements=_requirements, switches=(SWITCH_ENV, BF16_DOT_ENV))
 
 _kernel_lock = threading.Lock()
 _kernel: list[tuple[NativeLibrary, NativeMLADecodeKernel]] = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import attrs
 import torch
 
+from app._validation import INT32_MAX, tensors_overlap
 from app.backends.lse import lse_rows_to_heads_tokens
 from app.backends.prefill.base import ContextChunkMetadata, MLAPrefillBackend, MLAPrefillMetadata
 
@@ -63,6 +64,9 @@ def check_cu_seqlens(cu: torch.Tensor, what: str, *, batch: int | None = None,
         if values[i] < values[i - 1]:
             raise ValueError(f"{what}: expected non-decreasing prefix sums, got "
                              f"{values[i - 1]} then {values[i]} at index {i}")
+    if values[-1] > INT32_MAX:  # int64 sums narrowed to the kernels' int32 would wrap around
+        raise ValueError(f"{what}: ends at {values[-1]}, beyond int32 (at most {INT32_MAX} "
+                         f"tokens in all); refused, not narrowed")
     if total is not None and values[-1] != total:
         raise ValueError(f"{what}: expected to end at the token count {total}, got {values[-1]}")
     return values
@@ -76,6 +80,11 @@ def _check_device_copy(device_cu: torch.Tensor, host: torch.Tensor, what: str) -
     if tuple(device_cu.shape) != tuple(host.shape):
         raise ValueError(f"{what}: expected shape {list(host.shape)} (as the host copy), "
                          f"got {list(device_cu.shape)}")
+
+
+def _device_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The checked host prefix sums on ``device`` (the host tensor itself on the CPU)."""
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 @attrs.frozen
@@ -124,8 +133,13 @@ class RaggedLayout:
             if declared < actual:
                 raise ValueError(f"{what}: max {name} length is {actual}, but the metadata "
                                  f"declares {declared}")
-        return cls(cu_q=cu_q, cu_kv=cu_kv, cu_q_cpu=cu_q_cpu.to(torch.int32),
-                   cu_kv_cpu=cu_kv_cpu.to(torch.int32), q_lens=q_lens, kv_lens=kv_lens,
+        # Copies of the checked values, never the caller's tensors: the caller may reuse
+        # them, and a device copy that disagreed with the host one would be read unchecked.
+        q_host = cu_q_cpu.to(torch.int32, copy=True)
+        kv_host = cu_kv_cpu.to(torch.int32, copy=True)
+        return cls(cu_q=_device_copy(q_host, cu_q.device),
+                   cu_kv=_device_copy(kv_host, cu_kv.device), cu_q_cpu=q_host,
+                   cu_kv_cpu=kv_host, q_lens=q_lens, kv_lens=kv_lens,
                    q_starts=tuple(q[:-1]), kv_starts=tuple(kv[:-1]), total_q=total_q,
                    total_kv=total_kv, max_q=max(q_lens, default=0),
                    max_kv=max(kv_lens, default=0))
@@ -426,7 +440,9 @@ class RaggedKernelBackend(MLAPrefillBackend):
         if self.requires_cuda and q.device.type != "cuda":
             raise ValueError(f"{name}: expected CUDA tensors (the kernel runs on a GPU), "
                              f"got device {q.device}")
-        result = out if out is not None and out.is_contiguous() else torch.empty(
+        # An out= sharing memory with an input is written after the kernel, never during it.
+        result = out if out is not None and out.is_contiguous() and not any(
+            tensors_overlap(out, t) for t in (q, k, v)) else torch.empty(
             layout.total_q, self.num_heads, self.v_head_dim, dtype=self._out_dtype(q.dtype),
             device=q.device)
         lse = (torch.empty(self.num_heads, layout.total_q, dtype=torch.float32, device=q.device)

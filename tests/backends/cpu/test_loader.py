@@ -382,3 +382,60 @@ def test_a_child_forked_while_the_loader_lock_is_held_can_load(env: Path) -> Non
         release.set()
         holder.join()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# -- a failure the environment causes never costs a cached library (issue 21) ---------------
+
+def _built(env: Path, s: loader.NativeLibrarySpec) -> tuple[Path, int]:
+    status = loader.load_native_library(s)
+    assert status.available and status.path is not None, status.reasons
+    loader.reset_native_libraries()
+    return status.path, status.path.stat().st_ino
+
+
+def test_a_bad_switch_is_refused_by_name_before_anything(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[int] = []
+
+    def self_test(library: loader.NativeLibrary) -> str | None:
+        ran.append(1)
+        return None if loader.read_switch("APP_TEST_DOT") else "dot off"
+
+    s = spec(env, self_test=self_test, switches=("APP_TEST_DOT",))
+    path, inode = _built(env, s)
+    monkeypatch.setenv("APP_TEST_DOT", "maybe")
+    ran.clear()
+    with pytest.raises(ValueError, match="APP_TEST_DOT: expected one of 1/true/on/yes or "
+                                         "0/false/off/no \\(or unset\\), got 'maybe'"):
+        loader.load_native_library(s)
+    assert ran == [] and "tiny3" not in loader._results  # no self-test, nothing cached
+    assert path.stat().st_ino == inode  # the valid cached library is still there
+
+
+def test_a_self_test_the_environment_fails_keeps_the_cached_library(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def self_test(library: loader.NativeLibrary) -> str | None:
+        return "the CPU disagrees today" if os.environ.get("APP_TEST_FAIL") else None
+
+    s = spec(env, self_test=self_test)
+    path, inode = _built(env, s)
+    monkeypatch.setenv("APP_TEST_FAIL", "1")
+    failed = loader.load_native_library(s)
+    assert not failed.available and "the CPU disagrees today" in failed.reasons[0]
+    assert "and so does a fresh build; kept the cached file" in failed.notes[-1]
+    assert path.stat().st_ino == inode
+    assert sorted(p.name for p in cache_dir(env).iterdir()) == [path.name]  # no debris
+    loader.reset_native_libraries()
+    monkeypatch.delenv("APP_TEST_FAIL")
+    again = loader.load_native_library(s)  # loaded as it was: not rebuilt, not deleted
+    assert again.available and again.notes == () and path.stat().st_ino == inode
+
+
+def test_the_decode_kernel_reads_its_switches_through_the_loader(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.backends.decode import cpu_mla
+
+    assert set(cpu_mla.SPEC.switches) == {native.SWITCH_ENV, cpu_mla.BF16_DOT_ENV}
+    monkeypatch.setenv(cpu_mla.BF16_DOT_ENV, "maybe")
+    with pytest.raises(ValueError, match="APP_CPU_DECODE_BF16_DOT: expected one of"):
+        loader.load_native_library(cpu_mla.SPEC)

@@ -1,0 +1,151 @@
+"""Reading and writing the files a user names (config and deployment files, ``--output``).
+
+A path a user gives may name anything: a FIFO (opening one for reading waits for a writer,
+forever), a character device (``/dev/zero`` never ends, ``/dev/stdin`` waits), a directory, a
+socket or a file of many gigabytes. So a file is read only when it is a regular file of at most
+``limit`` bytes: checked with ``os.stat`` before it is opened (a FIFO is never opened), opened
+with ``O_NONBLOCK`` (a FIFO swapped in after the check cannot block either), checked again on
+the open descriptor, and read to at most ``limit + 1`` bytes (a file that grows, or a ``/proc``
+file whose size reads 0, cannot run past the limit). A file is written only when it is a
+regular file or does not exist yet. Every refusal is a ``ValueError`` (``TypeError`` for a
+path that is not one) naming what the file is for, the path and what was found.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["MAX_CONFIG_BYTES", "check_writable_file", "file_kind", "read_regular_file",
+           "write_regular_file"]
+
+#: The largest config or deployment file read (far above any real one; a typo such as a
+#: log file or a disk image is refused before it fills memory).
+MAX_CONFIG_BYTES = 16 << 20
+_READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+               | getattr(os, "O_CLOEXEC", 0))
+_WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0)
+                | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` names, in words: ``"a regular file"``, ``"a FIFO (named pipe)"`` ..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _as_path(path: object, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: expected a path (str or os.PathLike), got {path!r} "
+                        f"({type(path).__name__})")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: expected a str path, got {text!r}")
+    if "\0" in text:
+        raise ValueError(f"{what} {text!r}: a path cannot hold a NUL character")
+    return Path(text)
+
+
+def _os_error(source: str, exc: OSError) -> ValueError:
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return ValueError(f"{source} does not exist")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return ValueError(f"{source} cannot be read: permission denied")
+    return ValueError(f"{source} cannot be read: {exc.strerror or exc}")
+
+
+def _check_regular(source: str, mode: int, expected: str) -> None:
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{source} is a directory; expected {expected}")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{source} is {file_kind(mode)}, not a regular file; expected "
+                         f"{expected}")
+
+
+def _check_size(source: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise ValueError(f"{source} is larger than {limit} bytes ({limit >> 20} MiB), the most "
+                         f"a file of its kind may hold; is it the right file?")
+
+
+def read_regular_file(path: object, what: str, *, expected: str = "a TOML file",
+                      limit: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``), never blocking.
+
+    ``what`` names the file's role (``"config file"``); ``expected`` what it should be.
+    ``ValueError`` when it does not exist, cannot be read, is a directory, FIFO, device or
+    socket (a symbolic link is followed), or holds more than ``limit`` bytes."""
+    source = f"{what} {str(path)!r}"
+    file = _as_path(path, what)
+    try:
+        _check_regular(source, os.stat(file).st_mode, expected)
+        fd = os.open(file, _READ_FLAGS)
+    except OSError as exc:
+        raise _os_error(source, exc) from None
+    try:
+        status = os.fstat(fd)  # the file opened may not be the one checked (a swap)
+        _check_regular(source, status.st_mode, expected)
+        _check_size(source, status.st_size, limit)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise _os_error(source, exc) from None
+    finally:
+        os.close(fd)
+    _check_size(source, size, limit)
+    return b"".join(chunks)
+
+
+def check_writable_file(path: object, what: str) -> Path:
+    """``path`` as a ``Path`` if a result can be written there: a regular file, or a new file
+    in an existing, writable folder; ``ValueError`` saying what is wrong otherwise."""
+    file = _as_path(path, what)
+    source = f"{what} {str(path)!r}"
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise ValueError(f"{source} cannot be written: {exc.strerror or exc}") from None
+    if mode is not None:
+        _check_regular(source, mode, "a file path")
+        if not os.access(file, os.W_OK):
+            raise ValueError(f"{source} is not writable")
+        return file
+    folder = file.parent if str(file.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{source}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{source} is not writable")
+    return file
+
+
+def write_regular_file(path: object, data: bytes, what: str) -> None:
+    """Write ``data`` to ``path``, a regular file or a new one; never opens a FIFO or device
+    for writing (a FIFO with no reader would block, ``/dev/zero`` would swallow the result)."""
+    file = check_writable_file(path, what)
+    source = f"{what} {str(path)!r}"
+    try:
+        fd = os.open(file, _WRITE_FLAGS, 0o666)
+    except OSError as exc:
+        raise ValueError(f"{source} cannot be written: {exc.strerror or exc}") from None
+    try:
+        _check_regular(source, os.fstat(fd).st_mode, "a file path")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        raise ValueError(f"{source} cannot be written: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
