@@ -45,6 +45,7 @@ except ImportError as _exc:  # pragma: no cover - exercised where vLLM is absent
                       f"(vllm.v1.attention.backends.mla.cpu_mla): {_exc}. Install vLLM's CPU "
                       f"build (see README, 'Use inside vLLM')") from _exc
 
+from app._types import MLADimensions
 from app.backends.decode.base import MLADecodeBackend
 from app.integrations import _vllm_backends
 from app.integrations._vllm_plugin import announce_pending
@@ -124,7 +125,8 @@ class AppCPUMLAImpl(CPUMLAImpl):  # type: ignore[misc,unused-ignore]
                          kv_sharing_target_layer_name, **mla_args)
         announce_pending()
         decode = _vllm_backends.decode_backend_class()
-        if not decode.supports_mla_dimensions(self.kv_lora_rank, self.qk_rope_head_dim):
+        if not decode.supports_mla_dimensions(MLADimensions(
+                kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)):
             raise ValueError(f"our {decode.get_name()} decode does not support kv_lora_rank "
                              f"{self.kv_lora_rank} with qk_rope_head_dim "
                              f"{self.qk_rope_head_dim} ({decode.__qualname__}: kv_lora_rank a "
@@ -152,15 +154,12 @@ class AppCPUMLAImpl(CPUMLAImpl):  # type: ignore[misc,unused-ignore]
 
 
 class AppCPUMLABackend(CPUMLABackend):  # type: ignore[misc,unused-ignore]
-    """vLLM's CPU_MLA backend with our decode: any block size, head sizes beyond 576."""
+    """vLLM's CPU_MLA backend with our decode: any block size, head sizes beyond 576. Its name
+    is vLLM's own (``get_name()`` is inherited: ``"CPU_MLA"``, the name vLLM selected; the
+    plugin's log line says it is ours)."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                       torch.float32]
-
-    @staticmethod
-    def get_name() -> str:
-        """``"CPU_MLA"``: the name vLLM selected (the plugin's log line says it is ours)."""
-        return "CPU_MLA"
 
     @staticmethod
     def get_impl_cls() -> type[AppCPUMLAImpl]:
