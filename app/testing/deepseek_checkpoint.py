@@ -130,7 +130,8 @@ def write_deepseek_checkpoint(path: str | Path, spec: DeepseekCheckpointSpec) ->
         (hub / "config.json").write_text(json.dumps(hub_config(spec), indent=2) + "\n")
         config = AutoConfig.from_pretrained(hub)          # transformers reads the Hub layout
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        auto: Any = AutoModelForCausalLM      # typed only where transformers is installed
+        model = auto.from_config(config).to(torch.bfloat16)
         saved = Path(tmp) / "saved"
         model.save_pretrained(saved)                       # transformers' own layout
         for item in saved.iterdir():
@@ -149,7 +150,8 @@ def transformers_greedy(path: str | Path, prompts: list[list[int]], max_tokens: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = loaded.eval()
     out: list[dict[str, list[Any]]] = []
     with torch.no_grad():
         for prompt in prompts:

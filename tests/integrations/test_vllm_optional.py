@@ -23,7 +23,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 def test_importing_app_never_imports_vllm() -> None:
     proc = _python("""
         import sys
-        import app, app.backends, app.integrations, app.mla
+        import app, app.backends, app.integrations, app.mla, app.model
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """)
     assert proc.returncode == 0, proc.stderr
