@@ -2,7 +2,8 @@
 hooks for LLM serving engines.
 
 The public API is re-exported here; the subpackages (``app.backends``, ``app.kvcache``,
-``app.platforms``, ``app.mla``, ``app.testing``) hold the rest. vLLM's documented API over the
+``app.platforms``, ``app.model`` (the DeepSeek-V2/V3 model and its checkpoint loader),
+``app.mla`` (the engine loop), ``app.testing``) hold the rest. vLLM's documented API over the
 active container (the backend enums, ``register_mla_prefill_backend``, the selectors,
 ``KVCacheSpecRegistry``) is ``app.seed_api``.
 """

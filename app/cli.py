@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "backends": "app.commands.backends",
     "kv-plan": "app.commands.kv_plan",
     "run": "app.commands.run",
+    "generate": "app.commands.generate",
     "bench": "app.commands.bench",
 }
 

@@ -214,9 +214,36 @@ def _decode_switch() -> object:
 
 
 def _engine_seed() -> object:
-    from app.mla import MLAEngine
+    from app.model import random_config, random_weights
 
-    return MLAEngine(seed=2**70)
+    return random_weights(random_config(ModelConfig(), vocab_size=8), seed=2**70)
+
+
+def _checkpoint(edit: str) -> Callable[[], object]:
+    """A tiny checkpoint directory whose config.json or weights are wrong in one way."""
+    def load() -> object:
+        import json
+
+        from safetensors.torch import save_file
+
+        from app.model import load_checkpoint
+        directory = Path(_TMP) / f"checkpoint-{edit}"
+        directory.mkdir(exist_ok=True)
+        config = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 8,
+                  "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+                  "num_attention_heads": 1, "q_lora_rank": None, "kv_lora_rank": 4,
+                  "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 2,
+                  "n_routed_experts": None, "dtype": "float32"}
+        tensors = {"model.embed_tokens.weight": torch.zeros(8, 8)}
+        if edit == "architecture":
+            config["architectures"] = ["LlamaForCausalLM"]
+        elif edit == "quantization":
+            config["quantization_config"] = {"quant_method": "awq"}
+        (directory / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(directory / "model.safetensors"))
+        return load_checkpoint(directory)
+
+    return load
 
 
 def _token_ids() -> object:
@@ -362,7 +389,11 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("tensors", "int64 prefill `cu_seqlens` ending beyond int32", _prefill_cu_beyond_int32),
     ("platform", "`APP_CPU_DECODE_BF16_DOT=maybe` (read when CPU_MLA is first loaded)",
      _with_env("APP_CPU_DECODE_BF16_DOT", "maybe", _decode_switch)),
-    ("engine", "`MLAEngine(seed=2**70)`", _engine_seed),
+    ("model", "`random_weights(..., seed=2**70)`", _engine_seed),
+    ("model", "a checkpoint whose config.json names another architecture",
+     _checkpoint("architecture")),
+    ("model", "a checkpoint quantized with AWQ", _checkpoint("quantization")),
+    ("model", "a checkpoint with a tensor missing", _checkpoint("missing")),
     ("KV cache", "a token id beyond int64 (`append_token_ids([3, 2**70])`)", _token_ids),
     ("files", "a deployment file that is `/dev/zero`", lambda: load("/dev/zero")),
     ("files", "a config file that is a FIFO (never opened)",

@@ -14,8 +14,8 @@ import pytest
 
 APP = Path(__file__).parent.parent / "app"
 PUBLIC_PACKAGES = ["app", "app.backends", "app.kvcache", "app.platforms", "app.testing",
-                   "app.mla", "app.deployment", "app.plugins", "app.config", "app.containers",
-                   "app.integrations"]
+                   "app.mla", "app.model", "app.deployment", "app.plugins", "app.config",
+                   "app.containers", "app.integrations"]
 
 
 def _sources() -> list[Path]:

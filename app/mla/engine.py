@@ -1,30 +1,33 @@
 """The generating engine: continuous batching of prefill and decode over one paged latent cache.
 
-``MLAEngine`` is how an engine embeds this library. It resolves everything it needs **once**, at
-start-up: the platform (``container.platform()``), the prefill and decode backend classes (the
-container's selection; decode for the step's query length ``1 + num_speculative_tokens``, and
-checked against the cache block size), the kernel workspaces and the KV-cache spec bindings
-(``get_kv_cache_groups`` + ``KVCacheManager`` over one ``MLAAttentionSpec`` group of
-``num_layers`` layers). Afterwards the hot path holds plain references; nothing is resolved per
-step or per layer.
+``MLAEngine`` is how an engine embeds this library. It builds everything from its container,
+**once**, at start-up: the one config (``container.config()``), the platform, a prefill backend
+instance (``container.mla_prefill_backend()``), a decode backend instance for the step's query
+length (``container.mla_decode_backend(query_len=1 + num_speculative_tokens)``; selection
+checks the cache block size), the kernel workspaces and the KV-cache spec bindings
+(``get_kv_cache_groups`` + ``KVCacheManager`` over one ``MLAAttentionSpec`` group of the
+model's layers). To replace a backend for one engine, override the container's providers.
+Afterwards the hot path holds plain references; nothing is resolved per step or per layer.
 
 Serving::
 
-    engine = MLAEngine(config, container=container, num_layers=1)
+    loaded = load_checkpoint("DeepSeek-V2-Lite")            # app.model.load_checkpoint
+    config = EngineConfig(model=loaded.config.model_config())
+    engine = MLAEngine(create_container(config), weights=loaded.weights)
     engine.add_request(Request("r1", prompt_token_ids, max_new_tokens=64,
-                               stop_token_ids={2}))
+                               stop_token_ids=loaded.eos_token_ids))
     while engine.has_unfinished():
         out = engine.step()        # out.new_tokens: {request_id: tokens emitted this step}
-        for done in out.finished:  # RequestOutput: tokens, finish reason, metrics
+        for done in out.finished:  # RequestOutput: tokens, log-probs, finish reason, metrics
             ...
     engine.abort("r2")             # frees everything a request holds
 
 Each ``step()``: the ``Scheduler`` (``app.mla.scheduler``) picks the decode batch and the chunked
-prefill batch; the model (``app.mla.model``) runs the prefill batch in the non-absorbed form
-through the prefill backend and the decode batch in the absorbed form through the decode
-backend; the tied LM head picks greedy tokens (drafts are verified, ``app.mla.speculative``);
-progress is reported to the ``KVCacheManager`` (full blocks become prefix-cache hits) and
-finished requests free their blocks.
+prefill batch; the model (``app.model.DeepseekModel``) runs the prefill batch in the
+non-absorbed form through the prefill backend and the decode batch in the absorbed form through
+the decode backend; the LM head picks greedy tokens (drafts are verified,
+``app.mla.speculative``); progress is reported to the ``KVCacheManager`` (full blocks become
+prefix-cache hits) and finished requests free their blocks.
 """
 
 from __future__ import annotations
@@ -35,22 +38,16 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from dependency_injector import containers
 
-from app._validation import check_int_at_least, check_seed
-from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app._validation import check_int_at_least
+from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
-from app.backends.registry import DECODE, PREFILL
-from app.backends.selection import check_decode_block_size, select_backend
 from app.config import EngineConfig
 from app.containers import get_container
 from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
 from app.kvcache.kv_cache_manager import KVCacheManager
 from app.kvcache.specs import MLAAttentionSpec
-from app.mla.decode import plan_decode_step
-from app.mla.executor import PrefillSlice
-from app.mla.layer import MLALayerWeights, TokenEmbedding, default_compute_dtype
-from app.mla.model import MLAModel, layer_names
-from app.mla.profiling import NULL_TIMER, PhaseTimer
 from app.mla.requests import (
     FinishReason,
     Request,
@@ -60,22 +57,22 @@ from app.mla.requests import (
 )
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter, accept_greedy
+from app.model.decode import plan_decode_step
+from app.model.model import DeepseekModel, default_compute_dtype, layer_names
+from app.model.prefill import PrefillSlice
+from app.model.profiling import NULL_TIMER, PhaseTimer
+from app.model.weights import ModelWeights
 
 if TYPE_CHECKING:
     from app.containers import Application
     from app.platforms import Platform
 
 __all__ = [
-    "DEFAULT_VOCAB_SIZE",
     "EngineStats",
     "MLAEngine",
     "RequestTooLargeError",
     "StepOutput",
 ]
-
-#: Default vocabulary of the seeded token embedding (and tied LM head).
-DEFAULT_VOCAB_SIZE = 4096
-
 
 class RequestTooLargeError(ValueError):
     """A request needs more KV-cache blocks than the whole pool has: it can never run."""
@@ -138,53 +135,49 @@ class EngineStats:
 
 
 class MLAEngine:
-    """Queue, scheduler, paged latent cache, ``num_layers`` MLA layers and a tied LM head.
+    """Queue, scheduler, paged latent cache and a DeepSeek model (``weights``).
 
-    ``config`` defaults to the container's; ``container`` to the active one. Layer ``l``'s
-    weights are ``MLALayerWeights.generate(config.model, seed + l)``; the embedding (and LM head)
-    is a seeded ``TokenEmbedding`` of ``vocab_size`` tokens. ``step_tokens`` is the token budget
-    per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the n-gram
-    drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops the
-    per-row outputs (benchmarks). ``timer`` charges each phase of each step.
-    ``prefill_backend_class`` / ``decode_backend_class`` replace the container's selection.
+    ``container`` (default: the active one) gives the config, the platform, the backends and
+    the KV-cache bindings; ``weights`` must match its ``config.model`` (heads, dims, softmax
+    scale: build it with ``DeepseekConfig.model_config``). ``step_tokens`` is the token budget
+    per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the
+    n-gram drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops
+    the per-row outputs (benchmarks). ``timer`` charges each phase of each step.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *,
-                 container: Application | None = None, seed: int = 0, num_layers: int = 1,
+    def __init__(self, container: Application | None = None, *, weights: ModelWeights,
                  step_tokens: int = 8192, max_num_seqs: int = 256,
-                 num_speculative_tokens: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                 keep_outputs: bool = True, timer: PhaseTimer | None = None,
-                 prefill_backend_class: type[MLAPrefillBackend] | None = None,
-                 decode_backend_class: type[MLADecodeBackend] | None = None) -> None:
-        check_seed("MLAEngine: seed", seed)
-        check_int_at_least("num_layers", num_layers, 1)
+                 num_speculative_tokens: int = 0, keep_outputs: bool = True,
+                 timer: PhaseTimer | None = None) -> None:
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("num_speculative_tokens", num_speculative_tokens, 0)
+        if isinstance(container, EngineConfig):
+            raise TypeError("MLAEngine takes its config from its container: pass "
+                            "MLAEngine(create_container(config), weights=...)")
         container = get_container() if container is None else container
-        config = container.config() if config is None else config
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if not containers.is_container(container):
+            raise TypeError(f"MLAEngine: expected an app.containers.Application, got "
+                            f"{type(container).__name__}")
+        if not isinstance(weights, ModelWeights):
+            raise TypeError(f"MLAEngine: weights must be app.model.ModelWeights (load_checkpoint "
+                            f"or random_weights), got {type(weights).__name__}")
+        config: EngineConfig = container.config()
         self.config = config
         self.container = container
-        # -- resolved once: platform, backend classes, KV-cache bindings -------------------
+        weights.config.check_model_config(config.model)
+        # -- built once from the container: platform, backends, KV-cache bindings ----------
         self.platform: Platform = container.platform()
-        self.backend_class: type[MLAPrefillBackend] = (
-            prefill_backend_class if prefill_backend_class is not None
-            else select_backend(PREFILL, config, self.platform, container.mla_prefill_backends(),
-                                container.selection_cache()))
-        query_len = 1 + num_speculative_tokens
-        self.decode_backend_class: type[MLADecodeBackend] = (
-            decode_backend_class if decode_backend_class is not None
-            else select_backend(DECODE, config, self.platform, container.mla_decode_backends(),
-                                container.selection_cache(), query_len=query_len))
-        capability = self.platform.get_device_capability()
-        check_decode_block_size(self.decode_backend_class, config.cache.block_size)
-        reasons = self.decode_backend_class.validate_configuration(
-            capability, MLADecodeSelectorConfig.from_engine_config(config, query_len))
-        if reasons:
-            raise ValueError(f"decode backend {self.decode_backend_class.get_name()} cannot "
-                             f"run this configuration (query_len {query_len}): "
-                             f"{'; '.join(reasons)}")
+        device = self.platform.device
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"platform {self.platform!r} runs on device 'cuda', but torch sees "
+                             "no CUDA device here (an emulated platform can select backends, "
+                             "not run them)")
+        prefill_backend: MLAPrefillBackend = container.mla_prefill_backend()
+        decode_backend: MLADecodeBackend = container.mla_decode_backend(
+            query_len=1 + num_speculative_tokens)
+        self.backend_class: type[MLAPrefillBackend] = type(prefill_backend)
+        self.decode_backend_class: type[MLADecodeBackend] = type(decode_backend)
+        num_layers = weights.num_layers
         spec = MLAAttentionSpec.from_model_config(config.model,
                                                   block_size=config.cache.block_size)
         bindings = container.kv_cache_spec_bindings()
@@ -196,27 +189,17 @@ class MLAEngine:
         #: Tokens per block of the group's block table.
         self.block_size = self.kv_cache_groups[0].block_size
         # -- the model --------------------------------------------------------------------
-        device = self.platform.device
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"platform {self.platform!r} runs on device 'cuda', but torch sees "
-                             "no CUDA device here (an emulated platform can select backends, "
-                             "not run them)")
         self.device = device
         self.timer = timer if timer is not None else NULL_TIMER
         model = config.model
-        weights = [MLALayerWeights.generate(model, seed + i) for i in range(num_layers)]
-        embedding = TokenEmbedding.generate(vocab_size, model.hidden_size, model.dtype, seed)
         # The platform answers for bf16; any other 16-bit dtype is decided by the device's own
         # features (an fp16 model on a CPU without AVX512-FP16 computes in float32).
         fast_bf16 = self.platform.has_fast_bfloat16() if model.dtype == torch.bfloat16 else None
-        compute = default_compute_dtype(model.dtype, device, fast_bf16)
-        self.model = MLAModel(
-            config, weights, embedding,
-            self.backend_class.from_config(config, device_capability=capability,
-                                           workspaces=container.kernel_workspaces()),
-            self.decode_backend_class.from_config(config, device_capability=capability),
+        self.model = DeepseekModel(
+            config, weights, prefill_backend, decode_backend,
             num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
-            device=device, compute_dtype=compute, timer=self.timer)
+            device=device, compute_dtype=default_compute_dtype(model.dtype, device, fast_bf16),
+            timer=self.timer)
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=step_tokens,
                                    max_num_seqs=max_num_seqs,
                                    num_speculative_tokens=num_speculative_tokens)
@@ -231,14 +214,9 @@ class MLAEngine:
     # -- convenience views --------------------------------------------------------------
 
     @property
-    def weights(self) -> list[MLALayerWeights]:
-        """The layers' weights (float64 values exactly representable in the model dtype)."""
+    def weights(self) -> ModelWeights:
+        """The model's weights."""
         return self.model.weights
-
-    @property
-    def embedding(self) -> TokenEmbedding:
-        """The token embedding (and tied LM head)."""
-        return self.model.embedding
 
     @property
     def num_waiting(self) -> int:
@@ -295,7 +273,7 @@ class MLAEngine:
             ngram_index=self.drafter.new_index(tokens) if self.drafter else None)
         if self.keep_outputs:
             rows = len(tokens) + request.max_new_tokens
-            state.hidden = torch.zeros(rows, self.config.model.hidden_size,
+            state.hidden = torch.zeros(rows, self.model.hidden_size,
                                        dtype=self.config.model.dtype, device=self.device)
             state.row_kinds = torch.zeros(rows, dtype=torch.int8)
         self._states[rid] = state
@@ -374,10 +352,11 @@ class MLAEngine:
                     completing.append(st)
         if completing:
             rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
-            tokens, margins = self.model.greedy(hidden.index_select(0, rows))
+            choice = self.model.greedy(hidden.index_select(0, rows))
             with self.timer.phase("schedule"):
-                for st, token, margin in zip(completing, tokens, margins, strict=True):
-                    self._emit(st, [token], [margin], emitted, reasons)
+                for i, st in enumerate(completing):
+                    self._emit(st, choice.tokens[i:i + 1], choice.margins[i:i + 1],
+                               choice.logprobs[i:i + 1], emitted, reasons)
 
     def _run_decode(self, sched: SchedulerOutput, emitted: dict[str, list[int]],
                     reasons: dict[str, FinishReason]) -> int:
@@ -393,14 +372,15 @@ class MLAEngine:
                 ids.extend(st.drafts if k else ())
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
-        greedy, margins = self.model.greedy(hidden)
+        choice = self.model.greedy(hidden)
         count = 0
         with self.timer.phase("schedule"):
             for b, st in enumerate(states):
                 rows = slice(b * q, (b + 1) * q)
-                accepted, tokens = accept_greedy(st.drafts if k else [], greedy[rows])
+                accepted, tokens = accept_greedy(st.drafts if k else [], choice.tokens[rows])
                 done = st.num_computed_tokens
-                out = self._emit(st, tokens, margins[rows], emitted, reasons)
+                out = self._emit(st, tokens, choice.margins[rows], choice.logprobs[rows],
+                                 emitted, reasons)
                 computed = 1 + min(accepted, len(out) - 1)   # the last emitted is not computed
                 self._keep_rows(st, done, hidden[b * q:b * q + computed], RowKind.DECODE)
                 self.kv_manager.cache_blocks(st.kv, done + computed)
@@ -420,13 +400,15 @@ class MLAEngine:
             st.row_kinds[start:start + rows.shape[0]] = int(kind)
 
     def _emit(self, st: RequestState, tokens: Sequence[int], margins: Sequence[float],
-              emitted: dict[str, list[int]], reasons: dict[str, FinishReason]) -> list[int]:
+              logprobs: Sequence[float], emitted: dict[str, list[int]],
+              reasons: dict[str, FinishReason]) -> list[int]:
         """Append ``tokens`` to the request up to its length limit or first stop token."""
         request = st.request
         out: list[int] = []
-        for token, margin in zip(tokens, margins, strict=False):
+        for token, margin, logprob in zip(tokens, margins, logprobs, strict=False):
             out.append(token)
             st.logit_margins.append(margin)
+            st.logprobs.append(logprob)
             if token in request.stop_token_ids:
                 reasons[st.request_id] = FinishReason.STOP
                 break
@@ -466,6 +448,7 @@ class MLAEngine:
             output_token_ids=tuple(st.output_token_ids), finish_reason=reason,
             num_cached_tokens=max(st.num_cached_tokens, 0),
             num_preemptions=st.num_preemptions, logit_margins=tuple(st.logit_margins),
+            logprobs=tuple(st.logprobs),
             metrics=metrics, hidden=hidden, row_kinds=kinds)
 
     def run(self, requests: Iterable[Request] = ()) -> list[RequestOutput]:

@@ -99,10 +99,12 @@ class RequestOutput:
     """A finished (or aborted) request.
 
     ``output_token_ids`` are the generated tokens; ``logit_margins[i]`` the top-1 minus top-2
-    logit of the row that chose token ``i`` (a near-tie when within rounding). When the engine
+    logit of the row that chose token ``i`` (a near-tie when within rounding) and
+    ``logprobs[i]`` token ``i``'s log-probability under that row's softmax. When the engine
     keeps outputs, ``hidden [S, hidden]`` (model dtype; ``S = len(prompt) + len(outputs)``)
-    holds the last layer's output of every row the request computed and ``row_kinds [S]``
-    (int8, ``RowKind``) says how; rows it did not compute are zero.
+    holds the final normed hidden state (the LM head's input) of every row the request
+    computed and ``row_kinds [S]`` (int8, ``RowKind``) says how; rows it did not compute are
+    zero.
     """
 
     request_id: str
@@ -113,6 +115,7 @@ class RequestOutput:
     num_preemptions: int
     logit_margins: tuple[float, ...]
     metrics: RequestMetrics
+    logprobs: tuple[float, ...] = ()
     hidden: torch.Tensor | None = None
     row_kinds: torch.Tensor | None = None
 

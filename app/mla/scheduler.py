@@ -68,6 +68,7 @@ class RequestState:
     num_blocks: int = 0
     output_token_ids: list[int] = attrs.field(factory=list)
     logit_margins: list[float] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     first_token_time: float | None = None

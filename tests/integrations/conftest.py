@@ -1,7 +1,8 @@
 """vLLM picks its platform at first import: make it the CPU one unless the caller chose.
 
 ``fresh_vllm``: vLLM as a new process sees it (plugins not loaded, ``MLAPrefillBackendEnum.CPU``
-not overridden, no cached selection), restored afterwards. vLLM is imported only when a test
+and ``AttentionBackendEnum.CPU_MLA`` not overridden, no cached selection, no kept plugin line),
+restored afterwards. vLLM is imported only when a test
 asks for it (these tests skip where it is missing).
 """
 
@@ -22,11 +23,19 @@ def fresh_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from vllm.v1.attention.backends.mla.prefill.selector import (
         _auto_select_mla_prefill_backend,
     )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from app.integrations import _vllm_plugin
+
+    def forget() -> None:
+        MLAPrefillBackendEnum.CPU.clear_override()
+        AttentionBackendEnum.CPU_MLA.clear_override()
+        AttentionBackendEnum.AMX_MLA.clear_override()
+        _auto_select_mla_prefill_backend.cache_clear()
+        _vllm_plugin._pending.clear()
 
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    MLAPrefillBackendEnum.CPU.clear_override()
-    _auto_select_mla_prefill_backend.cache_clear()
+    forget()
     yield
-    MLAPrefillBackendEnum.CPU.clear_override()
-    _auto_select_mla_prefill_backend.cache_clear()
+    forget()

@@ -1,4 +1,4 @@
-"""Our vLLM backend against vLLM 0.33's own ``CPUSDPAMLAPrefillBackend``, on vLLM's metadata.
+"""Our vLLM backend against vLLM's own ``CPUSDPAMLAPrefillBackend``, on vLLM's metadata.
 
 Same inputs, same ``MLACommonPrefillMetadata`` (context chunks planned by vLLM's own
 ``build_mla_chunked_context_metadata``), both driven exactly as vLLM's ``MLAAttention`` drives a
@@ -215,7 +215,7 @@ def test_runs_the_torch_sdpa_class_our_container_provides() -> None:
 def _vllm_chunked_prefill(backend: Any, md: Any, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, ctx_k: list[torch.Tensor],
                           ctx_kv_nope: list[torch.Tensor]) -> torch.Tensor:
-    """vLLM 0.33's own chunked prefill around a backend: ``forward_mha`` (new tokens with LSE,
+    """vLLM's own chunked prefill around a backend: ``forward_mha`` (new tokens with LSE,
     then the merge) and ``_compute_prefill_context`` (each chunk's cached tokens gathered from
     ``chunk.starts``/``chunk.seq_lens``, the partials folded by vLLM's helpers)."""
     backend.prepare_metadata(md)

@@ -23,7 +23,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 def test_importing_app_never_imports_vllm() -> None:
     proc = _python("""
         import sys
-        import app, app.backends, app.integrations, app.mla
+        import app, app.backends, app.integrations, app.mla, app.model
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """)
     assert proc.returncode == 0, proc.stderr
@@ -46,7 +46,7 @@ def test_without_vllm_the_plugin_logs_why_and_the_class_module_says_what_to_inst
     assert "returned None" in proc.stdout
     assert "vllm.plugins.app app: not registering" in proc.stderr
     assert "vLLM is not installed" in proc.stderr
-    assert "ImportError app.integrations.vllm needs vLLM 0.33" in proc.stdout
+    assert "ImportError app.integrations.vllm needs vLLM's MLA prefill" in proc.stdout
     assert "Use inside vLLM" in proc.stdout
 
 

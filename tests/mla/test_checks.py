@@ -6,15 +6,15 @@ from __future__ import annotations
 import attrs
 import torch
 
-from app.mla.checks import TeacherForcedReference, check_generation, sample_rows
+from app.mla.checks import check_generation, sample_rows
 from app.mla.engine import MLAEngine
 from app.mla.requests import Request, RequestOutput, RowKind
-from tests.mla.conftest import VOCAB, tiny_config, tiny_container
+from app.model import ReferenceModel
+from tests.mla.conftest import VOCAB, tiny_engine
 
 
 def _run() -> tuple[MLAEngine, list[RequestOutput]]:
-    cfg = tiny_config()
-    engine = MLAEngine(cfg, container=tiny_container(cfg), step_tokens=32, vocab_size=VOCAB)
+    engine = tiny_engine(step_tokens=32)
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     outputs = engine.run([Request("a", prompt, max_new_tokens=8),
                           Request("b", [*prompt[:24], 1, 2, 3], max_new_tokens=8)])
@@ -38,7 +38,7 @@ def test_sample_rows_keeps_the_edges_and_strides_the_rest() -> None:
 
 def test_the_check_catches_a_wrong_row_and_a_wrong_token() -> None:
     engine, (a, b) = _run()
-    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    reference = ReferenceModel(engine.weights)
     good = check_generation(reference, a, max_prefill_rows=None)
     assert good.decode_relative_error < 1e-5 and good.token_mismatches == 0
     assert good.tokens_checked == 8 and good.decode_rows_checked == 7
@@ -50,7 +50,7 @@ def test_the_check_catches_a_wrong_row_and_a_wrong_token() -> None:
     bad_row = check_generation(reference, attrs.evolve(a, hidden=hidden), None)
     assert bad_row.decode_relative_error > 1e-4 and bad_row.prefill_relative_error < 1e-5
     # the least likely token instead of the greedy one
-    row = a.hidden[44].double() @ engine.embedding.table.t()
+    row = a.hidden[44].double() @ engine.weights.lm_head.double().t()
     tokens = list(a.output_token_ids)
     tokens[5] = int(row.argmin())
     wrong = check_generation(reference, attrs.evolve(a, output_token_ids=tuple(tokens)), None)
@@ -77,7 +77,7 @@ def test_a_nan_or_a_zero_reference_never_passes() -> None:
     assert check(0.0, 0.0).decode_relative_error == 0.0
     assert check(1e-3, 2.0).decode_relative_error == 5e-4
     engine, (a, _) = _run()
-    reference = TeacherForcedReference(engine.weights, engine.embedding)
+    reference = ReferenceModel(engine.weights)
     assert a.hidden is not None
     hidden = a.hidden.clone()
     hidden[42] = float("nan")

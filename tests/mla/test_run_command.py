@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from app.cli import main
-from app.commands.run import ProgressBar
-from tests.mla.conftest import TINY
+from app.commands._output import ProgressBar
+from tests.model.conftest import TINY
 
 SMALL = ["--num-requests", "4", "--min-len", "8", "--max-len", "72", "--step-tokens", "48",
          "--min-new-tokens", "2", "--max-new-tokens", "6", "--num-blocks", "64",
@@ -75,7 +75,9 @@ def test_run_speculative_layers_and_check_sample(capsys: pytest.CaptureFixture[s
     assert result["decode_backend"]["chosen"] == "TORCH_SDPA"
     assert result["decode_backend"]["requested"] == "TORCH_SDPA"
     assert result["decode_backend"]["query_len"] == 4
-    assert result["model"]["num_layers"] == 2
+    assert result["model"]["num_hidden_layers"] == 2
+    assert result["model"]["architecture"] == "DeepseekV3ForCausalLM"
+    assert result["model"]["first_k_dense_replace"] == 1 and result["model"]["moe"]
     assert len(result["kv_cache"]["groups"]) == 1
     assert len(result["kv_cache"]["groups"][0]["layers"]) == 2
     spec = result["speculative"]
@@ -103,7 +105,7 @@ def test_run_text_summary_and_progress(capsys: pytest.CaptureFixture[str],
 def test_run_fails_when_the_error_exceeds_the_tolerance(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         tiny_deployment: Path) -> None:
-    from app.mla import reference
+    from app.model import reference
 
     monkeypatch.setitem(reference.REFERENCE_TOLERANCES, torch.float32, 0.0)
     assert main(["run", "--json", *SMALL, "--deployment", str(tiny_deployment)]) == 1
@@ -143,6 +145,7 @@ def test_run_with_a_deployment(capsys: pytest.CaptureFixture[str]) -> None:
     result = _json(capsys)
     assert result["deployment"] == str(EXAMPLE)
     assert result["model"]["dtype"] == "bfloat16"
+    assert result["model"]["source"] == "random (seed 0)"
     assert result["kv_cache"]["pool"]["num_blocks"] == 64
 
 
@@ -202,3 +205,21 @@ def test_bench_run_small(capsys: pytest.CaptureFixture[str]) -> None:
     phases = prefill["phase_seconds_per_step"]
     assert phases["attention_context"] > 0 and phases["gather"] > 0
     assert prefill["prefill_tokens_per_s"] > 0
+
+
+def test_run_on_a_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``run --model DIR``: the main job's workload on a Hugging Face checkpoint, checked
+    against the float64 model of the loaded weights."""
+    pytest.importorskip("transformers")
+    from tests.model.hf_checkpoints import hf_model
+
+    hf_model("v2_lite").save_pretrained(tmp_path)
+    assert main(["run", "--json", *SMALL, "--model", str(tmp_path), "--dtype", "float32"]) == 0
+    result = _json(capsys)
+    assert result["ok"] is True and result["check"]["passed"] is True
+    model = result["model"]
+    assert model["source"] == str(tmp_path) and model["architecture"] == "DeepseekV2ForCausalLM"
+    assert model["q_lora_rank"] is None and model["load"]["tensors"] > 0
+    assert result["check"]["token_mismatches"] == 0
+    assert main(["run", *SMALL, "--model", str(tmp_path), "--layers", "2"]) == 2
+    assert "--layers sets the random model's depth" in capsys.readouterr().err

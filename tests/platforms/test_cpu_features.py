@@ -11,7 +11,7 @@ import torch
 
 from app import _cpu as cpu_features_module
 from app.cli import main
-from app.mla import default_compute_dtype
+from app.model import default_compute_dtype
 from app.platforms import CpuPlatform, detect_cpu_features, read_cpu_features
 from app.platforms.cpu_features import parse_cpuinfo
 

@@ -24,9 +24,9 @@ import torch
 from app._validation import check_int_at_least
 from app.backends.merge import merge_attn_states
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillMetadata
-from app.mla.cache import PagedLatentCache, slot_indices
-from app.mla.layer import MLALayer
-from app.mla.profiling import NULL_TIMER, PhaseTimer
+from app.model.attention import MLAAttention
+from app.model.cache import PagedLatentCache, slot_indices
+from app.model.profiling import NULL_TIMER, PhaseTimer
 
 __all__ = ["MLAPrefillExecutor", "PrefillSlice", "StepPlan", "plan_context_chunks"]
 
@@ -84,7 +84,7 @@ class MLAPrefillExecutor:
     workspace: ``context_chunk_tokens`` latent rows, and their keys and values).
     """
 
-    def __init__(self, layer: MLALayer, cache: PagedLatentCache, backend: MLAPrefillBackend,
+    def __init__(self, layer: MLAAttention, cache: PagedLatentCache, backend: MLAPrefillBackend,
                  context_chunk_tokens: int, timer: PhaseTimer | None = None) -> None:
         if cache.latent_dim != layer.latent_dim:
             raise ValueError(f"cache latent dim {cache.latent_dim} != layer latent dim "

@@ -8,7 +8,7 @@ For a batch of ``B`` requests, each with ``num_computed`` tokens in the cache an
    decode backend's ``prepare_metadata`` takes; the caller hands them to the backend once;
 2. per layer (``MLADecodeExecutor.run_planned``): project the new tokens (``q``, latent), write
    their latent into their slots, fold ``W_UK`` into the query's nope part
-   (``MLALayer.absorb_query``: ``[T, H, kv_lora_rank + rope]``), attend over the latent cache
+   (``MLAAttention.absorb_query``: ``[T, H, kv_lora_rank + rope]``), attend over the latent cache
    through the decode backend (``[B, query_len, H, kv_lora_rank]``), apply ``W_UV``
    (``unabsorb_output``) and ``W_o``.
 
@@ -23,9 +23,9 @@ import attrs
 import torch
 
 from app.backends.decode.base import MLADecodeBackend
-from app.mla.cache import PagedLatentCache
-from app.mla.layer import MLALayer
-from app.mla.profiling import NULL_TIMER, PhaseTimer
+from app.model.attention import MLAAttention
+from app.model.cache import PagedLatentCache
+from app.model.profiling import NULL_TIMER, PhaseTimer
 
 __all__ = ["DecodePlan", "MLADecodeExecutor", "plan_decode_step"]
 
@@ -89,7 +89,7 @@ class MLADecodeExecutor:
     """Runs decode steps of one layer in the absorbed form: the layer, its cache, the decode
     backend (shared by every layer; the caller runs ``prepare_metadata`` once per step)."""
 
-    def __init__(self, layer: MLALayer, cache: PagedLatentCache, backend: MLADecodeBackend,
+    def __init__(self, layer: MLAAttention, cache: PagedLatentCache, backend: MLADecodeBackend,
                  timer: PhaseTimer | None = None) -> None:
         if cache.latent_dim != layer.latent_dim or cache.dtype != layer.dtype \
                 or cache.device != layer.device:

@@ -28,8 +28,10 @@ PHASES: tuple[str, ...] = (
     "decode_metadata",   # decode: block tables, slots, positions, prepare_metadata, inputs
     "absorption",        # decode: q_nope x W_UK, and W_UV over the latent output
     "attention_decode",  # decode backend: run_decode over the latent cache
-    "lm_head",           # tied LM head (hidden x E^T)
-    "sample",            # greedy argmax and top-2 margins
+    "mlp",               # RMSNorms around attention and MLP, the SwiGLU MLP or the MoE (router,
+                         # grouped experts, shared experts), the final norm
+    "lm_head",           # LM head (hidden x lm_head^T)
+    "sample",            # greedy argmax, float32 rescoring, top-2 margins, log-probabilities
 )
 
 _NULL = nullcontext()

@@ -1,12 +1,13 @@
-"""The chunked, paged, merged prefill step equals the dense float64 reference."""
+"""The chunked, paged, merged prefill step of a DeepSeek MLA layer equals the dense float64
+reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.mla.executor import PrefillSlice, plan_context_chunks
-from tests.mla.conftest import TOL, Harness
+from app.model import PrefillSlice, plan_context_chunks
+from tests.model.conftest import TOL, Harness
 
 
 def test_plan_context_chunks_packs_in_order_and_respects_the_bound() -> None:
@@ -132,7 +133,7 @@ def test_inputs_are_checked(harness: Harness) -> None:
     h = harness
     tokens = h.tokens(4)
     table = h.blocks(4)
-    x = h.embedding.lookup(torch.tensor(tokens), torch.float32)
+    x = h.lookup(tokens)
     with pytest.raises(ValueError, match="x must be"):
         h.executor.forward(x[:3], [PrefillSlice(table, 0, 4)])
     with pytest.raises(ValueError, match="new token"):

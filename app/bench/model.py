@@ -1,0 +1,225 @@
+"""``python -m app bench model``: the engine on a DeepSeek checkpoint vs transformers' generate.
+
+The checkpoint: ``--model DIR``, or (default) one made with transformers in a temporary
+directory at production attention dims (H=16, kv_lora_rank 512, rope 64, nope 128, v 128; q
+LoRA, yarn, 4 layers, the first dense, then MoE with 16 experts in 4 groups, top-4, 2 shared
+experts; hidden 1024, vocabulary 16384) in ``--dtype`` (bfloat16).
+
+The same random prompts (``--prompt-len`` tokens each, batch 1 and ``--batch``) run through
+each engine, interleaved, best of ``--repeat``:
+
+- ours: ``MLAEngine`` over the checkpoint (``load_checkpoint``; the backends the container
+  selects), prefix caching off so every repetition computes everything;
+- ``transformers``: the same checkpoint loaded with ``from_pretrained`` in the same dtype, its
+  own ``generate`` (greedy, no eos stop).
+
+Each engine is timed generating 1 token (the prefill) and ``--new-tokens`` tokens; prefill
+tokens/s = ``batch * prompt_len / t_1``, decode tokens/s = ``batch * (new - 1) / (t_new -
+t_1)``. Reported per batch size: both engines' rates and our speed-up; the target is a decode
+speed-up of at least 5x at batch 16. Also: our load report (peak RSS over the loaded model's
+size) and the process's peak RSS.
+
+Other engines plug in through ``BASELINES`` (name -> ``factory(directory, dtype)`` returning
+``runner(prompts, new_tokens) -> seconds``): a whole-vLLM runner adds itself there and
+``--baseline NAME`` selects it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform as _platform
+import resource
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.commands._args import positive_int
+from app.config import DTYPE_ALIASES, EngineConfig, dtype_name, parse_dtype
+
+HELP = "the engine on a DeepSeek checkpoint vs transformers' generate: prefill/decode tokens/s"
+
+#: Decode speed-up over transformers at batch 16 that the issue asks for.
+TARGET_DECODE_SPEEDUP = 5.0
+
+#: The production-dims checkpoint made when no ``--model`` is given (transformers kwargs).
+BENCH_MODEL: dict[str, Any] = {
+    "vocab_size": 16384, "hidden_size": 1024, "intermediate_size": 2816,
+    "moe_intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "q_lora_rank": 512, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 16, "n_shared_experts": 2, "num_experts_per_tok": 4, "n_group": 4,
+    "topk_group": 2, "first_k_dense_replace": 1, "max_position_embeddings": 163840,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                        "original_max_position_embeddings": 4096, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    "initializer_range": 0.02,
+}
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint, the workload, the baseline."""
+    parser.add_argument("--model", type=Path, default=None, metavar="DIR",
+                        help="a DeepSeek-V2/V3 checkpoint (default: a production-dims one made "
+                             "with transformers in a temporary directory)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_ALIASES),
+                        help="dtype of both engines (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=positive_int, default=256,
+                        help="tokens per prompt (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=positive_int, default=32,
+                        help="tokens generated per prompt (default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=16,
+                        help="the larger batch (the other is 1) (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=2,
+                        help="repetitions, interleaved; the best is kept (default: %(default)s)")
+    parser.add_argument("--baseline", default="transformers",
+                        help="the engine compared against (default: %(default)s; others "
+                             "register in app.bench.model.BASELINES)")
+
+
+def make_bench_checkpoint(directory: Path, dtype: torch.dtype, seed: int = 0) -> Path:
+    """Save ``BENCH_MODEL`` (transformers' init, ``seed``) in ``dtype`` to ``directory``."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("bench model makes its checkpoint with transformers: pip install "
+                          "'app[test]' (or pass --model DIR)") from None
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(**BENCH_MODEL)
+    model: Any = transformers.DeepseekV3ForCausalLM(config)
+    model = model.to(dtype)
+    model.save_pretrained(directory)
+    del model
+    return directory
+
+
+class _Ours:
+    """Our engine over one checkpoint, loaded once; one fresh engine per timed run."""
+
+    def __init__(self, directory: Path, dtype: torch.dtype) -> None:
+        from app.model import load_checkpoint
+
+        self.loaded = load_checkpoint(directory, dtype)
+        self.dtype = dtype
+
+    def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
+        from app.containers import create_container
+        from app.mla import MLAEngine, Request
+
+        blocks = sum(-(-(len(p) + new_tokens) // 16) for p in prompts) + 8
+        config = EngineConfig.from_dict({"cache": {"block_size": 16, "num_blocks": blocks,
+                                                   "enable_prefix_caching": False}})
+        config = EngineConfig(model=self.loaded.config.model_config(self.dtype),
+                              cache=config.cache)
+        engine = MLAEngine(create_container(config), weights=self.loaded.weights,
+                           step_tokens=max(8192, sum(len(p) for p in prompts)),
+                           keep_outputs=False)
+        start = time.perf_counter()
+        engine.run(Request(f"r{i}", p, max_new_tokens=new_tokens) for i, p in enumerate(prompts))
+        return time.perf_counter() - start
+
+
+class _Transformers:
+    """transformers' ``generate`` on the same checkpoint (loaded once)."""
+
+    def __init__(self, directory: Path, dtype: torch.dtype) -> None:
+        import transformers
+
+        model: Any = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        self.model = model.eval()
+
+    def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - start
+
+
+#: Baseline engines by name: each ``factory(directory, dtype)`` returns a callable
+#: ``(prompts, new_tokens) -> seconds``.
+BASELINES: dict[str, Callable[[Path, torch.dtype], Callable[[list[list[int]], int], float]]] = {
+    "transformers": _Transformers,
+}
+
+
+def _rates(t_first: float, t_all: float, batch: int, prompt_len: int, new: int
+           ) -> dict[str, float]:
+    decode = t_all - t_first
+    return {"prefill_seconds": round(t_first, 4), "generate_seconds": round(t_all, 4),
+            "prefill_tokens_per_s": round(batch * prompt_len / t_first, 1),
+            "decode_tokens_per_s": round(batch * (new - 1) / decode, 1) if decode > 0 else 0.0}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the comparison; the JSON-friendly result (``ok``: the batch-16 decode target)."""
+    dtype = parse_dtype(args.dtype, "--dtype")
+    if args.baseline not in BASELINES:
+        raise ValueError(f"--baseline {args.baseline!r}: known baselines "
+                         f"{sorted(BASELINES)}")
+    if args.new_tokens < 2:
+        raise ValueError("--new-tokens must be >= 2 (decode is timed after the first token)")
+    with tempfile.TemporaryDirectory(prefix="app-bench-model-") as tmp:
+        directory = args.model or make_bench_checkpoint(Path(tmp), dtype)
+        ours = _Ours(directory, dtype)
+        baseline = BASELINES[args.baseline](directory, dtype)
+        vocab = ours.loaded.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        results = []
+        for batch in sorted({1, args.batch}):
+            prompts = torch.randint(2, vocab, (batch, args.prompt_len), generator=gen).tolist()
+            best: dict[str, list[float]] = {"ours": [1e30, 1e30], "baseline": [1e30, 1e30]}
+            for _ in range(args.repeat):
+                for name, runner in (("ours", ours), ("baseline", baseline)):
+                    for slot, new in enumerate((1, args.new_tokens)):
+                        best[name][slot] = min(best[name][slot], runner(prompts, new))
+            mine = _rates(best["ours"][0], best["ours"][1], batch, args.prompt_len,
+                          args.new_tokens)
+            theirs = _rates(best["baseline"][0], best["baseline"][1], batch, args.prompt_len,
+                            args.new_tokens)
+            results.append({
+                "batch": batch, "ours": mine, args.baseline: theirs,
+                "prefill_speedup": round(mine["prefill_tokens_per_s"]
+                                         / max(theirs["prefill_tokens_per_s"], 1e-9), 2),
+                "decode_speedup": round(mine["decode_tokens_per_s"]
+                                        / max(theirs["decode_tokens_per_s"], 1e-9), 2)})
+        report = ours.loaded.report
+    big = results[-1]
+    return {
+        "benchmark": "model",
+        "ok": big["decode_speedup"] >= TARGET_DECODE_SPEEDUP,
+        "model": {"source": str(args.model) if args.model else "BENCH_MODEL (transformers "
+                  "init, temporary directory)", **ours.loaded.config.describe(),
+                  "dtype": dtype_name(dtype)},
+        "workload": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "batches": sorted({1, args.batch}), "repeat": args.repeat},
+        "baseline": args.baseline,
+        "results": results,
+        "targets": {"decode_speedup_at_batch_{}".format(big["batch"]): {
+            "target": f">= {TARGET_DECODE_SPEEDUP}", "measured": big["decode_speedup"],
+            "pass": big["decode_speedup"] >= TARGET_DECODE_SPEEDUP}},
+        "load": report.describe(),
+        "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "torch_threads": torch.get_num_threads(),
+        "machine": {"cpu": _platform.processor() or _platform.machine()},
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """A readable summary."""
+    lines = [f"model: {result['model']['architecture']} {result['model']['dtype']}, "
+             f"{result['model']['num_hidden_layers']} layers, baseline {result['baseline']}"]
+    for r in result["results"]:
+        ours, theirs = r["ours"], r[result["baseline"]]
+        lines.append(f"batch {r['batch']:>3}: prefill {ours['prefill_tokens_per_s']:.0f} vs "
+                     f"{theirs['prefill_tokens_per_s']:.0f} tok/s ({r['prefill_speedup']}x), "
+                     f"decode {ours['decode_tokens_per_s']:.0f} vs "
+                     f"{theirs['decode_tokens_per_s']:.0f} tok/s ({r['decode_speedup']}x)")
+    load = result["load"]
+    lines.append(f"load: {load['seconds']} s, peak RSS {load['peak_rss_ratio']:.2f}x the "
+                 f"model's {load['model_bytes'] / 2**20:.0f} MiB")
+    return "\n".join(lines)

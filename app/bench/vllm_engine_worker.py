@@ -1,0 +1,162 @@
+"""Whole vLLM engines driven from a JSON spec, inside the vLLM environment (a subprocess).
+
+``python -m app.bench.vllm_engine_worker SPEC.json OUT.json``: for each engine of the spec, in
+order, in this one process (vLLM is imported once; each engine is built, used and dropped), it
+builds ``vllm.LLM(model=..., skip_tokenizer_init=True, enforce_eager=True, seed=0, ...)``, runs
+the engine's jobs (prompts as token ids, greedy) and writes what came out. Which backends vLLM
+uses is the process's affair: ``VLLM_PLUGINS=none`` keeps vLLM's own, anything else loads our
+general plugin; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine in this process.
+
+Spec: ``{"fake_amx": bool, "engines": [{"label", "model", "dtype", "max_model_len",
+"max_num_seqs", "tensor_parallel_size", "attention_backend", "jobs": [{"name", "prompts":
+[[token ids]], "max_tokens", "prompt_logprobs": bool, "logprobs": bool, "repeat": int,
+"warmup": bool}]}]}``. Out: ``{"vllm_version", "pid", "torch_threads", "engines": [{"label",
+"init_s", "registered_here", "impl_classes", "prefill_classes", "jobs": [{"name", "tokens",
+"prompt_logprobs", "logprobs", "seconds", "prompt_tokens", "generated_tokens"}]} or {"label",
+"error"}]}``.
+``fake_amx`` makes torch report AMX tiles (vLLM's check) before vLLM is imported, in this
+process only (an in-process engine), to test what vLLM and our plugin do on an AMX CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "run_spec"]
+
+
+def _prompt_logprobs(result: Any, prompt: list[int]) -> list[float]:
+    """The logprob of each prompt token given the ones before it (the first has none)."""
+    rows = result.prompt_logprobs or []
+    return [float(row[token].logprob) for row, token in zip(rows, prompt, strict=False)
+            if row is not None]
+
+
+def _run_job(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=int(job.get("max_tokens", 16)),
+                            ignore_eos=True, detokenize=False,
+                            prompt_logprobs=0 if job.get("prompt_logprobs") else None,
+                            logprobs=0 if job.get("logprobs") else None)
+    if job.get("warmup"):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2,
+                                                 ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+    seconds, results = [], []
+    for _ in range(int(job.get("repeat", 1))):
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+    out: dict[str, Any] = {
+        "name": job.get("name", ""), "seconds": seconds,
+        "tokens": [list(r.outputs[0].token_ids) for r in results],
+        "prompt_tokens": sum(len(p) for p in job["prompts"]),
+        "generated_tokens": sum(len(r.outputs[0].token_ids) for r in results)}
+    if job.get("prompt_logprobs"):
+        out["prompt_logprobs"] = [_prompt_logprobs(r, p)
+                                  for r, p in zip(results, job["prompts"], strict=True)]
+    if job.get("logprobs"):
+        out["logprobs"] = [[float(step[t].logprob) for step, t in
+                            zip(r.outputs[0].logprobs or [], r.outputs[0].token_ids,
+                                strict=False)] for r in results]
+    return out
+
+
+def _classes_in_use() -> tuple[list[str], list[str]]:
+    """The MLA impl and prefill backend classes alive in this process (in-process engines)."""
+    impls, prefills = set(), set()
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()          # vLLM freezes its start-up objects (gc.freeze), out of get_objects
+    objects = gc.get_objects()
+    if frozen:
+        gc.freeze()
+    for obj in objects:
+        cls = type(obj)
+        names = {c.__name__ for c in cls.__mro__}
+        if "MLACommonBaseImpl" in names:
+            impls.add(f"{cls.__module__}.{cls.__qualname__}")
+        elif "MLAPrefillBackend" in names and cls.__module__.startswith(("vllm", "app.int")):
+            prefills.add(f"{cls.__module__}.{cls.__qualname__}")
+    return sorted(impls), sorted(prefills)
+
+
+def _registered() -> dict[str, str]:
+    """The classes vLLM's registries name in this process (the front-end of a multiprocess
+    engine loads general plugins too)."""
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return {"prefill_CPU": MLAPrefillBackendEnum.CPU.get_path(),
+            "CPU_MLA": AttentionBackendEnum.CPU_MLA.get_path()}
+
+
+def _run_engine(engine: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": engine["model"], "skip_tokenizer_init": True, "enforce_eager": True,
+        "seed": 0, "dtype": engine.get("dtype", "float32"),
+        "max_model_len": int(engine.get("max_model_len", 512)),
+        "max_num_seqs": int(engine.get("max_num_seqs", 8)),
+        "tensor_parallel_size": int(engine.get("tensor_parallel_size", 1))}
+    if engine.get("attention_backend"):
+        kwargs["attention_backend"] = engine["attention_backend"]
+    if engine.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = int(engine["max_num_batched_tokens"])
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"label": engine.get("label", ""),
+                              "init_s": round(time.perf_counter() - start, 2)}
+    result["registered_here"] = _registered()
+    result["jobs"] = [_run_job(llm, job) for job in engine.get("jobs", [])]
+    result["impl_classes"], result["prefill_classes"] = _classes_in_use()
+    del llm
+    gc.collect()
+    return result
+
+
+def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run every engine of ``spec`` (see the module docstring); an engine that fails is
+    reported with its error and the next one still runs."""
+    if spec.get("fake_amx"):
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: True
+    import torch
+    import vllm
+
+    out: dict[str, Any] = {"vllm_version": vllm.__version__, "pid": os.getpid(),
+                           "torch_threads": torch.get_num_threads(), "engines": []}
+    for engine in spec.get("engines", []):
+        try:
+            out["engines"].append(_run_engine(engine))
+        except Exception as exc:  # reported to the caller, which decides
+            out["engines"].append({"label": engine.get("label", ""),
+                                   "error": f"{type(exc).__name__}: {exc}",
+                                   "traceback": traceback.format_exc()[-4000:]})
+            gc.collect()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``SPEC.json OUT.json``: run the spec, write the result; 0 unless the spec is unusable."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        sys.stderr.write("usage: python -m app.bench.vllm_engine_worker SPEC.json OUT.json\n")
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    Path(args[1]).write_text(json.dumps(run_spec(spec)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""The whole DeepSeek-V2/V3 model on the engine's paged latent cache.
+
+``h_0 = embed_tokens[tokens]``; per decoder layer ``h += attn(RMSNorm(h))`` then
+``h += mlp(RMSNorm(h))`` (a SwiGLU MLP or the MoE); ``out = RMSNorm(h)`` and
+``logits = lm_head out`` (greedy). Every layer has its own paged latent cache; all share one
+block table (the layers form one KV-cache group), so block ``b`` of a request is page ``b`` of
+every layer's cache.
+
+Prefill runs the non-absorbed form through the prefill backend (``MLAPrefillExecutor``, one
+per layer, one plan per step); decode the absorbed form through the decode backend
+(``MLADecodeExecutor``). Both backend instances come from the caller (the engine gets them
+from its container) and are shared by the layers. The residual stream is held in the model
+dtype, as transformers holds it.
+
+The LM head runs in the compute dtype; when that is not float32, the best candidates of each
+row (``GREEDY_CANDIDATES``) are rescored in float32, so the greedy choice and its top-1 minus
+top-2 margin are the float32 ones without a float32 copy of the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from app._cpu import detect_cpu_features
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.prefill.base import MLAPrefillBackend
+from app.config import EngineConfig
+from app.model.attention import MLAAttention, rms_norm
+from app.model.cache import PagedLatentCache
+from app.model.decode import DecodePlan, MLADecodeExecutor
+from app.model.moe import MoE, SwiGLU
+from app.model.prefill import MLAPrefillExecutor, PrefillSlice
+from app.model.profiling import NULL_TIMER, PhaseTimer
+from app.model.rope import RotaryEmbedding
+from app.model.weights import ModelWeights, MoEWeights
+
+__all__ = ["GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice", "default_compute_dtype",
+           "layer_names"]
+
+#: Candidates per row rescored in float32 when the LM head runs in a 16-bit dtype.
+GREEDY_CANDIDATES = 8
+
+
+def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
+                          fast_low_precision: bool | None = None) -> torch.dtype:
+    """The dtype projections, MLPs and the LM head run in: ``dtype``, or float32 for a 16-bit
+    ``dtype`` on a device without fast 16-bit matmul (``fast_low_precision``; when None, a
+    CPU's own features decide: AVX512-BF16 / AMX-BF16 for bf16, AVX512-FP16 for fp16)."""
+    device = torch.device(device)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return dtype
+    if fast_low_precision is None:
+        if device.type != "cpu":
+            return dtype
+        features = detect_cpu_features()
+        fast_low_precision = (features.fast_bfloat16 if dtype == torch.bfloat16
+                              else features.fast_float16)
+    return dtype if fast_low_precision else torch.float32
+
+
+def layer_names(num_layers: int) -> list[str]:
+    """The attention layer names of the KV-cache group: ``model.layers.{i}.self_attn``."""
+    return [f"model.layers.{i}.self_attn" for i in range(num_layers)]
+
+
+@attrs.frozen
+class GreedyChoice:
+    """Per row: the greedy token, its top-1 minus top-2 logit (float32) and its log-probability
+    under the row's softmax."""
+
+    tokens: list[int]
+    margins: list[float]
+    logprobs: list[float]
+
+
+class DeepseekModel:
+    """Embedding, decoder layers, caches, final norm and LM head on one device.
+
+    ``weights`` must match ``config.model`` (heads, dims, softmax scale); the caches have
+    ``num_blocks`` blocks of ``block_size`` tokens in the model dtype (``config.model.dtype``);
+    ``compute_dtype`` is the dtype of the projections, MLPs and LM head.
+    """
+
+    def __init__(self, config: EngineConfig, weights: ModelWeights,
+                 prefill_backend: MLAPrefillBackend, decode_backend: MLADecodeBackend, *,
+                 num_blocks: int, block_size: int, device: torch.device,
+                 compute_dtype: torch.dtype, timer: PhaseTimer | None = None) -> None:
+        arch = weights.config
+        arch.check_model_config(config.model)
+        self.config = config
+        self.arch = arch
+        self.weights = weights
+        self.device = device
+        self.dtype = config.model.dtype
+        self.compute_dtype = compute_dtype
+        self.eps = arch.rms_norm_eps
+        self.timer = timer if timer is not None else NULL_TIMER
+        rope = RotaryEmbedding(arch.rope, arch.qk_rope_head_dim, compute_dtype, device,
+                               interleaved=arch.rope_interleave)
+        self.attention = [MLAAttention(arch, layer.attention, dtype=self.dtype,
+                                       compute_dtype=compute_dtype, device=device, rope=rope)
+                          for layer in weights.layers]
+        self.mlps: list[SwiGLU | MoE] = [
+            MoE(arch.moe, layer.mlp, compute_dtype, device)
+            if isinstance(layer.mlp, MoEWeights) and arch.moe is not None
+            else SwiGLU(layer.mlp, compute_dtype, device)  # type: ignore[arg-type]
+            for layer in weights.layers]
+        self._norms = [(layer.input_layernorm.to(device=device, dtype=self.dtype),
+                        layer.post_attention_layernorm.to(device=device, dtype=self.dtype))
+                       for layer in weights.layers]
+        self._final_norm = weights.norm.to(device=device, dtype=self.dtype)
+        self._embed = weights.embed_tokens.to(device=device, dtype=self.dtype)
+        self._lm_head = weights.lm_head.to(device=device, dtype=compute_dtype)
+        self.caches = [PagedLatentCache(num_blocks, block_size, attn.latent_dim, self.dtype,
+                                        device) for attn in self.attention]
+        chunk = config.attention.context_chunk_tokens
+        self.prefill_executors = [
+            MLAPrefillExecutor(attn, cache, prefill_backend, chunk, self.timer)
+            for attn, cache in zip(self.attention, self.caches, strict=True)]
+        self.decode_executors = [MLADecodeExecutor(attn, cache, decode_backend, self.timer)
+                                 for attn, cache in zip(self.attention, self.caches, strict=True)]
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return len(self.attention)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding and of the LM head."""
+        return int(self._embed.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        """``D``."""
+        return int(self._embed.shape[1])
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of every layer's cache storage."""
+        return sum(cache.nbytes for cache in self.caches)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids [T]`` int64 -> ``[T, D]`` in the model dtype on the device."""
+        return self._embed.index_select(0, token_ids.to(self.device))
+
+    def _input_norm(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        with self.timer.phase("mlp"):
+            return rms_norm(h, self._norms[i][0], self.eps)
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        with self.timer.phase("mlp"):
+            normed = rms_norm(h, self._norms[i][1], self.eps)
+            return h + self.mlps[i](normed).to(self.dtype)
+
+    def _final(self, h: torch.Tensor) -> torch.Tensor:
+        with self.timer.phase("mlp"):
+            return rms_norm(h, self._final_norm, self.eps)
+
+    def prefill(self, token_ids: torch.Tensor, batch: Sequence[PrefillSlice]) -> torch.Tensor:
+        """A chunked-prefill step of every layer: ``token_ids [T]`` are the new tokens of
+        ``batch`` (request by request). Returns the final normed hidden states ``[T, D]``."""
+        first = self.prefill_executors[0]
+        with self.timer.phase("metadata"):
+            plan = first.plan(batch)
+            if token_ids.dim() != 1 or token_ids.shape[0] != plan.metadata.total_q:
+                raise ValueError(f"token_ids must be [{plan.metadata.total_q}], got "
+                                 f"{list(token_ids.shape)}")
+            self.prefill_backend.prepare_metadata(plan.metadata)
+            h = self.embed(token_ids)
+        for i, executor in enumerate(self.prefill_executors):
+            h = h + executor.run_planned(self._input_norm(i, h), plan)
+            h = self._mlp(i, h)
+        return self._final(h)
+
+    def decode(self, token_ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        """A decode step of every layer over a planned batch: ``token_ids [B * query_len]``
+        (request-major). Returns the final normed hidden states ``[B * query_len, D]``."""
+        with self.timer.phase("decode_metadata"):
+            self.decode_backend.prepare_metadata(plan.block_table, plan.seq_lens,
+                                                 plan.query_len)
+            h = self.embed(token_ids)
+        for i, executor in enumerate(self.decode_executors):
+            h = h + executor.run_planned(self._input_norm(i, h), plan)
+            h = self._mlp(i, h)
+        return self._final(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``hidden [N, D]`` -> logits ``[N, vocab]`` in the compute dtype."""
+        with self.timer.phase("lm_head"):
+            return F.linear(hidden.to(self.compute_dtype), self._lm_head)
+
+    def greedy(self, hidden: torch.Tensor) -> GreedyChoice:
+        """Greedy tokens of ``hidden [N, D]`` with float32 margins and log-probabilities (see
+        the module docstring)."""
+        logits = self.logits(hidden)
+        with self.timer.phase("sample"):
+            n, vocab = logits.shape
+            if vocab < 2:
+                return GreedyChoice(logits.argmax(dim=1).tolist(), [float("inf")] * n,
+                                    [0.0] * n)
+            if logits.dtype == torch.float32:
+                lse = torch.logsumexp(logits, dim=1)
+                top = torch.topk(logits, 2, dim=1)
+                values, indices = top.values, top.indices
+            else:
+                candidates = torch.topk(logits, min(GREEDY_CANDIDATES, vocab), dim=1).indices
+                rows = self._lm_head.index_select(0, candidates.reshape(-1)).view(
+                    n, candidates.shape[1], -1).float()
+                exact = torch.einsum("nkd,nd->nk", rows, hidden.float())
+                # The softmax's normaliser with the largest logits (which dominate it) exact.
+                lse = torch.logsumexp(logits.float().scatter_(1, candidates, exact), dim=1)
+                best = torch.topk(exact, 2, dim=1)
+                values, indices = best.values, candidates.gather(1, best.indices)
+            margins = (values[:, 0] - values[:, 1]).tolist()
+            logprobs = (values[:, 0] - lse).tolist()
+            return GreedyChoice(indices[:, 0].tolist(), margins, logprobs)

@@ -1,0 +1,142 @@
+"""The feed-forward half of a decoder layer: a SwiGLU MLP, or DeepSeek's mixture of experts.
+
+``SwiGLU``: ``down(silu(gate x) * up x)`` with ``gate_up [2I, D]`` in one matmul.
+
+``MoE`` (per token, on the normed hidden state ``x [D]``):
+
+1. router logits ``gate x`` in float32 (the gate weight is kept in float32);
+2. scores: ``softmax`` (V2) or ``sigmoid`` (V3);
+3. choice (``route``): V3 adds ``e_score_correction_bias`` to the scores *for choosing only*,
+   keeps the ``topk_group`` groups whose best two choice scores sum highest, and takes the
+   ``num_experts_per_tok`` best choice scores among their experts. V2 ``greedy`` takes the top
+   experts; ``group_limited_greedy`` first keeps the groups with the highest single score;
+4. weights: the chosen experts' plain scores, divided by their sum when ``norm_topk_prob``,
+   times ``routed_scaling_factor``;
+5. ``sum_k w_k expert_k(x) + shared(x)``.
+
+Experts run grouped: the ``(token, expert)`` pairs are sorted by expert once, and each expert
+with work runs one matmul over all its tokens (no per-token loop), accumulated in float32 (or
+the compute dtype when wider).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from app.model.config import MoEConfig
+from app.model.weights import MLPWeights, MoEWeights
+
+__all__ = ["MoE", "Routing", "SwiGLU", "route"]
+
+
+class SwiGLU:
+    """A dense SwiGLU MLP on ``device`` in ``compute_dtype`` (weights used in place when they
+    already are)."""
+
+    def __init__(self, weights: MLPWeights, compute_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.intermediate_size = weights.intermediate_size
+        self._gate_up = weights.gate_up_proj.to(device=device, dtype=compute_dtype)
+        self._down = weights.down_proj.to(device=device, dtype=compute_dtype)
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]`` -> ``[T, D]`` in the compute dtype."""
+        h = F.linear(x.to(self.compute_dtype), self._gate_up)
+        inter = self.intermediate_size
+        return F.linear(F.silu(h[:, :inter]) * h[:, inter:], self._down)
+
+
+@attrs.frozen(eq=False)
+class Routing:
+    """The experts chosen per token: ``experts [T, k]`` int64 and their ``weights [T, k]``
+    float32 (normalised and scaled as the config says)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+def _group_mask(choice: torch.Tensor, moe: MoEConfig, best_two: bool) -> torch.Tensor:
+    """Bool ``[T, E]``: experts in the ``topk_group`` best groups of ``choice [T, E]`` (a group
+    scores its best two (V3) or its best one (V2))."""
+    grouped = choice.view(choice.shape[0], moe.n_group, moe.experts_per_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if best_two else grouped.amax(dim=-1)
+    keep = group_scores.topk(moe.topk_group, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    return mask.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, score_bias: torch.Tensor | None) -> Routing:
+    """The routing of router ``logits [T, E]`` (float32) under ``moe`` (module docstring)."""
+    if moe.scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores if score_bias is None else scores + score_bias
+        if moe.n_group > 1:
+            choice = choice.masked_fill(~_group_mask(choice, moe, best_two=True),
+                                        float("-inf"))
+    else:
+        scores = logits.softmax(dim=-1)
+        choice = scores
+        if moe.topk_method == "group_limited_greedy" and moe.n_group > 1:
+            choice = choice.masked_fill(~_group_mask(choice, moe, best_two=False), 0.0)
+    experts = choice.topk(moe.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(experts=experts, weights=weights * moe.routed_scaling_factor)
+
+
+class MoE:
+    """A MoE layer on ``device``: router (float32), stacked routed experts and shared experts in
+    ``compute_dtype``."""
+
+    def __init__(self, moe: MoEConfig, weights: MoEWeights, compute_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config = moe
+        self.compute_dtype = compute_dtype
+        self._gate = weights.gate.to(device=device, dtype=torch.float32)
+        self._bias = None if weights.score_bias is None else weights.score_bias.to(
+            device=device, dtype=torch.float32)
+        self._gate_up = weights.experts_gate_up.to(device=device, dtype=compute_dtype)
+        self._down = weights.experts_down.to(device=device, dtype=compute_dtype)
+        self.intermediate_size = int(self._down.shape[2])
+        self.shared = None if weights.shared is None else SwiGLU(weights.shared, compute_dtype,
+                                                                 device)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """The routing of ``x [T, D]``."""
+        return route(F.linear(x.float(), self._gate), self.config, self._bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]`` -> ``[T, D]`` in the compute dtype."""
+        t = x.shape[0]
+        xc = x.to(self.compute_dtype)
+        routing = self.route(x)
+        k = routing.experts.shape[1]
+        flat_experts = routing.experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.config.n_routed_experts).tolist()
+        tokens = order // k
+        weights = routing.weights.reshape(-1).index_select(0, order)
+        acc = torch.promote_types(self.compute_dtype, torch.float32)
+        inter = self.intermediate_size
+        pieces: list[torch.Tensor] = []
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start:start + count]
+            h = F.linear(xc.index_select(0, rows), self._gate_up[expert])
+            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], self._down[expert])
+            pieces.append(y.to(acc) * weights[start:start + count, None])
+            start += count
+        # Back from expert order to (token, k) order, then the sum over k. (index_add_ would
+        # enter a parallel region per expert however small: slow when threads contend.)
+        routed = torch.empty(t * k, xc.shape[1], dtype=acc, device=xc.device)
+        routed.index_copy_(0, order, torch.cat(pieces))
+        out = routed.view(t, k, -1).sum(dim=1)
+        if self.shared is not None:
+            out += self.shared(xc).to(acc)
+        return out.to(self.compute_dtype)

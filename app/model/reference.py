@@ -1,0 +1,385 @@
+"""The dense float64 reference of the model: no cache, no chunks, no backend, no merge.
+
+``ReferenceModel(weights).outputs(tokens, rows)`` runs the whole model, teacher-forced, on one
+sequence in float64 (``outputs_many`` on several, the last layer's feed-forward batched; keys
+and values up-projected, a causal softmax, every weight upcast) and returns the final normed
+hidden state at ``rows`` with each row's *routing margin*: over the MoE layers, the smallest
+gap between the last expert (or group) chosen and the first one not chosen, in the gate's
+choice scores. Where that gap is within an engine's rounding, the engine may route differently
+and still be right (a routing near-tie). Keys, values and hidden states of the previous
+sequence are reused along the common prefix: check sequences sorted by their tokens and a
+shared prompt is computed once.
+
+``reference_attention`` is one MLA layer alone (for executor tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from app.model.config import DeepseekConfig, MoEConfig
+from app.model.moe import route
+from app.model.rope import apply_rope, rope_inv_freq
+from app.model.weights import AttentionWeights, MLPWeights, ModelWeights, MoEWeights
+
+__all__ = ["REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES", "ROUTING_TOLERANCES",
+           "ReferenceModel", "ReferenceRows", "reference_attention", "reference_tolerance",
+           "routing_margins"]
+
+#: Query rows per block of the blocked causal softmax.
+_ROW_BLOCK = 128
+#: float64 copies kept at most (bytes); larger models upcast on every use.
+REFERENCE_CACHE_BYTES = 2 << 30
+
+#: The largest relative error (max abs error / the reference's max abs) accepted per model
+#: dtype: a few units of the dtype's rounding over the model's chain of roundings (the engine
+#: rounds the residual stream, the latent cache, q/k/v and each projection's output). Measured
+#: on the main job's random model (bf16): 9.7e-3 at most over 1,520 rows.
+REFERENCE_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+#: Routing margins (choice-score units) within which an engine of the dtype may route either
+#: way. Measured in bf16 on the main job's random model: every row whose experts differed from
+#: the float64 choice had a margin below 4.4e-3 (17 of 1,520 rows); 7.5e-3 leaves out ~8%.
+ROUTING_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.float16: 1e-3,
+    torch.bfloat16: 7.5e-3,
+}
+
+
+def reference_tolerance(dtype: torch.dtype) -> float:
+    """The accepted relative error for a model ``dtype`` (``ValueError`` for others)."""
+    if dtype not in REFERENCE_TOLERANCES:
+        raise ValueError(f"no reference tolerance for dtype {dtype}; known: "
+                         f"{[str(d) for d in REFERENCE_TOLERANCES]}")
+    return REFERENCE_TOLERANCES[dtype]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def routing_margins(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """Per row of float64 router ``logits [T, E]``: the smallest gap between chosen and
+    unchosen groups and experts in the choice scores (inf when nothing was left out)."""
+    if moe.scoring_func == "sigmoid":
+        choice = logits.sigmoid() + (0 if bias is None else bias.double())
+    else:
+        choice = logits.softmax(dim=-1)
+    margin = torch.full((logits.shape[0],), float("inf"), dtype=torch.float64)
+    grouped = moe.topk_method != "greedy" and moe.n_group > moe.topk_group
+    if grouped:
+        g = choice.view(-1, moe.n_group, moe.experts_per_group)
+        scores = g.topk(2, dim=-1).values.sum(-1) if moe.scoring_func == "sigmoid" \
+            else g.amax(dim=-1)
+        top = scores.topk(moe.topk_group + 1, dim=-1).values
+        margin = torch.minimum(margin, top[:, -2] - top[:, -1])
+        keep = scores.topk(moe.topk_group, dim=-1).indices
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, keep, True)
+        allowed = mask.unsqueeze(-1).expand_as(g).reshape(choice.shape)
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    k = moe.num_experts_per_tok
+    candidates = moe.topk_group * moe.experts_per_group if grouped else moe.n_routed_experts
+    if candidates > k:
+        top = choice.topk(k + 1, dim=-1).values
+        margin = torch.minimum(margin, top[:, -2] - top[:, -1])
+    return margin
+
+
+class _Weights64:
+    """float64 copies of a model's tensors, cached up to ``REFERENCE_CACHE_BYTES``."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, torch.Tensor] = {}
+        self._bytes = 0
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        hit = self._cache.get(id(t))
+        if hit is not None:
+            return hit
+        out = t.to(device="cpu", dtype=torch.float64)
+        if self._bytes + out.numel() * 8 <= REFERENCE_CACHE_BYTES:
+            self._cache[id(t)] = out
+            self._bytes += out.numel() * 8
+        return out
+
+
+def _queries(c: DeepseekConfig, a: AttentionWeights, f: _Weights64, x: torch.Tensor
+             ) -> torch.Tensor:
+    if a.q_proj is not None:
+        return x @ f(a.q_proj).t()
+    if a.q_a_proj is None or a.q_a_layernorm is None or a.q_b_proj is None:
+        raise ValueError("attention weights have neither q_proj nor the q LoRA")
+    return _rms(x @ f(a.q_a_proj).t(), f(a.q_a_layernorm), c.rms_norm_eps) @ f(a.q_b_proj).t()
+
+
+class _Layer64:
+    """One decoder layer's float64 maths."""
+
+    def __init__(self, config: DeepseekConfig, weights: ModelWeights, index: int,
+                 f: _Weights64) -> None:
+        self.c = config
+        self.w = weights.layers[index]
+        self.f = f
+        c = config
+        self.h, self.p, self.r, self.lr, self.v = (c.num_attention_heads, c.qk_nope_head_dim,
+                                                   c.qk_rope_head_dim, c.kv_lora_rank,
+                                                   c.v_head_dim)
+        self.inv_freq = rope_inv_freq(c.rope, self.r)
+        self.rope_scale = c.rope.cos_sin_scale
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.to(torch.float64), self.inv_freq)
+        return freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+
+    def keys_values(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer inputs ``h [n, D]`` at positions ``start..`` -> ``k [H, n, P+R]``,
+        ``v [H, n, V]``."""
+        a, f, n = self.w.attention, self.f, h.shape[0]
+        x = _rms(h, f(self.w.input_layernorm), self.c.rms_norm_eps)
+        c = x @ f(a.kv_a_proj).t()
+        kv = (_rms(c[:, :self.lr], f(a.kv_a_layernorm), self.c.rms_norm_eps)
+              @ f(a.kv_b_proj).t()).view(n, self.h, self.p + self.v)
+        k = torch.empty(n, self.h, self.p + self.r, dtype=torch.float64)
+        k[..., :self.p] = kv[..., :self.p]
+        if self.r:
+            cos, sin = self._cos_sin(torch.arange(start, start + n))
+            k[..., self.p:] = apply_rope(c[:, self.lr:], cos, sin,
+                                         self.c.rope_interleave)[:, None, :]
+        return k.transpose(0, 1), kv[..., self.p:].transpose(0, 1)
+
+    def attend(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention ``[n, D]`` at the sorted positions ``rows``
+        (inputs ``h_rows``) over keys/values of every earlier position."""
+        a, f, n = self.w.attention, self.f, h_rows.shape[0]
+        x = _rms(h_rows, f(self.w.input_layernorm), self.c.rms_norm_eps)
+        q = _queries(self.c, a, f, x).view(n, self.h, self.p + self.r)
+        if self.r:
+            cos, sin = self._cos_sin(rows)
+            q[..., self.p:] = apply_rope(q[..., self.p:], cos, sin, self.c.rope_interleave)
+        q_h = (q.transpose(0, 1) * self.c.softmax_scale).contiguous()
+        out = torch.empty(self.h, n, self.v, dtype=torch.float64)
+        for b0 in range(0, n, _ROW_BLOCK):
+            pos = rows[b0:b0 + _ROW_BLOCK]
+            end = int(pos[-1]) + 1
+            scores = torch.bmm(q_h[:, b0:b0 + _ROW_BLOCK], k[:, :end].transpose(1, 2))
+            scores.masked_fill_(torch.arange(end).view(1, -1) > pos.view(-1, 1), float("-inf"))
+            torch.bmm(torch.softmax(scores, dim=-1), v[:, :end], out=out[:, b0:b0 + _ROW_BLOCK])
+        return h_rows + out.transpose(0, 1).reshape(n, self.h * self.v) @ f(a.o_proj).t()
+
+    def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h + mlp(RMSNorm(h))`` of rows ``h [n, D]`` (any rows, any sequences), and their
+        routing margins."""
+        x = _rms(h, self.f(self.w.post_attention_layernorm), self.c.rms_norm_eps)
+        mlp, margins = self._mlp(x)
+        return h + mlp, margins
+
+    def forward(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` then ``feed_forward``: the layer's outputs and the rows' margins."""
+        return self.feed_forward(self.attend(h_rows, rows, k, v))
+
+    def _swiglu(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.f(m.gate_up_proj).t()
+        inter = m.intermediate_size
+        return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ self.f(m.down_proj).t()
+
+    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.w.mlp
+        inf = torch.full((x.shape[0],), float("inf"), dtype=torch.float64)
+        if not isinstance(m, MoEWeights) or self.c.moe is None:
+            return self._swiglu(m, x), inf  # type: ignore[arg-type]
+        moe = self.c.moe
+        logits = x @ self.f(m.gate).t()
+        bias = None if m.score_bias is None else self.f(m.score_bias)
+        routing = route(logits, moe, bias)
+        inter = moe.moe_intermediate_size
+        gate_up, down = self.f(m.experts_gate_up), self.f(m.experts_down)
+        # Grouped by expert, then back to (row, k) order and summed over k (no index_add_:
+        # it enters a parallel region per call, slow when threads contend).
+        n, k = routing.experts.shape
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=moe.n_routed_experts).tolist()
+        weights = routing.weights.reshape(-1).index_select(0, order)
+        rows_of = order // k
+        pieces, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = rows_of[start:start + count]
+                h = x.index_select(0, rows) @ gate_up[expert].t()
+                y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down[expert].t()
+                pieces.append(y * weights[start:start + count, None])
+                start += count
+        routed = torch.empty(n * k, x.shape[1], dtype=torch.float64)
+        routed.index_copy_(0, order, torch.cat(pieces))
+        out = routed.view(n, k, -1).sum(dim=1)
+        if m.shared is not None:
+            out += self._swiglu(m.shared, x)
+        return out, routing_margins(logits, moe, bias)
+
+
+@attrs.frozen(eq=False)
+class ReferenceRows:
+    """``hidden [n, D]`` float64 (final normed) at the rows asked for, and each row's smallest
+    routing margin over the MoE layers (``margins [n]``, inf for a dense model)."""
+
+    hidden: torch.Tensor
+    margins: torch.Tensor
+
+
+def _fit(buffer: torch.Tensor | None, dim: int, n: int, keep: int,
+         shape: tuple[int, ...]) -> torch.Tensor:
+    """``buffer`` with room for ``n`` positions along ``dim`` (its first ``keep`` kept)."""
+    if buffer is not None and buffer.shape[dim] >= n:
+        return buffer
+    size = list(shape)
+    size[dim] = max(n, 2 * (0 if buffer is None else buffer.shape[dim]))
+    grown = torch.empty(size, dtype=torch.float64)
+    if buffer is not None and keep:
+        grown.narrow(dim, 0, keep).copy_(buffer.narrow(dim, 0, keep))
+    return grown
+
+
+class ReferenceModel:
+    """The float64 model of ``weights`` (see the module docstring)."""
+
+    def __init__(self, weights: ModelWeights) -> None:
+        self.weights = weights
+        self.config = weights.config
+        self._f = _Weights64()
+        self.layers = [_Layer64(self.config, weights, i, self._f)
+                       for i in range(weights.num_layers)]
+        self._tokens: tuple[int, ...] = ()
+        self._keys: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._values: list[torch.Tensor | None] = [None] * len(self.layers)
+        # Per layer but the last: its output, and the smallest routing margin so far, at every
+        # position of the previous sequence.
+        self._hidden: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._margins: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.reused_tokens = 0
+        self.computed_tokens = 0
+        self._lm_head_f32: torch.Tensor | None = None
+
+    def embed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """float64 embedding rows of ``tokens``."""
+        table = self.weights.embed_tokens
+        return table.index_select(0, torch.tensor(list(tokens), dtype=torch.int64)).double()
+
+    def lm_head_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """float64 LM-head rows ``[len(tokens), D]``."""
+        return self.weights.lm_head.index_select(0, tokens).double()
+
+    def best_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each float64 row ``hidden [n, D]`` (found in float32)."""
+        if self._lm_head_f32 is None:
+            self._lm_head_f32 = self.weights.lm_head.float()
+        return (hidden.float() @ self._lm_head_f32.t()).argmax(dim=1)
+
+    def outputs(self, token_ids: Sequence[int], rows: torch.Tensor) -> ReferenceRows:
+        """The final normed hidden state and routing margin at ``rows`` (sorted int64)."""
+        return self.outputs_many([(token_ids, rows)])[0]
+
+    def outputs_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]
+                     ) -> list[ReferenceRows]:
+        """``outputs`` of each ``(token_ids, rows)`` in order (sort them by tokens for prefix
+        reuse); the last layer's feed-forward runs once over every sequence's rows (its
+        experts' weights are read once, not once per sequence)."""
+        last = self.layers[-1]
+        attended = [self._attend_last(tuple(tokens), rows) for tokens, rows in items]
+        if not attended:
+            return []
+        out, margins = last.feed_forward(torch.cat([h for h, _ in attended]))
+        normed = _rms(out, self._f(self.weights.norm), self.config.rms_norm_eps)
+        results, start = [], 0
+        for h, before in attended:
+            end = start + h.shape[0]
+            results.append(ReferenceRows(hidden=normed[start:end],
+                                         margins=torch.minimum(before, margins[start:end])))
+            start = end
+        return results
+
+    def _attend_last(self, tokens: tuple[int, ...], rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer but the last on the whole sequence (reusing the common prefix), and the
+        last layer's attention at ``rows``: the residual stream there and the margins so far."""
+        common = 0
+        if self._keys[0] is not None:
+            limit = min(len(self._tokens), len(tokens))
+            while common < limit and self._tokens[common] == tokens[common]:
+                common += 1
+        n, last = len(tokens), len(self.layers) - 1
+        x = self.embed(tokens[common:])
+        margins_new = torch.full((n - common,), float("inf"), dtype=torch.float64)
+        for i, layer in enumerate(self.layers):
+            k_new, v_new = layer.keys_values(x, common)
+            k = _fit(self._keys[i], 1, n, common, (layer.h, n, layer.p + layer.r))
+            v = _fit(self._values[i], 1, n, common, (layer.h, n, layer.v))
+            k[:, common:n] = k_new
+            v[:, common:n] = v_new
+            self._keys[i], self._values[i] = k, v
+            if i == last:
+                break
+            x, m = layer.forward(x, torch.arange(common, n), k, v)
+            margins_new = torch.minimum(margins_new, m)
+            h = _fit(self._hidden[i], 0, n, common, (n, x.shape[1]))
+            mg = _fit(self._margins[i], 0, n, common, (n,))
+            h[common:n], mg[common:n] = x, margins_new
+            self._hidden[i], self._margins[i] = h, mg
+        self._tokens = tokens
+        self.reused_tokens += common
+        self.computed_tokens += n - common
+        prev_h = self._hidden[last - 1] if last else None
+        prev_m = self._margins[last - 1] if last else None
+        if prev_h is not None and prev_m is not None:
+            inputs, before = prev_h.index_select(0, rows), prev_m.index_select(0, rows)
+        else:
+            inputs = self.embed([tokens[r] for r in rows.tolist()])
+            before = torch.full((rows.numel(),), float("inf"), dtype=torch.float64)
+        keys, values = self._keys[last], self._values[last]
+        if keys is None or values is None:  # pragma: no cover - filled above
+            raise RuntimeError("no keys")
+        return self.layers[last].attend(inputs, rows, keys, values), before
+
+
+def reference_attention(config: DeepseekConfig, weights: AttentionWeights, x: torch.Tensor,
+                        start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Rows ``start:end`` of one MLA layer's output (``o_proj`` included) on the whole
+    sequence of already-normed inputs ``x [S, D]`` (token ``i`` at position ``i``, causal).
+    float64 ``[end - start, D]`` on the CPU."""
+    seq_len = int(x.shape[0])
+    end = seq_len if end is None else end
+    if not 0 <= start <= end <= seq_len:
+        raise ValueError(f"reference_attention: need 0 <= start <= end <= {seq_len}, "
+                         f"got start={start}, end={end}")
+    f = _Weights64()
+    c = config
+    h, p, r, lr, v = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                      c.kv_lora_rank, c.v_head_dim)
+    x = x[:end].to(device="cpu", dtype=torch.float64)
+    inv_freq = rope_inv_freq(c.rope, r)
+    freqs = torch.outer(torch.arange(end, dtype=torch.float64), inv_freq)
+    cos, sin = freqs.cos() * c.rope.cos_sin_scale, freqs.sin() * c.rope.cos_sin_scale
+    lat = x @ f(weights.kv_a_proj).t()
+    kv = (_rms(lat[:, :lr], f(weights.kv_a_layernorm), c.rms_norm_eps)
+          @ f(weights.kv_b_proj).t()).view(end, h, p + v)
+    k = torch.empty(end, h, p + r, dtype=torch.float64)
+    k[..., :p] = kv[..., :p]
+    if r:
+        k[..., p:] = apply_rope(lat[:, lr:], cos, sin, c.rope_interleave)[:, None, :]
+    q = _queries(c, weights, f, x[start:end]).view(end - start, h, p + r)
+    if r:
+        q[..., p:] = apply_rope(q[..., p:], cos[start:end], sin[start:end], c.rope_interleave)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * c.softmax_scale
+    mask = torch.arange(end).view(1, -1) > torch.arange(start, end).view(-1, 1)
+    scores.masked_fill_(mask, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), kv[..., p:])
+    return out.reshape(end - start, h * v) @ f(weights.o_proj).t()
