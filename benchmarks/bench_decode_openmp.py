@@ -4,7 +4,9 @@ Each round runs, interleaved, every (path, situation) pair on the same library (
 build runs both paths): ``settled`` waits 30 ms before the timed call (torch's OpenMP threads
 asleep), ``after_matmul`` runs a torch matmul (a projection-sized ``[tokens, 7168] x [7168,
 1536]``) right before it, as in a serving engine where decode follows the layer's
-projections. Only the decode call is timed. Prints JSON: best and median ms per pair, and
+projections, ``after_sum`` a ``sum()`` over that weight (an op torch surely runs on its
+OpenMP threads: MKL may run a small fp32 matmul on one thread). Only the decode call is
+timed. Prints JSON: best and median ms per pair, and
 pool/openmp ratios (> 1: OpenMP faster).
 
     python benchmarks/bench_decode_openmp.py [--rounds 10] [--dtypes bfloat16,float32]
@@ -25,6 +27,7 @@ import torch
 from app.backends.decode.cpu_mla import decode_kernel_status, load_decode_kernel, plan_decode
 from app.bench._decode_cases import RANK, Case, make_step
 
+SITUATIONS = ("settled", "after_matmul", "after_sum")
 CASES = [Case("16x8k", 16, 8192), Case("64x4k", 64, 4096),
          Case("64x4k q4", 64, 4096, query_len=4), Case("16x8k h128", 16, 8192, heads=128)]
 
@@ -56,12 +59,14 @@ def _case(case: Case, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
 
     times: dict[str, list[float]] = {}
     for r in range(rounds + 1):                   # round 0: warm-up, not kept
-        for situation in ("settled", "after_matmul"):
+        for situation in SITUATIONS:
             for path in ("pool", "openmp") if r % 2 else ("openmp", "pool"):
                 if situation == "settled":
                     time.sleep(0.03)
-                else:
+                elif situation == "after_matmul":
                     torch.mm(x, w)
+                else:
+                    w.sum()
                 ms = call(path == "openmp")
                 if r:
                     times.setdefault(f"{path}/{situation}", []).append(ms)
@@ -69,7 +74,7 @@ def _case(case: Case, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     for key, values in times.items():
         row[key] = {"best_ms": round(min(values), 3), "median_ms": round(
             statistics.median(values), 3)}
-    for situation in ("settled", "after_matmul"):
+    for situation in SITUATIONS:
         pool, omp = times[f"pool/{situation}"], times[f"openmp/{situation}"]
         row[f"pool_over_openmp/{situation}"] = {
             "best": round(min(pool) / min(omp), 3),

@@ -19,9 +19,11 @@ still uses every core. The shares run on the calling thread's OpenMP team, the t
 own ops run on (awake and spinning right after the layer's projections), when the library is
 built with ``-fopenmp`` bound to the ``libgomp.so.1`` torch loaded (``app.backends.cpu.openmp``
 checks it); otherwise (another OpenMP runtime, a failed build, ``APP_CPU_DECODE_OPENMP=0``, a
-forked child) on the package's own pool (``app.backends.cpu.pool``). Memory per call: one scratch buffer per thread (the packed query and
-accumulators of one request: ``query_len * num_heads * (2 * kv_lora_rank + qk_rope_head_dim)``
-floats) and, for split requests, their partial outputs; nothing grows with the context.
+forked child: see ``cpu.openmp``) on the package's own pool (``app.backends.cpu.pool``).
+Memory per call: one scratch buffer per share (the packed query and accumulators of one
+request: ``query_len * num_heads * (2 * kv_lora_rank + qk_rope_head_dim)`` floats; kept per
+calling thread) and, for split requests, their partial outputs; nothing grows with the
+context.
 
 Built, cached and self-tested by ``app.backends.cpu.loader`` on first use;
 ``APP_CPU_NATIVE_KERNEL=0`` turns it off (as for the prefill kernel). Unavailable (no
@@ -132,7 +134,7 @@ def plan_decode(seq_lens: Sequence[int], workers: int,
         loads[w] += piece[2] - piece[1] + 16      # + a request's fixed cost (packing q)
     sizes = [len(d) for d in dealt if d]
     items = torch.tensor([piece for d in dealt for piece in d], dtype=torch.int64).reshape(-1, 4)
-    shares = tuple(items.split(sizes)) if sizes else ()
+    shares = tuple(torch.split(items, sizes)) if sizes else ()
     share_end = torch.tensor(sizes, dtype=torch.int64).cumsum(0) if sizes else \
         torch.zeros(0, dtype=torch.int64)
     return DecodePlan(shares, torch.tensor(merge, dtype=torch.int64).reshape(-1, 3), parts,
