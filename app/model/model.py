@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from app._cpu import detect_cpu_features
 from app.backends.decode.base import MLADecodeBackend
@@ -32,6 +31,7 @@ from app.config import EngineConfig
 from app.model.attention import MLAAttention, rms_norm
 from app.model.cache import PagedLatentCache
 from app.model.decode import DecodePlan, MLADecodeExecutor
+from app.model.linear import Linear
 from app.model.moe import MoE, SwiGLU
 from app.model.prefill import MLAPrefillExecutor, PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
@@ -115,6 +115,7 @@ class DeepseekModel:
         self._final_norm = weights.norm.to(device=device, dtype=self.dtype)
         self._embed = weights.embed_tokens.to(device=device, dtype=self.dtype)
         self._lm_head = weights.lm_head.to(device=device, dtype=compute_dtype)
+        self._lm_head_linear = Linear(self._lm_head)
         self.caches = [PagedLatentCache(num_blocks, block_size, attn.latent_dim, self.dtype,
                                         device) for attn in self.attention]
         chunk = config.attention.context_chunk_tokens
@@ -194,7 +195,7 @@ class DeepseekModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``hidden [N, D]`` -> logits ``[N, vocab]`` in the compute dtype."""
         with self.timer.phase("lm_head"):
-            return F.linear(hidden.to(self.compute_dtype), self._lm_head)
+            return self._lm_head_linear(hidden.to(self.compute_dtype))
 
     def greedy(self, hidden: torch.Tensor) -> GreedyChoice:
         """Greedy tokens of ``hidden [N, D]`` with float32 margins and log-probabilities (see
