@@ -38,7 +38,7 @@ PACKED_LINEAR_ENV = "APP_CPU_PACKED_LINEAR"
 
 def _ops() -> tuple[Any, Any] | None:
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    if mkldnn is None or not torch.backends.mkldnn.is_available():
+    if mkldnn is None or not torch._C._has_mkldnn:
         return None
     try:
         return mkldnn._reorder_linear_weight, mkldnn._linear_pointwise

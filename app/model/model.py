@@ -38,11 +38,15 @@ from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.rope import RotaryEmbedding
 from app.model.weights import ModelWeights, MoEWeights
 
-__all__ = ["GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice", "default_compute_dtype",
-           "layer_names"]
+__all__ = ["FEED_FORWARD_CHUNK", "GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice",
+           "default_compute_dtype", "layer_names"]
 
 #: Candidates per row rescored in float32 when the LM head runs in a 16-bit dtype.
 GREEDY_CANDIDATES = 8
+#: Rows the feed-forward half of a layer (norm, MLP or MoE) takes at once: a long prefill step
+#: runs it in chunks, so its transient memory (the MoE's per-(token, expert) rows: for 2048
+#: tokens, 4 experts each, ~130 MiB at hidden 1024) stays bounded whatever the step's size.
+FEED_FORWARD_CHUNK = 2048
 
 
 def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
@@ -156,9 +160,14 @@ class DeepseekModel:
             return rms_norm(h, self._norms[i][0], self.eps)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """``h += mlp(RMSNorm(h))`` in place (``h`` is the step's own residual stream), over
+        chunks of at most ``FEED_FORWARD_CHUNK`` rows."""
         with self.timer.phase("mlp"):
-            normed = rms_norm(h, self._norms[i][1], self.eps)
-            return h + self.mlps[i](normed).to(self.dtype)
+            mlp, norm = self.mlps[i], self._norms[i][1]
+            for start in range(0, h.shape[0], FEED_FORWARD_CHUNK):
+                rows = h[start:start + FEED_FORWARD_CHUNK]
+                rows += mlp(rms_norm(rows, norm, self.eps)).to(self.dtype)
+            return h
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         with self.timer.phase("mlp"):
