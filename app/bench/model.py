@@ -224,9 +224,13 @@ def _speedups(mine: dict[str, float], theirs: dict[str, float]) -> dict[str, flo
 def _measure(args: argparse.Namespace, ours: _Ours,
              baseline: Callable[[list[list[int]], int], float]) -> list[dict[str, Any]]:
     """Both engines on the same prompts, batch 1 and ``--batch``, interleaved, best of
-    ``--repeat``."""
+    ``--repeat``, after one untimed warm-up run of each (one-time set-up such as oneDNN's
+    kernel generation is no engine's steady state)."""
     vocab = ours.loaded.config.vocab_size
     gen = torch.Generator().manual_seed(0)
+    warm = torch.randint(2, vocab, (1, args.prompt_len), generator=gen).tolist()
+    for runner in (ours, baseline):
+        runner(warm, 2)
     results = []
     for batch in sorted({1, args.batch}):
         prompts = torch.randint(2, vocab, (batch, args.prompt_len), generator=gen).tolist()

@@ -69,7 +69,6 @@ class WholeVLLM:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
             text=True, encoding="utf-8")
         self.peak_rss_bytes = 0
-        self._warm = False
         self.info = self._ask(self.engine)
         if not self.info.get("ready"):
             self.close()
@@ -117,11 +116,10 @@ class WholeVLLM:
 
     def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
         answer = self._ask({"name": f"{len(prompts)} x {new_tokens}", "prompts": prompts,
-                            "max_tokens": new_tokens, "repeat": 1, "warmup": not self._warm})
+                            "max_tokens": new_tokens, "repeat": 1})
         if "error" in answer:
             raise RuntimeError(f"vLLM job failed: {answer['error']}\n"
                                f"{answer.get('traceback', '')}")
-        self._warm = True
         self.peak_rss_bytes = max(self.peak_rss_bytes, int(answer.get("peak_rss_bytes", 0)))
         if answer.get("generated_tokens") != len(prompts) * new_tokens:
             raise RuntimeError(f"vLLM generated {answer.get('generated_tokens')} tokens, "
