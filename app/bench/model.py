@@ -266,6 +266,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"{sorted(BASELINES)}")
     if args.new_tokens < 2:
         raise ValueError("--new-tokens must be >= 2 (decode is timed after the first token)")
+    if args.baseline == "vllm":
+        from app.bench.model_vllm import check_vllm_python
+
+        check_vllm_python(args.vllm_python)
     if args.threads:
         torch.set_num_threads(args.threads)
     started, load_before = time.perf_counter(), _load()

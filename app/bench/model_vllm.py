@@ -29,10 +29,22 @@ import torch
 from app.bench.vllm_engine import _python_env
 from app.config import dtype_name
 
-__all__ = ["VLLM_KV_CACHE_GIB", "WholeVLLM"]
+__all__ = ["VLLM_KV_CACHE_GIB", "WholeVLLM", "check_vllm_python"]
 
 #: ``VLLM_CPU_KVCACHE_SPACE`` of the baseline engine, GiB (vLLM preallocates it).
 VLLM_KV_CACHE_GIB = 1
+
+
+def check_vllm_python(python: str | None) -> str:
+    """``python``, or ``ValueError`` when it is unset or no file."""
+    if not python:
+        raise ValueError("bench model --baseline vllm needs --vllm-python PATH (or "
+                         "$APP_BENCH_VLLM_PYTHON): the python of an environment with "
+                         "vLLM's CPU build")
+    if not Path(python).is_file():
+        raise ValueError(f"--vllm-python {python!r}: no such file (the python of an "
+                         f"environment with vLLM's CPU build)")
+    return python
 
 
 class WholeVLLM:
@@ -46,13 +58,7 @@ class WholeVLLM:
 
     def __init__(self, directory: Path, dtype: torch.dtype,
                  options: argparse.Namespace) -> None:
-        python = getattr(options, "vllm_python", None)
-        if not python:
-            raise ValueError("bench model --baseline vllm needs --vllm-python PATH (or "
-                             "$APP_BENCH_VLLM_PYTHON): the python of an environment with "
-                             "vLLM's CPU build")
-        if not Path(python).exists():
-            raise ValueError(f"--vllm-python {python!r} does not exist")
+        python = check_vllm_python(getattr(options, "vllm_python", None))
         self.timeout = float(getattr(options, "vllm_timeout", 1800.0))
         longest = options.prompt_len + options.new_tokens + 16
         self.engine = {"label": "vllm", "model": str(directory), "dtype": dtype_name(dtype),

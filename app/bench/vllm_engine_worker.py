@@ -163,6 +163,12 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
 def _peak_rss_bytes() -> int:
     import resource
 
@@ -179,10 +185,9 @@ def serve(requests: Any, answers: Any) -> int:
     line = requests.readline()
     try:
         import torch
-        import vllm
 
         llm, init_s = _build(json.loads(line))
-        answer({"ready": True, "init_s": init_s, "vllm_version": vllm.__version__,
+        answer({"ready": True, "init_s": init_s, "vllm_version": _vllm_version(),
                 "torch_threads": torch.get_num_threads(), "registered_here": _registered(),
                 "peak_rss_bytes": _peak_rss_bytes()})
     except Exception as exc:  # reported to the caller, which decides
