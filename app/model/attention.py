@@ -96,6 +96,11 @@ class MLAAttention:
         self._w_uk_t = per_head[:, :self.qk_nope_head_dim].transpose(1, 2).contiguous()
         self._w_uv = per_head[:, self.qk_nope_head_dim:].contiguous()
 
+    def linears(self) -> list[Linear]:
+        """The layer's matmuls (the absorbed form's per-head products are ``bmm`` s)."""
+        first = [self._x_proj] if self._x_proj is not None else [self._q_in, self._kv_a]
+        return [*first, *([self._q_b] if self.q_lora else []), self._kv_b, self._o]
+
     def _project_x(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q or q_a, kv_a) of ``xc [T, D]`` in the compute dtype."""
         if self._x_proj is not None:

@@ -147,6 +147,15 @@ class DeepseekModel:
         return int(self._embed.shape[1])
 
     @property
+    def reordered_weight_bytes(self) -> int:
+        """Bytes of the weight copies reordered for the matmul path (``app.model.linear``),
+        held beside the plain weights; 0 where nothing is reordered."""
+        linears = [self._lm_head_linear]
+        for attn, mlp in zip(self.attention, self.mlps, strict=True):
+            linears += attn.linears() + mlp.linears()
+        return sum(linear.nbytes for linear in linears)
+
+    @property
     def cache_bytes(self) -> int:
         """Bytes of every layer's cache storage."""
         return sum(cache.nbytes for cache in self.caches)

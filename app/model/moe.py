@@ -43,6 +43,10 @@ class SwiGLU:
         self._down = Linear(weights.down_proj.to(device=device, dtype=compute_dtype))
         self.compute_dtype = compute_dtype
 
+    def linears(self) -> list[Linear]:
+        """The MLP's matmuls."""
+        return [self._gate_up, self._down]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D]`` -> ``[T, D]`` in the compute dtype."""
         return self._down(swiglu(self._gate_up(x.to(self.compute_dtype)),
@@ -111,6 +115,10 @@ class MoE:
         self.intermediate_size = int(down.shape[2])
         self.shared = None if weights.shared is None else SwiGLU(weights.shared, compute_dtype,
                                                                  device)
+
+    def linears(self) -> list[Linear]:
+        """The routed and shared experts' matmuls."""
+        return [*self._gate_up, *self._down, *(self.shared.linears() if self.shared else [])]
 
     def route(self, x: torch.Tensor) -> Routing:
         """The routing of ``x [T, D]``."""

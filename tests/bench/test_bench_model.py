@@ -128,7 +128,7 @@ def test_a_worker_that_dies_is_reported(tmp_path: Path) -> None:
     dead = tmp_path / "python-dead"
     dead.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 3\n")
     dead.chmod(0o755)
-    with pytest.raises(RuntimeError, match="exited .*cannot start"):
+    with pytest.raises(RuntimeError, match=r"exited .*cannot start"):
         WholeVLLM(tmp_path, torch.bfloat16, _options(str(dead)))
 
 
