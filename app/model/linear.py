@@ -15,7 +15,7 @@ process and dtype) finds both operators, reorders a small weight and gets ``F.li
 result on it. Float32 keeps ``F.linear`` (MKL's sgemm, as transformers runs it, so the float32
 tokens stay transformers'); so do other devices, and CPUs where oneDNN has no path for the
 dtype (fp16 needs AVX512-FP16 or AVX-NE-CONVERT). ``APP_CPU_PACKED_LINEAR=0`` turns the
-reordering off.
+reordering off (it is read when a model is built).
 
 The reordered copy is held beside the plain weight (which the caller's ``ModelWeights`` keeps):
 a model built with reordering holds its matmul weights twice.
@@ -24,11 +24,12 @@ a model built with reordering holds its matmul weights twice.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from app.backends.cpu.loader import read_switch
 
 __all__ = ["PACKED_LINEAR_ENV", "Linear", "packed_linear_available"]
 
@@ -73,10 +74,11 @@ def _probe(dtype: torch.dtype) -> bool:
 def packed_linear_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether ``Linear`` reorders weights of ``dtype`` on ``device`` (see the module
     docstring): a 16-bit dtype, a CPU, the oneDNN operators present and agreeing with
-    ``F.linear``, and ``APP_CPU_PACKED_LINEAR`` not ``0``."""
+    ``F.linear``, and ``APP_CPU_PACKED_LINEAR`` not off (read strictly, as every
+    ``APP_CPU_*`` switch: ``ValueError`` for a value that is neither on nor off)."""
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return False
-    if os.environ.get(PACKED_LINEAR_ENV, "1").strip() == "0":
+    if not read_switch(PACKED_LINEAR_ENV):
         return False
     return _probe(dtype)
 
