@@ -236,15 +236,18 @@ def _measure(args: argparse.Namespace, ours: _Ours,
     results = []
     for batch in sorted({1, args.batch}):
         prompts = torch.randint(2, vocab, (batch, args.prompt_len), generator=gen).tolist()
-        best: dict[str, list[float]] = {"ours": [1e30, 1e30], "baseline": [1e30, 1e30]}
+        seconds: dict[str, list[list[float]]] = {"ours": [[], []], "baseline": [[], []]}
         for _ in range(args.repeat):
             for name, runner in (("ours", ours), ("baseline", baseline)):
                 for slot, new in enumerate((1, args.new_tokens)):
-                    best[name][slot] = min(best[name][slot], runner(prompts, new))
-        mine, theirs = (_rates(best[name][0], best[name][1], batch, args.prompt_len,
-                               args.new_tokens) for name in ("ours", "baseline"))
+                    seconds[name][slot].append(round(runner(prompts, new), 4))
+        mine, theirs = (_rates(min(seconds[name][0]), min(seconds[name][1]), batch,
+                               args.prompt_len, args.new_tokens)
+                        for name in ("ours", "baseline"))
         results.append({"batch": batch, "ours": mine, args.baseline: theirs,
-                        **_speedups(mine, theirs)})
+                        **_speedups(mine, theirs),
+                        "seconds": {"ours": seconds["ours"], args.baseline: seconds["baseline"],
+                                    "runs": f"[1 token, {args.new_tokens} tokens] x repeat"}})
     return results
 
 
