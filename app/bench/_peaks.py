@@ -13,6 +13,8 @@ threads), and reports the summed rate:
   bound of a bf16 dot-product kernel (measured only where the CPU has AVX512-BF16).
 
 AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds` says so.
+:meth:`PeakProbe.stream_gbs` reads a buffer far larger than the caches, a slice per thread:
+the memory bound of ``bench decode``'s roofline.
 The probe is built, cached and checked by the shared native loader
 (:mod:`app.backends.cpu.loader`: private cache directories, ABI version).
 """
@@ -46,7 +48,7 @@ FP32_FMA = "fp32_fma"
 BF16_DOT = "bf16_dot"
 
 #: ``APP_NATIVE_LIBRARY(...)`` in ``app/backends/cpu/csrc/cpu_peaks.c``.
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: Seconds one probe call aims for (one per thread; the best of ``repeat`` is kept).
 PROBE_SECONDS = 0.03
 
@@ -77,6 +79,9 @@ class PeakProbe:
             self._bf16.argtypes = [ctypes.c_int64, ctypes.c_uint32]
             flops[BF16_DOT] = library.cpu_peak_dot_bf16_flops_per_iter
         self._flops_per_iter = {kind: int(fn()) for kind, fn in flops.items()}
+        self._stream = library.cpu_stream_read
+        self._stream.restype = ctypes.c_int64
+        self._stream.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self._iters: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -127,6 +132,36 @@ class PeakProbe:
                     future.result()
                 best = min(best, time.perf_counter() - start)
         return workers * iters * self._flops_per_iter[kind] / best / 1e9
+
+
+    def stream_gbs(self, buffer: torch.Tensor, threads: int | None = None,
+                   repeat: int = 1) -> float:
+        """Best GB/s of ``repeat`` reads of ``buffer`` (a contiguous CPU tensor, 64-byte
+        aligned; far larger than the caches), a slice per thread on ``threads`` threads at
+        once (default ``torch.get_num_threads()``): this package's threads, not OpenMP's,
+        whose spinning after a region would slow what is timed next. ``ValueError`` for a
+        buffer that is not so, a thread count or repeat below 1."""
+        workers = torch.get_num_threads() if threads is None else threads
+        if workers < 1 or repeat < 1:
+            raise ValueError(f"stream probe: expected threads >= 1 and repeat >= 1, got "
+                             f"{workers} and {repeat}")
+        nbytes = buffer.numel() * buffer.element_size()
+        share = nbytes // workers // 256 * 256
+        if buffer.device.type != "cpu" or not buffer.is_contiguous() \
+                or buffer.data_ptr() % 64 or share == 0:
+            raise ValueError(f"stream probe: expected a contiguous, 64-byte aligned CPU tensor "
+                             f"of at least {256 * workers} bytes, got {buffer.device} "
+                             f"{tuple(buffer.shape)} at {buffer.data_ptr():#x}")
+        base = buffer.data_ptr()
+        best = float("inf")
+        with ThreadPoolExecutor(workers, thread_name_prefix="app-stream-probe") as pool:
+            for _ in range(repeat):
+                start = time.perf_counter()
+                for future in [pool.submit(self._stream, base + w * share, share)
+                               for w in range(workers)]:
+                    future.result()
+                best = min(best, time.perf_counter() - start)
+        return share * workers / best / 1e9
 
 
 def _requirements() -> list[str]:

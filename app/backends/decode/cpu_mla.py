@@ -27,6 +27,7 @@ AVX-512, no C compiler, switched off), it says why and the selector takes TORCH_
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -198,11 +199,19 @@ class NativeMLADecodeKernel:
                              f"head dim {dim}): expected rank % 64 == 0 and rope % 32 == 0")
 
 
+@functools.cache
+def _cpu_has_bf16_dot() -> bool:
+    """The CPU has AVX512-BF16 and AVX512BW (``/proc/cpuinfo``, read once per process: this
+    is asked on every decode call, and the file is long on a many-core machine)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
 def has_bf16_dot() -> bool:
     """Whether the kernel uses AVX512-BF16 dot products for bf16: the CPU has them (and
-    AVX512BW) and ``$APP_CPU_DECODE_BF16_DOT`` does not turn them off."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags and "avx512bw" in flags and read_switch(BF16_DOT_ENV)
+    AVX512BW) and ``$APP_CPU_DECODE_BF16_DOT`` does not turn them off (read on every call).
+    AMX-BF16 does not enter: the kernel has no AMX path (an AMX CPU has AVX512-BF16 too)."""
+    return _cpu_has_bf16_dot() and read_switch(BF16_DOT_ENV)
 
 
 def _self_test(library: NativeLibrary) -> str | None:

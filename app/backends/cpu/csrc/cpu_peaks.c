@@ -1,4 +1,5 @@
-/* Peak-rate probes of one CPU core: loops of independent multiply-adds held in registers.
+/* Peak-rate probes of one CPU core: loops of independent multiply-adds held in registers,
+ * and a streaming read (the memory bound of the decode benchmark's roofline).
  *
  * Built at first use by app/bench/_peaks.py through the shared loader
  * (app/backends/cpu/loader.py) and called through ctypes (which releases the GIL), one
@@ -12,9 +13,10 @@
 #include <immintrin.h>
 
 #include "app_native.h"
+#include "app_native_simd.h"
 
 /* Bump on any change to an exported function's signature or meaning (_peaks.ABI_VERSION). */
-APP_NATIVE_LIBRARY(1)
+APP_NATIVE_LIBRARY(2)
 
 #define NACC 24
 
@@ -47,7 +49,7 @@ APP_NATIVE_EXPORT float cpu_peak_fma_f32(int64_t iters, float mul, float add) {
 #ifndef APP_NO_AVX512BF16
 /* iters x NACC vdpbf16ps zmm (acc += a.b over bf16 pairs); `bits` is the bf16 pair
  * broadcast into every 32-bit lane of both operands. */
-APP_NATIVE_EXPORT __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
+APP_NATIVE_EXPORT __attribute__((APP_AVX512BF16_ISA))
 float cpu_peak_dot_bf16(int64_t iters, uint32_t bits) {
   const __m512bh x = (__m512bh)_mm512_set1_epi32((int)bits);
 #define DECL(i) __m512 c##i = _mm512_set1_ps((float)(i));
@@ -65,6 +67,24 @@ float cpu_peak_dot_bf16(int64_t iters, uint32_t bits) {
   return _mm512_reduce_add_ps(s);
 }
 #endif
+
+/* One pass over `bytes` bytes at p (64-byte aligned, a multiple of 256) with 512-bit loads
+ * into four independent sums, no software prefetch (the hardware prefetchers stream it):
+ * one thread's share of a stream-bandwidth probe. The sum is returned so the loop stays.
+ * The benchmark calls it on its own threads, not OpenMP's: an OpenMP region leaves its
+ * threads spinning for milliseconds, which slows whatever is timed next on those cores. */
+APP_NATIVE_EXPORT int64_t cpu_stream_read(const void* p, int64_t bytes) {
+  const char* b = (const char*)p;
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t i = 0; i + 256 <= bytes; i += 256) {
+    s0 = _mm512_add_epi64(s0, _mm512_load_si512((const void*)(b + i)));
+    s1 = _mm512_add_epi64(s1, _mm512_load_si512((const void*)(b + i + 64)));
+    s2 = _mm512_add_epi64(s2, _mm512_load_si512((const void*)(b + i + 128)));
+    s3 = _mm512_add_epi64(s3, _mm512_load_si512((const void*)(b + i + 192)));
+  }
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1),
+                                                  _mm512_add_epi64(s2, s3)));
+}
 
 /* 1 where the bf16 probe was compiled in (the compiler knew avx512bf16). */
 APP_NATIVE_EXPORT int32_t cpu_peak_has_bf16_probe(void) {

@@ -3,9 +3,12 @@
  * Built at first use by app/backends/decode/cpu_mla.py through the shared native loader and
  * called through ctypes (which releases the GIL): one call per worker thread, each with its
  * own items and scratch. The cache is read in place through the block table (a chunk of BK
- * keys is a list of row pointers, never a copy), and the latent cache has one KV head, so
- * every row loaded serves all query rows of the request (qlen x heads, in groups of 16: one
- * per vector lane) for both q.k (the whole row) and p.v (its first `rank` values).
+ * keys, SMALL_BK for one group of query rows, is a list of row pointers, never a copy), and
+ * the latent cache has one KV head, so every row loaded serves all query rows of the request
+ * (qlen x heads, in groups of 16: one per vector lane) for both q.k (the whole row) and p.v
+ * (its first `rank` values). At 16 heads that is 30 FLOPs per byte of a bf16 cache, so the
+ * kernel must stream the cache near the core's limit while it computes: the next chunk's rows
+ * are prefetched a line or two at a time from the inner loops (pf_cursor, below).
  *
  * Layout trick: a 32-element chunk of a bf16 row is loaded as one 512-bit vector and split
  * into its even and odd elements with a shift and a mask (no shuffles). The dot product does
@@ -27,32 +30,26 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "app_native_simd.h"
 #include "mla_decode_cpu.h"
 
 APP_NATIVE_LIBRARY(MLA_DECODE_CPU_ABI)
 APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 
 #define G 16   /* query rows per group: one per vector lane */
+#ifndef SMALL_BK
+#define SMALL_BK 32 /* keys per chunk for one group of query rows (see run_item) */
+#endif
 #ifndef BK
 #define BK 64 /* keys per chunk: their rows (72 KiB at D = 576, bf16) stay in L2; 64 rather
                  * than 32 halves the per-chunk costs (accumulator reloads, softmax set-up) */
 #endif
+#if SMALL_BK > BK || SMALL_BK % 4 || BK % 4
+#error "SMALL_BK <= BK, both multiples of 4 (the row pointer arrays have BK entries)"
+#endif
 #define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
 #define LN2 0.6931471805599453f
 #define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
-
-static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-static inline float load_elem(const void* p, int64_t i, int dt) {
-  if (dt == APP_DT_BF16) {
-    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
-  return ((const float*)p)[i];
-}
 
 /* 32 elements at p -> two float32 vectors in the cache order of dt (see the top). */
 static inline __attribute__((always_inline)) void load32(const char* p, const int dt, __m512* a,
@@ -99,23 +96,6 @@ static inline void to_natural(__m512 a, __m512 b, int order, __m512* lo, __m512*
   *hi = _mm512_permutex2var_ps(a, ih, b);
 }
 
-static inline void store16(void* p, int64_t i, __m512 x, int dt) {
-  if (dt == APP_DT_F32) {
-    _mm512_storeu_ps((float*)p + i, x);
-  } else if (dt == APP_DT_F16) {
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else { /* bf16, round to nearest even; a NaN stays a NaN */
-    __m512i bits = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-}
-
 /* lane r of the result = the sum of the lanes of v[r]: a 16 x 16 transpose-and-add. */
 static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
   __m512 x[8], y[4];
@@ -134,33 +114,57 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
-/* 2^x for x <= 0 (relative error ~1e-7); below -126 gives 2^-126; a NaN stays a NaN (the
- * clamp's NaN operand comes second: vmaxps returns its second operand for a NaN). */
-static inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-126.f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+/* Fetching the next chunk while this one computes. Pages are scattered (a hardware
+ * prefetcher stops at every 4 KiB page, and prefetching only the first lines of each page
+ * does not start it), so every line of the next chunk's rows is prefetched by hand. Issued
+ * in bursts (the whole chunk at once, or a row per call) they fill the core's miss buffers
+ * and stall the loads of the work they were meant to hide behind; so they are dealt out a
+ * line or two at a time from the innermost loops of q.k (per register tile of scores) and
+ * p.v (per key or key pair of a tile). The cursor is copied into a local by each function
+ * that steps it, so it lives in registers. Prefetches are hints and never fault; the rows
+ * are those of keys the item reads anyway. */
+typedef struct {
+  const char* const* rows;   /* the next chunk's row pointers */
+  int64_t n_rows, row_bytes; /* rows, and bytes per row rounded up to whole lines */
+  int64_t r, per_call;       /* the row being issued (-1: none yet), lines per call */
+  const char* p;             /* its next line */
+  const char* end;           /* its end */
+} pf_cursor;
+
+static inline __attribute__((always_inline)) void pf_step(pf_cursor* c) {
+  for (int64_t k = 0; k < c->per_call; ++k) {
+    if (c->p >= c->end) {
+      if (++c->r >= c->n_rows) {
+        c->per_call = 0;
+        return;
+      }
+      c->p = c->rows[c->r];
+      c->end = c->p + c->row_bytes;
+    }
+    _mm_prefetch(c->p, _MM_HINT_T1);
+    c->p += 64;
+  }
+}
+
+/* Whatever lines a cursor has not issued yet (its calls were fewer than planned). */
+static inline void pf_finish(pf_cursor* c) {
+  c->per_call = INT64_MAX;
+  pf_step(c);
 }
 
 /* S[j][lane] = q row (g0 + lane) . key j for the n keys at rows[] (q rows past `valid` are
  * zero and their lanes unused). Two keys share each q load; 8 rows x 2 keys per pass. */
 static inline __attribute__((always_inline)) void scores(const float* qg, int64_t d,
                                                          const char* const* rows, int64_t n,
-                                                         int64_t valid, const int dt, float* S) {
+                                                         int64_t valid, const int dt, float* S,
+                                                         pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
   for (int64_t j = 0; j < n; j += 2) {
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
     __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int pass = 0; pass < 2 && pass * 8 < valid; ++pass) {
+      pf_step(pc);
       const float* qr = qg + pass * 8 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -205,10 +209,10 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
   /* A lane that has seen no key yet keeps max -inf; 0 is its reference (its p are 0). */
   const __mmask16 none = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ);
   const __m512 ref = _mm512_mask_mov_ps(vmax, none, _mm512_setzero_ps());
-  const __m512 alpha = exp2_nonpositive(_mm512_sub_ps(m_old, ref));
+  const __m512 alpha = app_exp2_nonpositive(_mm512_sub_ps(m_old, ref));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    __m512 p = exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
+    __m512 p = app_exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
     if (pos0 + j >= tail)
       p = _mm512_maskz_mov_ps(
           _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim), p);
@@ -234,7 +238,7 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
 static inline __attribute__((always_inline)) void pv_tile(
     const float* S, const char* const* rows, int64_t n, int64_t n_main, int64_t pos0,
     const int32_t* limit, int r0, const int pr, float* acc, int64_t rank, int64_t c0,
-    const int dt) {
+    const int dt, pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
   __m512 c[PR][4];
   _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
@@ -242,6 +246,7 @@ static inline __attribute__((always_inline)) void pv_tile(
       c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
                        : _mm512_setzero_ps();
   for (int64_t j = 0; j < n_main; ++j) {
+    pf_step(pc);
     const char* v = rows[j] + c0 * es;
     __m512 a0, b0, a1, b1;
     load32(v, dt, &a0, &b0);
@@ -278,11 +283,13 @@ static inline __attribute__((always_inline)) void pv_tile(
 
 static inline __attribute__((always_inline)) void pv_group(
     const float* S, const char* const* rows, int64_t n, int64_t n_main, int64_t pos0,
-    const int32_t* limit, int64_t valid, float* acc, int64_t rank, const int dt) {
+    const int32_t* limit, int64_t valid, float* acc, int64_t rank, const int dt, pf_cursor* pc) {
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
     for (int r0 = 0; r0 < valid; r0 += PR) {
-      if (valid - r0 >= PR) pv_tile(S, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, dt);
-      else pv_tile(S, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank, c0, dt);
+      if (valid - r0 >= PR)
+        pv_tile(S, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, dt, pc);
+      else
+        pv_tile(S, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank, c0, dt, pc);
     }
 }
 
@@ -290,7 +297,7 @@ static inline __attribute__((always_inline)) void pv_group(
  * pairs of bf16 values and accumulates in float32, twice the multiply-adds of an fp32 FMA.
  * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
  * precision) and pairs keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
-#define BF16_ISA target("avx512f,avx512bw,avx512vl,avx512bf16")
+#define BF16_ISA APP_AVX512BF16_ISA
 #define BF16_TARGET __attribute__((BF16_ISA, noinline))
 
 /* As scores(), from q rows of bf16 bits; the scores are multiplied by mult afterwards. Four
@@ -298,8 +305,10 @@ static inline __attribute__((always_inline)) void pv_group(
  * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k, and a 4 x 4 transpose
  * of blocks turns the four passes into S[j..j+3]. */
 static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
-                                    int64_t n, int64_t valid, float mult, float* S) {
+                                    int64_t n, int64_t valid, float mult, float* S,
+                                    pf_cursor* pc) {
   const __m512 vm = _mm512_set1_ps(mult);
+  pf_cursor cur = *pc;
   for (int64_t j = 0; j < n; j += 4) {
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
@@ -309,6 +318,7 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
     for (int pass = 0; pass < 4; ++pass) {
       v[pass] = _mm512_setzero_ps();
       if (pass * 4 >= valid) continue;
+      pf_step(&cur);
       const uint16_t* qr = qg + pass * 4 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -336,6 +346,7 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
     if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
     if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
   }
+  *pc = cur;
 }
 
 /* The probabilities as bf16: P1[j][lane] = bits of p (low half), P2[j / 2][lane] = the pair of
@@ -367,7 +378,7 @@ static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m5
 static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
     const uint32_t* P1, const uint32_t* P2, const char* const* rows, int64_t n, int64_t n_main,
     int64_t pos0, const int32_t* limit, int r0, const int pr, float* acc, int64_t rank,
-    int64_t c0) {
+    int64_t c0, pf_cursor* pc) {
   __m512 c[PR][4];
   _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
     _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
@@ -375,6 +386,7 @@ static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
                        : _mm512_setzero_ps();
   const int64_t pairs = n_main / 2;
   for (int64_t jp = 0; jp < pairs; ++jp) {
+    pf_step(pc);
     const char* v0 = rows[2 * jp] + 2 * c0;
     const char* v1 = rows[2 * jp + 1] + 2 * c0;
     const __m512i x0 = _mm512_loadu_si512((const void*)v0);
@@ -411,17 +423,19 @@ static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
 static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows,
                                       int64_t n, int64_t n_main, int64_t pos0,
                                       const int32_t* limit, int64_t valid, float* acc,
-                                      int64_t rank) {
+                                      int64_t rank, pf_cursor* pc) {
   pack_p_bf16(S, n, P2);
   const uint32_t* P1 = (const uint32_t*)S;
+  pf_cursor cur = *pc;
   for (int64_t c0 = 0; c0 < rank; c0 += 64)
     for (int r0 = 0; r0 < valid; r0 += PR) {
       if (valid - r0 >= PR)
-        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0);
+        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, &cur);
       else
         pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank,
-                     c0);
+                     c0, &cur);
     }
+  *pc = cur;
 }
 
 static int accumulator_order(const mla_decode_args* a) {
@@ -440,8 +454,23 @@ static inline void row_pointers(const mla_decode_args* a, const int32_t* table, 
   }
 }
 
+/* How often a chunk of n keys calls pf_step() (see its call sites), so that the next chunk's
+ * lines are dealt evenly over it: per group of G rows, one per scores tile (4 keys x 4 rows
+ * on the dot path, 2 keys x 8 rows otherwise) and one per key pair (dot path) or key of
+ * each p.v tile. */
+static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int dot) {
+  int64_t calls = 0;
+  for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
+    const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
+    const int64_t tiles = rank / 64 * ((valid + PR - 1) / PR);
+    calls += dot ? (n + 3) / 4 * ((valid + 3) / 4) + tiles * (n / 2)
+                 : (n + 1) / 2 * ((valid + 7) / 8) + tiles * n;
+  }
+  return calls > 0 ? calls : 1;
+}
+
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
-  const int64_t mp = round_up(qlen * heads, G);
+  const int64_t mp = app_round_up(qlen * heads, G);
   /* 16 to align, packed q, accumulators, m, l, limits (int32), scores (+1 key of slack),
    * bf16 probability pairs */
   return 16 + mp * (rank + rope) + mp * rank + 3 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
@@ -452,7 +481,7 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
                                                            int64_t k0, int64_t k1, int64_t part,
                                                            const int dt, const int dot) {
   const int64_t heads = a->heads, qlen = a->qlen, rows_m = qlen * heads, rank = a->rank;
-  const int64_t d = rank + a->rope, mp = round_up(rows_m, G), es = app_native_elem_size(dt);
+  const int64_t d = rank + a->rope, mp = app_round_up(rows_m, G), es = app_native_elem_size(dt);
   const int64_t seq_len = a->seq_lens[b], tail = seq_len - qlen + 1;
   float* qp = a->scratch + (16 - ((uintptr_t)a->scratch / sizeof(float)) % 16) % 16;
   float* acc = qp + mp * d;
@@ -471,7 +500,7 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     else if (r >= rows_m) memset(qp + r * d, 0, sizeof(float) * (size_t)d);
     else
       for (int64_t e = 0; e < d; ++e)
-        qp[r * d + e / 32 * 32 + cache_slot(e % 32, dt)] = load_elem(src, e, a->q_dt) * a->q_mult;
+        qp[r * d + e / 32 * 32 + cache_slot(e % 32, dt)] = app_load_elem(src, e, a->q_dt) * a->q_mult;
     limit[r] = (int32_t)(r >= rows_m ? seq_len - 1 : seq_len - qlen + i);
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -480,30 +509,34 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   const int32_t* table = a->block_table + b * a->bt_stride;
   const char* rows[BK];
   const char* next[BK];
-  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
-  for (int64_t cs = k0; cs < k1; cs += BK) {
-    const int64_t n = k1 - cs < BK ? k1 - cs : BK;
-    /* This chunk's row pointers were made (and prefetched) one chunk ago; make the next
-     * chunk's now and fetch its rows into L2 while this one computes: pages are scattered,
-     * and a hardware prefetcher stops at every 4 KiB page (a hint: never faults). */
+  /* One group of query rows (16 heads): chunks of SMALL_BK keys (measured faster when the
+   * cache streams from memory); more groups: BK, which halves the per-chunk costs. */
+  const int64_t bk = rows_m <= G ? SMALL_BK : BK;
+  row_pointers(a, table, k0, k1 - k0 < bk ? k1 - k0 : bk, es, next);
+  for (int64_t cs = k0; cs < k1; cs += bk) {
+    const int64_t n = k1 - cs < bk ? k1 - cs : bk;
+    /* This chunk's row pointers were made one chunk ago (and its rows fetched meanwhile);
+     * make the next chunk's now and deal their prefetches over this chunk's work. */
     memcpy(rows, next, sizeof(const char*) * (size_t)n);
-    const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    const int64_t n_next = k1 - cs - bk < bk ? k1 - cs - bk : bk;
+    pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
-      row_pointers(a, table, cs + BK, n_next, es, next);
-      for (int64_t j = 0; j < n_next; ++j)
-        for (int64_t byte = 0; byte < d * es; byte += 64)
-          _mm_prefetch(next[j] + byte, _MM_HINT_T1);
+      row_pointers(a, table, cs + bk, n_next, es, next);
+      const int64_t calls = prefetch_calls(rows_m, n, rank, dot);
+      pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
     for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
       const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
-      if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S);
-      else scores(qp + g0 * d, d, rows, n, valid, dt, S);
+      if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S, &pc);
+      else scores(qp + g0 * d, d, rows, n, valid, dt, S, &pc);
       softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, acc + g0 * rank, rank);
-      if (dot) pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank);
-      else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt);
+      if (dot)
+        pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, &pc);
+      else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt, &pc);
     }
+    pf_finish(&pc);
   }
   for (int64_t r = 0; r < rows_m; ++r) {
     const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];
@@ -524,8 +557,8 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
       to_natural(_mm512_mul_ps(_mm512_loadu_ps(row + c), vi),
                  _mm512_mul_ps(_mm512_loadu_ps(row + c + 16), vi), accumulator_order(a), &lo,
                  &hi);
-      store16(a->out, o + c, lo, a->out_dt);
-      store16(a->out, o + c + 16, hi, a->out_dt);
+      app_store16(a->out, o + c, lo, a->out_dt);
+      app_store16(a->out, o + c + 16, hi, a->out_dt);
     }
     if (a->lse) a->lse[b * rows_m + r] = lse2 * LN2;
   }
@@ -586,8 +619,8 @@ int32_t mla_decode_cpu_merge(const mla_decode_args* a) {
         __m512 lo, hi;
         to_natural(_mm512_mul_ps(s0, _mm512_set1_ps(inv)), _mm512_mul_ps(s1, _mm512_set1_ps(inv)),
                    accumulator_order(a), &lo, &hi);
-        store16(a->out, o + c, lo, a->out_dt);
-        store16(a->out, o + c + 16, hi, a->out_dt);
+        app_store16(a->out, o + c, lo, a->out_dt);
+        app_store16(a->out, o + c + 16, hi, a->out_dt);
       }
       if (a->lse) a->lse[b * rows_m + r] = tot == 0.f ? -INFINITY : (ref + log2f(tot)) * LN2;
     }

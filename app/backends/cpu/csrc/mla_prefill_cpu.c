@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "app_native_simd.h"
 #include "mla_prefill_cpu.h"
 
 APP_NATIVE_LIBRARY(MLA_PREFILL_CPU_ABI)
@@ -37,42 +38,11 @@ APP_NATIVE_STRUCT_LAYOUT(mla_prefill_args, MLA_PREFILL_ARGS)
 #define LDS (BK + 16)  /* score row stride: padded so score rows do not share cache sets */
 #define PREFETCH_ROWS 4  /* v rows are a whole token apart: fetch ahead of the copy */
 
-static long round_up(long x, long m) { return (x + m - 1) / m * m; }
-
-static inline float load_elem(const void* p, long i, int dt) {
-  if (dt == APP_DT_BF16) {
-    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
-  return ((const float*)p)[i];
-}
-
 static inline __m512 load16(const void* p, long i, int dt) {
   if (dt == APP_DT_F32) return _mm512_loadu_ps((const float*)p + i);
   __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
   if (dt == APP_DT_F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void store16(void* p, long i, __m512 x, int dt) {
-  if (dt == APP_DT_F32) {
-    _mm512_storeu_ps((float*)p + i, x);
-  } else if (dt == APP_DT_F16) {
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {  /* bf16, round to nearest even; NaN as the quiet NaN 0x7FC0 (rounding a NaN's
-              * payload could carry into the sign bit and leave -0) */
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                 _mm512_set1_epi32(0x7FC00000));
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
 }
 
 static inline long elem_size(int dt) { return (long)app_native_elem_size(dt); }
@@ -81,7 +51,7 @@ static inline long elem_size(int dt) { return (long)app_native_elem_size(dt); }
  * v copy, scores, accumulator, row max and row sum, plus 16 floats to align the packed k. */
 int64_t mla_prefill_cpu_scratch_floats(int64_t q_len, int64_t kv_len, int64_t d, int64_t dv) {
   (void)q_len;
-  return BQ * d + round_up(kv_len, NR) * d + kv_len * dv + BQ * LDS + BQ * dv + 2 * BQ + 16;
+  return BQ * d + app_round_up(kv_len, NR) * d + kv_len * dv + BQ * LDS + BQ * dv + 2 * BQ + 16;
 }
 
 /* A hint to fetch one input row (never faults). */
@@ -140,7 +110,7 @@ static inline __attribute__((always_inline)) void transpose_rows(
   for (; c0 < d; ++c0)  /* d % 16 trailing columns */
     for (long i = 0; i < 16; ++i)
       if ((lanes >> i) & 1)
-        dst[c0 * ld_d + i] = i < rows ? load_elem(src, i * ld + c0, dt) * mult : 0.f;
+        dst[c0 * ld_d + i] = i < rows ? app_load_elem(src, i * ld + c0, dt) * mult : 0.f;
 }
 
 /* Query rows -> tiles of MR rows, each stored [d][MR] (rows past n are zero). */
@@ -255,21 +225,6 @@ static inline __attribute__((always_inline)) void pv_tile(
       _mm512_storeu_ps(acc + i * ld_a + 16 * u, c[i][u]);
 }
 
-/* 2^x for x <= 0 (relative error ~1e-7); inputs below -126 give 2^-126, never a denormal. */
-static inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 /* One score row: keep the first `vis` of `width` scores (exponentiated against the new
  * running max), zero the rest; update the row's running max m, sum l and accumulator.
  * A non-finite score among the first `vis` (a NaN or inf in q or in a key the row sees)
@@ -298,12 +253,12 @@ static void softmax_row(float* row, long vis, long width, float* m, float* l, fl
   float alpha = exp2f(*m - m_new);  /* 0 on the first block (m = -inf) */
   __m512 vm = _mm512_set1_ps(m_new), sum = nonfinite;
   for (j = 0; j + 16 <= vis; j += 16) {
-    __m512 e = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
+    __m512 e = app_exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
     _mm512_storeu_ps(row + j, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (j < vis) {
-    __m512 e = exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), vm));
+    __m512 e = app_exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), vm));
     e = _mm512_maskz_mov_ps(tail, e);
     _mm512_mask_storeu_ps(row + j, tail, e);
     sum = _mm512_add_ps(sum, e);
@@ -327,7 +282,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
   float* qpack = scratch;  /* the query block's tiles */
   float* kpack = qpack + BQ * d;
   kpack += (16 - ((unsigned long)kpack / sizeof(float)) % 16) % 16;  /* 64-byte aligned */
-  float* vbuf = kpack + round_up(kv_len, NR) * d;
+  float* vbuf = kpack + app_round_up(kv_len, NR) * d;
   float* S = vbuf + kv_len * dv;
   float* acc = S + BQ * LDS;
   float* m = acc + BQ * dv;
@@ -344,7 +299,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
     if (kv_end > kv_len) kv_end = kv_len;
     /* Pack as the blocks go: this query block's rows, and the keys it is the first to see
      * (the scratch holds one packed query block, not all of q: 3 MiB less per 4k tokens). */
-    long need = round_up(kv_end > 0 ? kv_end : 0, NR);
+    long need = app_round_up(kv_end > 0 ? kv_end : 0, NR);
     if (need > kv_len) need = kv_len;
     const long fresh = need > packed ? need - packed : 0;
     pack_inputs(qc + qs * ld_q * elem_size(in_dt), ld_q,
@@ -410,7 +365,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
       }
       __m512 inv = _mm512_set1_ps(1.f / l[i]);
       for (long c = 0; c < dv; c += 16)
-        store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
+        app_store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
       lse[qs + i] = (m[i] + log2f(l[i])) * 0.6931471805599453f;
     }
   }

@@ -1,8 +1,9 @@
 /* bf16 products for mla_prefill_cpu.c: q.k and p.v through vdpbf16ps (AVX512-BF16), float32
  * accumulation. Included by mla_prefill_cpu.c when it is compiled with -DMLA_PREFILL_BF16
  * -mavx512bf16 (the second library app/backends/cpu/prefill_kernel.py builds, loaded only on CPUs
- * with AVX512-BF16); it reuses that file's helpers (transpose16, softmax_row, store16) and
- * its block structure, with only the packing and the register tiles in bf16.
+ * with AVX512-BF16); it reuses that file's helpers (transpose16, softmax_row), the shared ones of
+ * app_native_simd.h (app_store16) and its block structure, with only the packing and the
+ * register tiles in bf16.
  *
  * vdpbf16ps multiplies pairs of bf16 and adds both products to a float32 lane, so the
  * reduction dimension is packed in pairs (one 32-bit word per pair):
@@ -139,7 +140,7 @@ static inline __attribute__((always_inline)) void pv_tile_bf16(
  * chunks: a chunk's 32 output bytes end before the next chunk's input starts. */
 static inline void probabilities_to_bf16(float* row, long width) {
   uint16_t* out = (uint16_t*)row;
-  const long pairs_end = round_up(width, 2);
+  const long pairs_end = app_round_up(width, 2);
   for (long j = 0; j < pairs_end; j += 16) {
     const long left = width - j;
     const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
@@ -159,8 +160,8 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
   uint32_t* qpack = (uint32_t*)scratch;  /* the query block's tiles, [dp][MR] words each */
   uint32_t* kpack = qpack + BQ * dp;
   kpack += (16 - ((unsigned long)kpack / sizeof(uint32_t)) % 16) % 16;  /* 64-byte aligned */
-  uint16_t* vbuf = (uint16_t*)(kpack + round_up(kv_len, NR) * dp);
-  float* S = (float*)(vbuf + round_up(kv_len, 2) * dv);
+  uint16_t* vbuf = (uint16_t*)(kpack + app_round_up(kv_len, NR) * dp);
+  float* S = (float*)(vbuf + app_round_up(kv_len, 2) * dv);
   float* acc = S + BQ * LDS;
   float* m = acc + BQ * dv;
   float* l = m + BQ;
@@ -172,13 +173,13 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
     const long qn = q_len - qs < BQ ? q_len - qs : BQ;
     long kv_end = causal ? qs + qn + off : kv_len;
     if (kv_end > kv_len) kv_end = kv_len;
-    long need = round_up(kv_end > 0 ? kv_end : 0, NR);
+    long need = app_round_up(kv_end > 0 ? kv_end : 0, NR);
     if (need > kv_len) need = kv_len;
     for (long t = 0; t * MR < qn; ++t)
       transpose_words(q + (qs + t * MR) * ld_q, ld_q, qn - t * MR < MR ? qn - t * MR : MR, d,
                       qpack + t * dp * MR, MR, (__mmask16)((1u << MR) - 1));
     if (need > packed) {  /* fresh keys (packed is a whole number of panels then) */
-      for (long p = packed; p < round_up(need, NR); p += 16)  /* whole panels, zero-padded */
+      for (long p = packed; p < app_round_up(need, NR); p += 16)  /* whole panels, zero-padded */
         transpose_words(k + p * ld_k, ld_k, need - p, d,
                         kpack + (p / NR) * dp * NR + p % NR, NR, (__mmask16)0xFFFF);
       pack_v_pairs(v + packed * ld_v, ld_v, need - packed, dv, vbuf + packed * dv);
@@ -240,7 +241,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
       }
       __m512 inv = _mm512_set1_ps(1.f / l[i]);
       for (long c = 0; c < dv; c += 16)
-        store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
+        app_store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
       lse[qs + i] = (m[i] + log2f(l[i])) * 0.6931471805599453f;
     }
   }
