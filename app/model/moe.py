@@ -128,6 +128,8 @@ class MoE:
         """``x [T, D]`` -> ``[T, D]`` in the compute dtype."""
         t = x.shape[0]
         xc = x.to(self.compute_dtype)
+        if t == 0:
+            return xc.new_zeros(xc.shape)
         routing = self.route(x)
         k = routing.experts.shape[1]
         flat_experts = routing.experts.reshape(-1)
