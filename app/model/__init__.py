@@ -7,7 +7,8 @@ prefill and decode backends.
 - ``weights``: the tensors by name and shape (``weight_specs``), ``ModelWeights``;
 - ``random``: random models made in memory (``random_config``, ``random_weights``);
 - ``loader``: ``load_checkpoint`` with ``safetensors`` (shards, bf16/fp16/fp32, FP8 block
-  dequantization via ``fp8``, MTP layers skipped, peak RSS measured);
+  dequantization, MTP layers skipped, peak RSS measured);
+- ``linear``: matmul weights reordered once for oneDNN (``Linear``);
 - ``attention``: the MLA layer's projections (q LoRA or not, latent, rope, absorption);
 - ``moe``: the SwiGLU MLP and the mixture of experts (V2 softmax / V3 sigmoid routing);
 - ``cache``, ``prefill``, ``decode``: the paged latent cache and the two executors;
@@ -26,8 +27,14 @@ from app.model.config import (
     RopeConfig,
 )
 from app.model.decode import DecodePlan, MLADecodeExecutor, plan_decode_step
-from app.model.fp8 import dequantize_fp8_block, quantize_fp8_block
-from app.model.loader import LoadedCheckpoint, LoadReport, load_checkpoint, read_rss
+from app.model.loader import (
+    LoadedCheckpoint,
+    LoadReport,
+    dequantize_fp8_block,
+    load_checkpoint,
+    quantize_fp8_block,
+    read_rss,
+)
 from app.model.model import (
     GREEDY_CANDIDATES,
     DeepseekModel,

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from app._cpu import detect_cpu_features
 from app.backends.decode.base import MLADecodeBackend
@@ -32,17 +31,22 @@ from app.config import EngineConfig
 from app.model.attention import MLAAttention, rms_norm
 from app.model.cache import PagedLatentCache
 from app.model.decode import DecodePlan, MLADecodeExecutor
+from app.model.linear import Linear
 from app.model.moe import MoE, SwiGLU
 from app.model.prefill import MLAPrefillExecutor, PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.rope import RotaryEmbedding
 from app.model.weights import ModelWeights, MoEWeights
 
-__all__ = ["GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice", "default_compute_dtype",
-           "layer_names"]
+__all__ = ["FEED_FORWARD_CHUNK", "GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice",
+           "default_compute_dtype", "layer_names"]
 
 #: Candidates per row rescored in float32 when the LM head runs in a 16-bit dtype.
 GREEDY_CANDIDATES = 8
+#: Rows the feed-forward half of a layer (norm, MLP or MoE) takes at once: a long prefill step
+#: runs it in chunks, so its transient memory (the MoE's per-(token, expert) rows: for 2048
+#: tokens, 4 experts each, ~130 MiB at hidden 1024) stays bounded whatever the step's size.
+FEED_FORWARD_CHUNK = 2048
 
 
 def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
@@ -115,6 +119,7 @@ class DeepseekModel:
         self._final_norm = weights.norm.to(device=device, dtype=self.dtype)
         self._embed = weights.embed_tokens.to(device=device, dtype=self.dtype)
         self._lm_head = weights.lm_head.to(device=device, dtype=compute_dtype)
+        self._lm_head_linear = Linear(self._lm_head)
         self.caches = [PagedLatentCache(num_blocks, block_size, attn.latent_dim, self.dtype,
                                         device) for attn in self.attention]
         chunk = config.attention.context_chunk_tokens
@@ -142,6 +147,15 @@ class DeepseekModel:
         return int(self._embed.shape[1])
 
     @property
+    def reordered_weight_bytes(self) -> int:
+        """Bytes of the weight copies reordered for the matmul path (``app.model.linear``),
+        held beside the plain weights; 0 where nothing is reordered."""
+        linears = [self._lm_head_linear]
+        for attn, mlp in zip(self.attention, self.mlps, strict=True):
+            linears += attn.linears() + mlp.linears()
+        return sum(linear.nbytes for linear in linears)
+
+    @property
     def cache_bytes(self) -> int:
         """Bytes of every layer's cache storage."""
         return sum(cache.nbytes for cache in self.caches)
@@ -155,9 +169,14 @@ class DeepseekModel:
             return rms_norm(h, self._norms[i][0], self.eps)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """``h += mlp(RMSNorm(h))`` in place (``h`` is the step's own residual stream), over
+        chunks of at most ``FEED_FORWARD_CHUNK`` rows."""
         with self.timer.phase("mlp"):
-            normed = rms_norm(h, self._norms[i][1], self.eps)
-            return h + self.mlps[i](normed).to(self.dtype)
+            mlp, norm = self.mlps[i], self._norms[i][1]
+            for start in range(0, h.shape[0], FEED_FORWARD_CHUNK):
+                rows = h[start:start + FEED_FORWARD_CHUNK]
+                rows += mlp(rms_norm(rows, norm, self.eps)).to(self.dtype)
+            return h
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         with self.timer.phase("mlp"):
@@ -194,7 +213,7 @@ class DeepseekModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``hidden [N, D]`` -> logits ``[N, vocab]`` in the compute dtype."""
         with self.timer.phase("lm_head"):
-            return F.linear(hidden.to(self.compute_dtype), self._lm_head)
+            return self._lm_head_linear(hidden.to(self.compute_dtype))
 
     def greedy(self, hidden: torch.Tensor) -> GreedyChoice:
         """Greedy tokens of ``hidden [N, D]`` with float32 margins and log-probabilities (see

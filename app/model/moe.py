@@ -26,27 +26,36 @@ import torch
 import torch.nn.functional as F
 
 from app.model.config import MoEConfig
+from app.model.linear import Linear
 from app.model.weights import MLPWeights, MoEWeights
 
-__all__ = ["MoE", "Routing", "SwiGLU", "route"]
+__all__ = ["MoE", "Routing", "SwiGLU", "route", "swiglu"]
 
 
 class SwiGLU:
     """A dense SwiGLU MLP on ``device`` in ``compute_dtype`` (weights used in place when they
-    already are)."""
+    already are; reordered for the matmul path where ``app.model.linear`` says so)."""
 
     def __init__(self, weights: MLPWeights, compute_dtype: torch.dtype,
                  device: torch.device) -> None:
         self.intermediate_size = weights.intermediate_size
-        self._gate_up = weights.gate_up_proj.to(device=device, dtype=compute_dtype)
-        self._down = weights.down_proj.to(device=device, dtype=compute_dtype)
+        self._gate_up = Linear(weights.gate_up_proj.to(device=device, dtype=compute_dtype))
+        self._down = Linear(weights.down_proj.to(device=device, dtype=compute_dtype))
         self.compute_dtype = compute_dtype
+
+    def linears(self) -> list[Linear]:
+        """The MLP's matmuls."""
+        return [self._gate_up, self._down]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D]`` -> ``[T, D]`` in the compute dtype."""
-        h = F.linear(x.to(self.compute_dtype), self._gate_up)
-        inter = self.intermediate_size
-        return F.linear(F.silu(h[:, :inter]) * h[:, inter:], self._down)
+        return self._down(swiglu(self._gate_up(x.to(self.compute_dtype)),
+                                 self.intermediate_size))
+
+
+def swiglu(h: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h [T, 2I]`` (gate columns first): ``[T, I]``."""
+    return F.silu(h[:, :inter]) * h[:, inter:]
 
 
 @attrs.frozen(eq=False)
@@ -89,8 +98,8 @@ def route(logits: torch.Tensor, moe: MoEConfig, score_bias: torch.Tensor | None)
 
 
 class MoE:
-    """A MoE layer on ``device``: router (float32), stacked routed experts and shared experts in
-    ``compute_dtype``."""
+    """A MoE layer on ``device``: router (float32), routed experts and shared experts in
+    ``compute_dtype`` (each expert's two matmuls a ``Linear``)."""
 
     def __init__(self, moe: MoEConfig, weights: MoEWeights, compute_dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -99,11 +108,17 @@ class MoE:
         self._gate = weights.gate.to(device=device, dtype=torch.float32)
         self._bias = None if weights.score_bias is None else weights.score_bias.to(
             device=device, dtype=torch.float32)
-        self._gate_up = weights.experts_gate_up.to(device=device, dtype=compute_dtype)
-        self._down = weights.experts_down.to(device=device, dtype=compute_dtype)
-        self.intermediate_size = int(self._down.shape[2])
+        gate_up = weights.experts_gate_up.to(device=device, dtype=compute_dtype)
+        down = weights.experts_down.to(device=device, dtype=compute_dtype)
+        self._gate_up = [Linear(w) for w in gate_up.unbind(0)]
+        self._down = [Linear(w) for w in down.unbind(0)]
+        self.intermediate_size = int(down.shape[2])
         self.shared = None if weights.shared is None else SwiGLU(weights.shared, compute_dtype,
                                                                  device)
+
+    def linears(self) -> list[Linear]:
+        """The routed and shared experts' matmuls."""
+        return [*self._gate_up, *self._down, *(self.shared.linears() if self.shared else [])]
 
     def route(self, x: torch.Tensor) -> Routing:
         """The routing of ``x [T, D]``."""
@@ -113,30 +128,38 @@ class MoE:
         """``x [T, D]`` -> ``[T, D]`` in the compute dtype."""
         t = x.shape[0]
         xc = x.to(self.compute_dtype)
+        if t == 0:
+            return xc.new_zeros(xc.shape)
         routing = self.route(x)
         k = routing.experts.shape[1]
         flat_experts = routing.experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.config.n_routed_experts).tolist()
-        tokens = order // k
-        weights = routing.weights.reshape(-1).index_select(0, order)
+        # Every (token, expert) pair's input, in expert order: one gather; each expert then
+        # works on a contiguous run of rows.
+        rows = xc.index_select(0, order // k)
+        spans = [(e, a, a + n) for e, a, n in zip(range(len(counts)),
+                                                  _starts(counts), counts, strict=True) if n]
+        hidden = torch.cat([self._gate_up[e](rows[a:b]) for e, a, b in spans])
+        act = swiglu(hidden, self.intermediate_size)
+        del hidden
+        ys = torch.cat([self._down[e](act[a:b]) for e, a, b in spans])
         acc = torch.promote_types(self.compute_dtype, torch.float32)
-        inter = self.intermediate_size
-        pieces: list[torch.Tensor] = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start:start + count]
-            h = F.linear(xc.index_select(0, rows), self._gate_up[expert])
-            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], self._down[expert])
-            pieces.append(y.to(acc) * weights[start:start + count, None])
-            start += count
-        # Back from expert order to (token, k) order, then the sum over k. (index_add_ would
-        # enter a parallel region per expert however small: slow when threads contend.)
-        routed = torch.empty(t * k, xc.shape[1], dtype=acc, device=xc.device)
-        routed.index_copy_(0, order, torch.cat(pieces))
-        out = routed.view(t, k, -1).sum(dim=1)
+        weights = routing.weights.reshape(-1).index_select(0, order)
+        weighted = ys.to(acc).mul_(weights[:, None])
+        # Back from expert order to (token, k) order (a gather by the inverse permutation),
+        # then the sum over k in k order.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        out = weighted.index_select(0, inverse).view(t, k, -1).sum(dim=1)
         if self.shared is not None:
             out += self.shared(xc).to(acc)
         return out.to(self.compute_dtype)
+
+
+def _starts(counts: list[int]) -> list[int]:
+    starts, total = [], 0
+    for n in counts:
+        starts.append(total)
+        total += n
+    return starts

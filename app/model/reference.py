@@ -8,7 +8,12 @@ gap between the last expert (or group) chosen and the first one not chosen, in t
 choice scores. Where that gap is within an engine's rounding, the engine may route differently
 and still be right (a routing near-tie). Keys, values and hidden states of the previous
 sequence are reused along the common prefix: check sequences sorted by their tokens and a
-shared prompt is computed once.
+shared prompt is computed once. The first layer sees only the embedding, so its latent (and
+from it its up-projected keys and values; the rope key also needs the position, applied after)
+is a function of the token id: it is computed once per distinct token and kept, across
+sequences, in a table of ``vocab`` rows where that table fits ``TOKEN_MEMO_BYTES`` (the same
+float64 products, row for row; the main job's sequences repeat a 4096-token vocabulary, so this
+removes most of the check's up-projections).
 
 ``reference_attention`` is one MLA layer alone (for executor tests).
 """
@@ -26,13 +31,15 @@ from app.model.rope import apply_rope, rope_inv_freq
 from app.model.weights import AttentionWeights, MLPWeights, ModelWeights, MoEWeights
 
 __all__ = ["REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES", "ROUTING_TOLERANCES",
-           "ReferenceModel", "ReferenceRows", "reference_attention", "reference_tolerance",
-           "routing_margins"]
+           "TOKEN_MEMO_BYTES", "ReferenceModel", "ReferenceRows", "reference_attention",
+           "reference_tolerance", "routing_margins"]
 
 #: Query rows per block of the blocked causal softmax.
 _ROW_BLOCK = 128
 #: float64 copies kept at most (bytes); larger models upcast on every use.
 REFERENCE_CACHE_BYTES = 2 << 30
+#: The first layer's per-token table is kept only when it fits this many bytes.
+TOKEN_MEMO_BYTES = 256 << 20
 
 #: The largest relative error (max abs error / the reference's max abs) accepted per model
 #: dtype: a few units of the dtype's rounding over the model's chain of roundings (the engine
@@ -142,16 +149,27 @@ class _Layer64:
     def keys_values(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer inputs ``h [n, D]`` at positions ``start..`` -> ``k [H, n, P+R]``,
         ``v [H, n, V]``."""
-        a, f, n = self.w.attention, self.f, h.shape[0]
+        return self.place(self.up_project(h), start)
+
+    def up_project(self, h: torch.Tensor) -> torch.Tensor:
+        """Layer inputs ``h [n, D]`` -> ``[n, H*(P+V) + R]``: each position's up-projected key
+        (nope part) and value per head, then its rope key before rotation."""
+        a, f = self.w.attention, self.f
         x = _rms(h, f(self.w.input_layernorm), self.c.rms_norm_eps)
         c = x @ f(a.kv_a_proj).t()
-        kv = (_rms(c[:, :self.lr], f(a.kv_a_layernorm), self.c.rms_norm_eps)
-              @ f(a.kv_b_proj).t()).view(n, self.h, self.p + self.v)
+        kv = _rms(c[:, :self.lr], f(a.kv_a_layernorm), self.c.rms_norm_eps) @ f(a.kv_b_proj).t()
+        return torch.cat([kv, c[:, self.lr:]], dim=1)
+
+    def place(self, rows: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``up_project`` rows at positions ``start..`` -> ``k [H, n, P+R]`` (rope applied),
+        ``v [H, n, V]``."""
+        n, width = rows.shape[0], self.h * (self.p + self.v)
+        kv = rows[:, :width].view(n, self.h, self.p + self.v)
         k = torch.empty(n, self.h, self.p + self.r, dtype=torch.float64)
         k[..., :self.p] = kv[..., :self.p]
         if self.r:
             cos, sin = self._cos_sin(torch.arange(start, start + n))
-            k[..., self.p:] = apply_rope(c[:, self.lr:], cos, sin,
+            k[..., self.p:] = apply_rope(rows[:, width:], cos, sin,
                                          self.c.rope_interleave)[:, None, :]
         return k.transpose(0, 1), kv[..., self.p:].transpose(0, 1)
 
@@ -268,6 +286,28 @@ class ReferenceModel:
         self.reused_tokens = 0
         self.computed_tokens = 0
         self._lm_head_f32: torch.Tensor | None = None
+        first = self.layers[0] if self.layers else None
+        self._memo_width = 0 if first is None else first.h * (first.p + first.v) + first.r
+        self._memo: torch.Tensor | None = None
+        self._memo_known: torch.Tensor | None = None
+
+    def _first_layer_keys_values(self, tokens: Sequence[int], start: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's ``keys_values`` of ``tokens`` at positions ``start..``, from the
+        per-token table (see the module docstring) where it fits, else computed directly."""
+        first = self.layers[0]
+        vocab = int(self.weights.embed_tokens.shape[0])
+        if vocab * self._memo_width * 8 > TOKEN_MEMO_BYTES:
+            return first.keys_values(self.embed(tokens), start)
+        if self._memo is None or self._memo_known is None:
+            self._memo = torch.empty(vocab, self._memo_width, dtype=torch.float64)
+            self._memo_known = torch.zeros(vocab, dtype=torch.bool)
+        ids = torch.tensor(list(tokens), dtype=torch.int64)
+        new = torch.unique(ids[~self._memo_known[ids]])
+        if new.numel():
+            self._memo[new] = first.up_project(self.embed(new.tolist()))
+            self._memo_known[new] = True
+        return first.place(self._memo.index_select(0, ids), start)
 
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         """float64 embedding rows of ``tokens``."""
@@ -320,7 +360,10 @@ class ReferenceModel:
         x = self.embed(tokens[common:])
         margins_new = torch.full((n - common,), float("inf"), dtype=torch.float64)
         for i, layer in enumerate(self.layers):
-            k_new, v_new = layer.keys_values(x, common)
+            if i == 0:
+                k_new, v_new = self._first_layer_keys_values(tokens[common:], common)
+            else:
+                k_new, v_new = layer.keys_values(x, common)
             k = _fit(self._keys[i], 1, n, common, (layer.h, n, layer.p + layer.r))
             v = _fit(self._values[i], 1, n, common, (layer.h, n, layer.v))
             k[:, common:n] = k_new

@@ -58,13 +58,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     the middle dims): adjacent pairs when ``interleaved``, else halves. A new tensor in
     ``x``'s dtype and layout."""
     half = x.shape[-1] // 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.reshape(shape), sin.reshape(shape)
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    if x.dim() == 2:
+        c, s = cos, sin
+    else:
+        # The tables over the middle dims, materialised: a product whose broadcast dim sits
+        # between the rows and the rope dims runs R/2 elements per inner loop (4x slower).
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+        full = (*x.shape[:-1], half)
+        c = cos.reshape(shape).expand(full).contiguous()
+        s = sin.reshape(shape).expand(full).contiguous()
+    # Both members of each pair, split apart once: [T, 2, ..., R/2], each half contiguous.
+    pairs = (x.reshape(*x.shape[:-1], half, 2).movedim(-1, 1) if interleaved
+             else x.reshape(*x.shape[:-1], 2, half).movedim(-2, 1)).contiguous()
+    x1, x2 = pairs[:, 0], pairs[:, 1]
+    out = torch.empty_like(pairs)
+    torch.sub(x1 * c, x2 * s, out=out[:, 0])
+    torch.add(x2 * c, x1 * s, out=out[:, 1])
+    return (out.movedim(1, -1) if interleaved else out.movedim(1, -2)).flatten(-2)
 
 
 class RotaryEmbedding:

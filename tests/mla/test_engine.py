@@ -291,3 +291,25 @@ def test_the_engine_takes_its_backends_from_the_container_providers() -> None:
     assert engine.config is cfg and real is container.mla_decode_backend_class
     engine.run(_requests((6, 9), new=5))
     assert MyDecode.calls > 0
+
+
+def test_the_feed_forward_in_chunks_gives_the_same_outputs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.model.model as model_module
+
+    prompts = [[(7 * i + 3 * j) % 90 + 2 for j in range(11 + i)] for i in range(3)]
+
+    def generate() -> list[RequestOutput]:
+        engine = tiny_engine(layers=2)
+        return sorted(engine.run(Request(f"r{i}", p, max_new_tokens=4)
+                                 for i, p in enumerate(prompts)),
+                      key=lambda out: out.request_id)
+
+    whole = generate()
+    monkeypatch.setattr(model_module, "FEED_FORWARD_CHUNK", 5)   # 36 prompt rows: 8 chunks
+    chunked = generate()
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.hidden is not None and b.hidden is not None
+        # float32 matmuls of fewer rows may round differently (MKL's kernels depend on M)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)

@@ -80,3 +80,6 @@ def test_grouped_dispatch_equals_a_per_token_loop() -> None:
         h = weights.shared.gate_up_proj @ x[t]
         want += weights.shared.down_proj @ (F.silu(h[:inter]) * h[inter:])
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+    # No rows (an empty chunk): no expert runs, the shape is kept.
+    empty = moe(x[:0])
+    assert empty.shape == (0, d) and empty.dtype == torch.float64
