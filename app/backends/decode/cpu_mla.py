@@ -220,7 +220,6 @@ class NativeMLADecodeKernel:
                              f"{kv_cache.dtype}/{out.dtype}, kv_lora_rank {kv_lora_rank}, "
                              f"head dim {dim}): expected rank % 64 == 0 and rope % 32 == 0")
 
-
     def _shares_on_openmp(self, base: MlaDecodeArgs, plan: DecodePlan, floats: int) -> bool:
         """Every share in one C call, on this thread's OpenMP team; True if refused."""
         stride = -(-floats // 16) * 16  # each share's scratch 64-byte aligned
@@ -248,6 +247,7 @@ class NativeMLADecodeKernel:
 
         run_shares([share_of(items) for items in plan.shares])
         return bool(failures)
+
 
 @functools.cache
 def _cpu_has_bf16_dot() -> bool:
