@@ -214,6 +214,12 @@ def _decode_switch() -> object:
     return load_native_library(SPEC)
 
 
+def _decode_status() -> object:
+    from app.backends.decode.cpu_mla import decode_kernel_status
+
+    return decode_kernel_status()
+
+
 def _engine_seed() -> object:
     from app.model import random_config, random_weights
 
@@ -393,6 +399,8 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("tensors", "int64 prefill `cu_seqlens` ending beyond int32", _prefill_cu_beyond_int32),
     ("platform", "`APP_CPU_DECODE_BF16_DOT=maybe` (read when CPU_MLA is first loaded)",
      _with_env("APP_CPU_DECODE_BF16_DOT", "maybe", _decode_switch)),
+    ("platform", "`APP_CPU_DECODE_OPENMP=maybe` (read when CPU_MLA is first loaded)",
+     _with_env("APP_CPU_DECODE_OPENMP", "maybe", _decode_status)),
     ("model", "`random_weights(..., seed=2**70)`", _engine_seed),
     ("model", "a checkpoint whose config.json names another architecture",
      _checkpoint("architecture")),

@@ -58,6 +58,7 @@ def collect() -> dict[str, Any]:
     info["python_version"] = _pyplatform.python_version()
     info["cpu_native_kernel"] = cpu_native_kernel()
     info["cpu_bf16_kernel"] = cpu_bf16_kernel()
+    info["cpu_decode_kernel"] = cpu_decode_kernel()
     info["kernel_packages"] = probe_kernel_packages()
     return info
 
@@ -84,6 +85,18 @@ def cpu_bf16_kernel() -> str:
     if status.available:
         return f"available ({status.library})"
     return f"unavailable: {'; '.join(status.reasons)} (bf16 inputs use float32 math)"
+
+
+def cpu_decode_kernel() -> str:
+    """CPU_MLA's native decode kernel: ``available (<library>), shares <on which threads>``
+    (torch's OpenMP team, or the package's pool and why) or ``unavailable: <why>``."""
+    from app.backends.decode.cpu_mla import decode_kernel_status
+
+    status, shares = decode_kernel_status()
+    if not status.available:
+        return f"unavailable: {'; '.join(status.reasons)}"
+    return f"available ({status.path}), shares {shares}" + "".join(
+        f"; note: {note}" for note in status.notes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Literal
 
-from app.backends.cpu.loader import load_native_library
 from app.backends.cpu.prefill_kernel import native_kernel_status
 from app.backends.decode.base import MLADecodeBackend
-from app.backends.decode.cpu_mla import SPEC as DECODE_KERNEL_SPEC
-from app.backends.decode.cpu_mla import CpuMLADecodeBackend
+from app.backends.decode.cpu_mla import CpuMLADecodeBackend, decode_kernel_status
 from app.backends.prefill.base import MLAPrefillBackend
 from app.containers import get_container
 
@@ -107,5 +105,5 @@ def describe_decode() -> str:
     cls = decode_backend_class()
     where = f"{cls.__module__}.{cls.__qualname__} ({cls.get_name()}"
     if issubclass(cls, CpuMLADecodeBackend) and cls.is_available():
-        return f"{where}, native CPU kernel {load_native_library(DECODE_KERNEL_SPEC).path})"
+        return f"{where}, native CPU kernel {decode_kernel_status()[0].path})"
     return f"{where})"

@@ -15,9 +15,15 @@ only head size 576, block size 16 and returns no LSE.
 Threads: the step's requests are dealt onto ``torch.get_num_threads()`` shares (costliest
 first, each to the least-loaded share); a request longer than its fair share of the step's
 keys is split into key ranges whose partial results are merged by LSE, so one long request
-still uses every core. Memory per call: one scratch buffer per thread (the packed query and
-accumulators of one request: ``query_len * num_heads * (2 * kv_lora_rank + qk_rope_head_dim)``
-floats) and, for split requests, their partial outputs; nothing grows with the context.
+still uses every core. The shares run on the calling thread's OpenMP team, the threads torch's
+own ops run on (awake and spinning right after the layer's projections), when the library is
+built with ``-fopenmp`` bound to the ``libgomp.so.1`` torch loaded (``app.backends.cpu.openmp``
+checks it); otherwise (another OpenMP runtime, a failed build, ``APP_CPU_DECODE_OPENMP=0``, a
+forked child: see ``cpu.openmp``) on the package's own pool (``app.backends.cpu.pool``).
+Memory per call: one scratch buffer per share (the packed query and accumulators of one
+request: ``query_len * num_heads * (2 * kv_lora_rank + qk_rope_head_dim)`` floats; kept per
+calling thread) and, for split requests, their partial outputs; nothing grows with the
+context.
 
 Built, cached and self-tested by ``app.backends.cpu.loader`` on first use;
 ``APP_CPU_NATIVE_KERNEL=0`` turns it off (as for the prefill kernel). Unavailable (no
@@ -40,22 +46,31 @@ from app._types import NO_GPU, ComputeCapabilities, DeviceCapability, MLADimensi
 from app.backends.cpu.loader import (
     NativeLibrary,
     NativeLibrarySpec,
+    NativeLibraryStatus,
     cpu_flags,
     load_native_library,
     read_switch,
+)
+from app.backends.cpu.openmp import (
+    LIBGOMP,
+    OPENMP_ENV,
+    runtime_function_address,
+    same_process,
+    torch_libgomp,
 )
 from app.backends.cpu.pool import run_shares
 from app.backends.cpu.prefill_kernel import SWITCH_ENV, _requirements
 from app.backends.decode.base import DecodeMetadata, MLADecodeBackend
 from app.backends.workspaces import WorkspaceSource
 
-__all__ = ["BF16_DOT_ENV", "SPEC", "CpuMLADecodeBackend", "DecodePlan", "MlaDecodeArgs",
-           "NativeMLADecodeKernel", "has_bf16_dot", "load_decode_kernel", "plan_decode"]
+__all__ = ["BF16_DOT_ENV", "SPEC", "SPEC_OPENMP", "CpuMLADecodeBackend", "DecodePlan",
+           "MlaDecodeArgs", "NativeMLADecodeKernel", "decode_kernel_status", "has_bf16_dot",
+           "load_decode_kernel", "plan_decode"]
 
 #: Set to ``0`` to keep bf16 caches on the float32 FMA path (to compare the two).
 BF16_DOT_ENV = "APP_CPU_DECODE_BF16_DOT"
 #: ``MLA_DECODE_CPU_ABI`` in ``cpu/csrc/mla_decode_cpu.h``.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: The most partial results the kernel merges per request (``MAX_PARTS`` in the C source).
 MAX_PARTS = 64
 #: A request is split only into pieces of at least this many keys (a piece re-packs q).
@@ -84,11 +99,14 @@ class DecodePlan:
     """A step's work split: ``shares`` one ``[n, 4]`` int64 array of (request, first key,
     end key, part) per worker (part -1: the whole request, written directly); ``merge``
     ``[m, 3]`` int64 (request, first part, parts) for the split requests; ``parts`` the
-    number of partial results."""
+    number of partial results; ``items`` every share's rows back to back (``shares`` are
+    views of it) and ``share_end`` int64 ``[len(shares)]`` where each share's rows end."""
 
     shares: tuple[torch.Tensor, ...]
     merge: torch.Tensor
     parts: int
+    items: torch.Tensor
+    share_end: torch.Tensor
 
 
 def plan_decode(seq_lens: Sequence[int], workers: int,
@@ -114,8 +132,13 @@ def plan_decode(seq_lens: Sequence[int], workers: int,
         w = loads.index(min(loads))
         dealt[w].append(piece)
         loads[w] += piece[2] - piece[1] + 16      # + a request's fixed cost (packing q)
-    shares = tuple(torch.tensor(d, dtype=torch.int64).reshape(-1, 4) for d in dealt if d)
-    return DecodePlan(shares, torch.tensor(merge, dtype=torch.int64).reshape(-1, 3), parts)
+    sizes = [len(d) for d in dealt if d]
+    items = torch.tensor([piece for d in dealt for piece in d], dtype=torch.int64).reshape(-1, 4)
+    shares = tuple(torch.split(items, sizes)) if sizes else ()
+    share_end = torch.tensor(sizes, dtype=torch.int64).cumsum(0) if sizes else \
+        torch.zeros(0, dtype=torch.int64)
+    return DecodePlan(shares, torch.tensor(merge, dtype=torch.int64).reshape(-1, 3), parts,
+                      items, share_end)
 
 
 _thread_scratch = threading.local()
@@ -133,11 +156,16 @@ def _scratch(floats: int) -> torch.Tensor:
 
 
 class NativeMLADecodeKernel:
-    """The loaded decode kernel: :meth:`run` one step's decode on checked CPU tensors."""
+    """The loaded decode kernel: :meth:`run` one step's decode on checked CPU tensors.
+    ``openmp``: the library runs a call's shares on the calling thread's OpenMP team."""
 
     def __init__(self, library: NativeLibrary) -> None:
         self.library = library
         self._run = library.function("mla_decode_cpu_run", _i32, ctypes.POINTER(MlaDecodeArgs))
+        self._run_shares = library.function(
+            "mla_decode_cpu_run_shares", _i32, ctypes.POINTER(MlaDecodeArgs), _ptr, _i64, _i64,
+            _i32)
+        self.openmp = bool(library.function("mla_decode_cpu_openmp", _i32)())
         self._merge = library.function("mla_decode_cpu_merge", _i32,
                                        ctypes.POINTER(MlaDecodeArgs))
         self._scratch_floats = library.function("mla_decode_cpu_scratch_floats", _i64, _i64,
@@ -146,13 +174,18 @@ class NativeMLADecodeKernel:
     def run(self, plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int,
             out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
-            k_scale: float, bf16_dot: bool | None = None) -> None:
+            k_scale: float, bf16_dot: bool | None = None, openmp: bool | None = None) -> None:
         """Decode every request of ``plan``: ``q [B, Q, H, D]`` (unit last stride),
         ``kv_cache [num_blocks, block_size, D]`` (unit last stride), ``block_table`` int32
         ``[B, W]`` and ``seq_lens`` int32 ``[B]`` (contiguous, already checked against the
         cache), ``out [B, Q, H, kv_lora_rank]`` contiguous in q's dtype, ``lse [B, Q, H]``
         float32 contiguous or None. All on the CPU. ``bf16_dot`` (default: wherever it
-        can) runs a bf16 cache with a bf16 q on the CPU's AVX512-BF16 dot products."""
+        can) runs a bf16 cache with a bf16 q on the CPU's AVX512-BF16 dot products;
+        ``openmp`` (default: wherever it can) runs the shares on this thread's OpenMP team
+        rather than on the package's pool (never in a forked child: see ``cpu.openmp``)."""
+        if openmp and not self.openmp:
+            raise ValueError("native CPU decode kernel: openmp needs the library built with "
+                             "OpenMP (see decode_kernel_status())")
         batch, qlen, heads, dim = q.shape
         can_dot = kv_cache.dtype == q.dtype == torch.bfloat16 and has_bf16_dot()
         if bf16_dot and not can_dot:
@@ -177,6 +210,29 @@ class NativeMLADecodeKernel:
             bf16_dot=int(can_dot if bf16_dot is None else bf16_dot),
             q_mult=softmax_scale * k_scale * _LOG2E, v_mult=k_scale)
         floats = int(self._scratch_floats(qlen, heads, kv_lora_rank, dim - kv_lora_rank))
+        use_openmp = self.openmp and (openmp or (openmp is None and same_process()))
+        failed = (self._shares_on_openmp if use_openmp else self._shares_on_pool)(
+            base, plan, floats)
+        if not failed and plan.parts and self._merge(ctypes.byref(base)):
+            failed = True
+        if failed:
+            raise ValueError(f"native CPU decode kernel refused the call (dtypes {q.dtype}/"
+                             f"{kv_cache.dtype}/{out.dtype}, kv_lora_rank {kv_lora_rank}, "
+                             f"head dim {dim}): expected rank % 64 == 0 and rope % 32 == 0")
+
+    def _shares_on_openmp(self, base: MlaDecodeArgs, plan: DecodePlan, floats: int) -> bool:
+        """Every share in one C call, on this thread's OpenMP team; True if refused."""
+        stride = -(-floats // 16) * 16  # each share's scratch 64-byte aligned
+        scratch = _scratch(stride * max(1, len(plan.shares)))  # held until the call returns
+        args = MlaDecodeArgs.from_buffer_copy(base)
+        args.items, args.n_items = plan.items.data_ptr(), plan.items.shape[0]
+        args.scratch = scratch.data_ptr()
+        return bool(self._run_shares(ctypes.byref(args), plan.share_end.data_ptr(),
+                                     len(plan.shares), stride, max(1, len(plan.shares))))
+
+    def _shares_on_pool(self, base: MlaDecodeArgs, plan: DecodePlan, floats: int) -> bool:
+        """One C call per share, on the package's pool (:func:`run_shares`, which returns
+        only once every share is done); True if one was refused."""
         failures: list[int] = []
 
         def share_of(items: torch.Tensor) -> Callable[[], None]:
@@ -189,14 +245,8 @@ class NativeMLADecodeKernel:
                     failures.append(1)
             return work
 
-        # Every tensor the C code touches stays referenced here until run_shares returns.
         run_shares([share_of(items) for items in plan.shares])
-        if not failures and plan.parts and self._merge(ctypes.byref(base)):
-            failures.append(1)
-        if failures:
-            raise ValueError(f"native CPU decode kernel refused the call (dtypes {q.dtype}/"
-                             f"{kv_cache.dtype}/{out.dtype}, kv_lora_rank {kv_lora_rank}, "
-                             f"head dim {dim}): expected rank % 64 == 0 and rope % 32 == 0")
+        return bool(failures)
 
 
 @functools.cache
@@ -253,21 +303,66 @@ def _self_test(library: NativeLibrary) -> str | None:
     return None
 
 
-#: The decode kernel's library, for :func:`app.backends.cpu.loader.load_native_library`.
+def _openmp_requirements() -> list[str]:
+    """Why the OpenMP build cannot run here: the kernel's own reasons, the switch, and
+    torch's OpenMP runtime when it is not a ``libgomp.so.1`` (one runtime per process)."""
+    reasons = _requirements()
+    if not read_switch(OPENMP_ENV):
+        reasons.append(f"turned off by {OPENMP_ENV}=0")
+    elif torch_libgomp()[0] is None:
+        reasons.append(torch_libgomp()[1])
+    return reasons
+
+
+def _openmp_self_test(library: NativeLibrary) -> str | None:
+    """Built with OpenMP, bound to the ``libgomp.so.1`` torch runs on (the address of
+    ``omp_get_max_threads``), then :func:`_self_test` on the OpenMP path."""
+    if not library.function("mla_decode_cpu_openmp", _i32)():
+        return "the compiler ignored -fopenmp"
+    runtime, why = torch_libgomp()
+    if runtime is None:
+        return why
+    ours = library.function("mla_decode_cpu_openmp_runtime", _ptr)()
+    torchs = runtime_function_address(runtime, "omp_get_max_threads")
+    if ours is None or ours != torchs:
+        return (f"bound to another OpenMP runtime than torch's {runtime} (omp_get_max_threads "
+                f"at {ours or 0:#x}, torch's at {torchs or 0:#x})")
+    return _self_test(library)
+
+
+_BUILD_FLAGS = ("-O3", "-mavx512f", "-mfma", "-mf16c")
+#: The decode kernel's library, for :func:`app.backends.cpu.loader.load_native_library`:
+#: the build whose shares run on the package's pool (where OpenMP cannot be used).
 SPEC = NativeLibrarySpec(
     name="mla_decode_cpu", sources=("mla_decode_cpu.c",), abi_version=ABI_VERSION,
-    flags=("-O3", "-mavx512f", "-mfma", "-mf16c"),
-    structs=(("mla_decode_args", MlaDecodeArgs),), self_test=_self_test,
+    flags=_BUILD_FLAGS, structs=(("mla_decode_args", MlaDecodeArgs),), self_test=_self_test,
     requirements=_requirements, switches=(SWITCH_ENV, BF16_DOT_ENV))
+#: The same source with ``-fopenmp`` (its own cache file): shares on torch's OpenMP team.
+SPEC_OPENMP = NativeLibrarySpec(
+    name="mla_decode_cpu_openmp", sources=SPEC.sources, abi_version=ABI_VERSION,
+    flags=(*_BUILD_FLAGS, "-fopenmp"), link_flags=("-fopenmp", "-lm"), structs=SPEC.structs,
+    self_test=_openmp_self_test, requirements=_openmp_requirements,
+    switches=(SWITCH_ENV, BF16_DOT_ENV, OPENMP_ENV))
 
 _kernel_lock = threading.Lock()
 _kernel: list[tuple[NativeLibrary, NativeMLADecodeKernel]] = []
 
 
+def decode_kernel_status() -> tuple[NativeLibraryStatus, str]:
+    """The library the decode kernel runs (the OpenMP build where it loads, else the pool
+    build) and how its shares run: ``on torch's OpenMP threads (libgomp.so.1)`` or ``on the
+    package's thread pool (OpenMP build unavailable: <why>)``. Builds on first use."""
+    openmp = load_native_library(SPEC_OPENMP)
+    if openmp.available:
+        return openmp, f"on torch's OpenMP threads ({LIBGOMP})"
+    return load_native_library(SPEC), ("on the package's thread pool (OpenMP build "
+                                       f"unavailable: {'; '.join(openmp.reasons)})")
+
+
 def load_decode_kernel() -> NativeMLADecodeKernel | None:
     """The decode kernel, built and loaded on first use; None where it cannot be (see
-    ``load_native_library(SPEC).reasons``)."""
-    library = load_native_library(SPEC).library
+    :func:`decode_kernel_status`)."""
+    library = decode_kernel_status()[0].library
     if library is None:
         return None
     with _kernel_lock:
@@ -285,7 +380,7 @@ class CpuMLADecodeBackend(MLADecodeBackend):
     #: A CPU backend: never on a GPU.
     compute_capabilities: ClassVar[ComputeCapabilities] = NO_GPU
     #: Whether the native kernel builds, loads and passes its self-test here.
-    probe = staticmethod(lambda: load_native_library(SPEC).available)
+    probe = staticmethod(lambda: decode_kernel_status()[0].available)
 
     @classmethod
     def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
@@ -297,7 +392,7 @@ class CpuMLADecodeBackend(MLADecodeBackend):
     def unavailable_reason(cls) -> str:
         """Why the native kernel is unusable (no AVX-512, no compiler, switched off ...)."""
         return "native CPU decode kernel unavailable: " + "; ".join(
-            load_native_library(SPEC).reasons)
+            decode_kernel_status()[0].reasons)
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,

@@ -19,7 +19,7 @@ from app.backends.decode import cpu_mla as cpu_mla_decode
 
 DRIVER = Path(__file__).with_name("native") / "asan_decode_driver.c"
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-            "-fno-omit-frame-pointer", "-mavx512f", "-mfma", "-mf16c"]
+            "-fno-omit-frame-pointer", "-mavx512f", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def test_decode_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Path) -> None:
@@ -30,7 +30,7 @@ def test_decode_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Pat
     exe = tmp_path / "asan_decode_driver"
     sources = [str(loader.NATIVE_DIR / s) for s in cpu_mla_decode.SPEC.sources]
     build = subprocess.run([compiler, *SANITIZE, "-I", str(loader.NATIVE_DIR), str(DRIVER),
-                            *sources, "-o", str(exe), "-lm"],
+                            *sources, "-o", str(exe), "-lm", "-fopenmp"],
                            capture_output=True, text=True, timeout=120)
     if build.returncode != 0:
         if "sanitize" in build.stderr or "asan" in build.stderr.lower():

@@ -114,14 +114,18 @@ def test_declarations_and_refusals() -> None:
 
 def test_switched_off_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("APP_CPU_NATIVE_KERNEL", "0")
-    reset_native_libraries(cpu_mla_decode.SPEC.name)
+    names = (cpu_mla_decode.SPEC.name, cpu_mla_decode.SPEC_OPENMP.name)
+    for name in names:
+        reset_native_libraries(name)
     try:
         assert not CpuMLADecodeBackend.is_available()
         assert "APP_CPU_NATIVE_KERNEL=0" in CpuMLADecodeBackend.unavailable_reason()
         assert not load_native_library(cpu_mla_decode.SPEC).available
+        assert not load_native_library(cpu_mla_decode.SPEC_OPENMP).available
     finally:
         monkeypatch.delenv("APP_CPU_NATIVE_KERNEL")
-        reset_native_libraries(cpu_mla_decode.SPEC.name)
+        for name in names:
+            reset_native_libraries(name)
 
 
 @needs_kernel

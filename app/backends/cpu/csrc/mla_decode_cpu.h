@@ -6,7 +6,7 @@
 #include "app_native.h"
 
 /* Bump on any change to this struct or to an exported function of mla_decode_cpu.c. */
-#define MLA_DECODE_CPU_ABI 2
+#define MLA_DECODE_CPU_ABI 3
 
 /* One decode step over a paged latent cache (one KV head), D = rank + rope:
  *   cache [num_blocks, block_size, D] of cache_dt, strides (block_stride, row_stride, 1);
@@ -40,6 +40,14 @@ APP_NATIVE_STRUCT(mla_decode_args, MLA_DECODE_ARGS)
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_run(const mla_decode_args* a);
 /* 0 when done: merges the partials of every request in a->merge into out/lse. */
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_merge(const mla_decode_args* a);
+/* 0 when done: the shares of one call on the calling thread's OpenMP team (see the source). */
+APP_NATIVE_EXPORT int32_t mla_decode_cpu_run_shares(const mla_decode_args* a,
+                                                    const int64_t* share_end, int64_t n_shares,
+                                                    int64_t scratch_stride, int32_t threads);
+/* 1 when the library was built with OpenMP. */
+APP_NATIVE_EXPORT int32_t mla_decode_cpu_openmp(void);
+/* omp_get_max_threads of the OpenMP runtime the library is bound to (NULL without OpenMP). */
+APP_NATIVE_EXPORT const void* mla_decode_cpu_openmp_runtime(void);
 /* Scratch floats one thread needs for qlen * heads query rows of head dim rank + rope. */
 APP_NATIVE_EXPORT int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads,
                                                         int64_t rank, int64_t rope);

@@ -1,4 +1,4 @@
-/* Runs mla_decode_cpu_run / _merge under AddressSanitizer + UBSan (built by
+/* Runs mla_decode_cpu_run_shares / _merge under AddressSanitizer + UBSan (built by
  * test_cpu_mla_decode_asan.py) on shapes around every edge: block sizes 1..64, seq_len 1 and
  * not a multiple of the block size, query_len 1..16, head counts whose query rows are not a
  * multiple of 16, rope 0/32/64, every cache dtype, whole and split requests. Every buffer
@@ -91,8 +91,12 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
   }
   float* part_out = parts ? malloc(sizeof(float) * (size_t)(parts * rows * rank)) : NULL;
   float* part_lse = parts ? malloc(sizeof(float) * (size_t)(parts * rows)) : NULL;
+  /* the items in two shares (one when there is one item), run on the OpenMP team when built
+   * with -fopenmp; the last share's scratch ends exactly where the allocation does */
   const int64_t floats = mla_decode_cpu_scratch_floats(qlen, heads, rank, rope);
-  float* scratch = malloc(sizeof(float) * (size_t)floats);
+  const int64_t stride = (floats + 15) / 16 * 16, n_shares = n_items > 1 ? 2 : 1;
+  const int64_t share_end[2] = {n_shares > 1 ? n_items / 2 : n_items, n_items};
+  float* scratch = malloc(sizeof(float) * (size_t)((n_shares - 1) * stride + floats));
   const float scale = 0.2f;
   mla_decode_args a = {
       .cache = cache, .q = q, .out = out, .lse = lse, .block_table = table, .seq_lens = seq,
@@ -103,7 +107,8 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
       .n_items = n_items, .n_merge = n_merge, .cache_dt = dt, .q_dt = dt, .out_dt = dt,
       .bf16_dot = dt == APP_DT_BF16 ? bf16_dot : 0,
       .q_mult = scale * 1.4426950408889634f, .v_mult = 1.f};
-  int bad = mla_decode_cpu_run(&a) != 0 || mla_decode_cpu_merge(&a) != 0;
+  int bad = mla_decode_cpu_run_shares(&a, share_end, n_shares, stride, 2) != 0 ||
+            mla_decode_cpu_merge(&a) != 0;
   const double tol = dt == APP_DT_F32 ? 1e-4 : 3e-2;
   double* s = malloc(sizeof(double) * (size_t)(lens[0] > 0 ? 4096 : 1));
   for (int64_t b = 0; b < batch && !bad; ++b)
