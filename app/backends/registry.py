@@ -228,7 +228,9 @@ def resolve_class(kind: BackendKind, name: str,
     if not (isinstance(obj, type) and issubclass(obj, kind.base)):
         raise TypeError(f"{kind.label} backend {name} resolves to {obj!r}, which is not an "
                         f"{kind.base.__name__} subclass")
-    if inspect.isabstract(obj):
+    # A concrete subclass of the (ABC) base has an empty ``__abstractmethods__``: the same
+    # answer as ``inspect.isabstract``, at a fraction of its cost on this per-selection path.
+    if getattr(obj, "__abstractmethods__", None):
         check_backend_class(kind, obj, f"{kind.label} backend {name}")  # raises, saying why
     return obj
 

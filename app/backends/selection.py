@@ -174,8 +174,9 @@ def select_backend(kind: BackendKind, config: EngineConfig, platform: Platform, 
     if decision.cls is None:
         logger.debug("%s", decision.error)
         raise ValueError(decision.error)
-    logger.info("Using %s %s backend (%s) on %r.", decision.name, kind.label,
-                object_path(decision.cls), platform)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("Using %s %s backend (%s) on %r.", decision.name, kind.label,
+                    object_path(decision.cls), platform)
     if cache is not None:
         cache.put(key, decision.cls)
     return decision.cls
