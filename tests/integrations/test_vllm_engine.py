@@ -225,10 +225,12 @@ def test_bfloat16_our_logprobs_are_as_close_to_float32_as_vllms_own(
     (prefill), and generated-token logprobs at the steps where both bf16 runs still follow the
     float32 tokens (decode). The gaps are mostly the bf16 rounding of the layers ours shares
     with vLLM (projections, MLP, MoE), so "no larger" is read within that noise: mean gap
-    within 10%, and the largest prompt gap within 25% (measured here: prompt mean 0.0315 vs
-    0.0297, max 0.245 vs 0.236; decode mean 0.0315 vs 0.0295 over 30 shared steps). Our
-    attention's own bf16 error is vLLM's on our float32 kernel paths and a bounded amount more
-    on the bf16 dot products (``test_vllm_decode.py``)."""
+    within 10%, and the largest prompt gap within 25% (measured here, AVX512-BF16 CPU: prompt
+    mean 0.0307 vs 0.0297, max 0.237 vs 0.236; decode mean 0.0297 vs 0.0295 over 30 shared
+    steps; before the bf16-product kernels normalised their outputs by the sum of the
+    probabilities as rounded to bf16: 0.0315, 0.245 and 0.0315). Our attention's own bf16
+    error is vLLM's on our float32 kernel paths and a bounded amount more on the bf16 dot
+    products (``test_vllm_decode.py``)."""
     reference = _ok(vllms_own["v2-lite-hub"])
     theirs, mine = _ok(vllms_own["v2-lite-hub bf16"]), _ok(ours[0]["v2-lite-hub bf16"])
     own, our = _gaps(theirs, reference), _gaps(mine, reference)

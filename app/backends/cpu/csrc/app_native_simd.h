@@ -53,6 +53,19 @@ static inline void app_store16(void* p, int64_t i, __m512 x, int dt) {
   }
 }
 
+/* x rounded to the nearest bf16 value (ties to even), kept as float32; a NaN stays a NaN.
+ * The bf16-product kernels sum the probabilities they multiply in bf16 *after* this rounding:
+ * the output is then an exact weighted mean of the values with the rounded weights, so a key
+ * that takes almost all the weight is reproduced to float32, not to bf16's 2^-9. */
+static inline __m512 app_round_to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  const __m512 rounded = _mm512_castsi512_ps(
+      _mm512_and_si512(up, _mm512_set1_epi32((int)0xFFFF0000u)));
+  return _mm512_mask_mov_ps(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
 /* 2^x for x <= 0 (relative error ~1e-7): below -126 gives 2^-126, never a denormal; a NaN
  * stays a NaN (the clamp's NaN operand comes second: vmaxps returns its second operand when
  * either is a NaN), so a non-finite score reaches the probabilities it makes. */

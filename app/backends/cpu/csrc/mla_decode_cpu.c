@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
  * update the running max m and sum l of each lane, rescale the accumulator rows, and turn
  * S into the probabilities (exactly 0 for hidden keys). */
 static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const int32_t* limit,
-                          float* m, float* l, float* acc, int64_t rank) {
+                          float* m, float* l, float* lr, float* acc, int64_t rank, int round_p) {
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lim = _mm512_loadu_si512((const void*)limit);
   const __m512 m_old = _mm512_loadu_ps(m);
@@ -213,16 +213,21 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
   const __mmask16 none = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ);
   const __m512 ref = _mm512_mask_mov_ps(vmax, none, _mm512_setzero_ps());
   const __m512 alpha = app_exp2_nonpositive(_mm512_sub_ps(m_old, ref));
-  __m512 sum = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps(), sum_r = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     __m512 p = app_exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
     if (pos0 + j >= tail)
       p = _mm512_maskz_mov_ps(
           _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim), p);
-    _mm512_store_ps(S + j * G, p);
     sum = _mm512_add_ps(sum, p);
+    if (round_p) { /* the dot path multiplies p in bf16: see lr in run_item */
+      p = app_round_to_bf16(p);
+      sum_r = _mm512_add_ps(sum_r, p);
+    }
+    _mm512_store_ps(S + j * G, p);
   }
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+  if (round_p) _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), alpha, sum_r));
   _mm512_storeu_ps(m, vmax);
   __mmask16 rescale = _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ);
   if (!rescale) return;
@@ -299,7 +304,8 @@ static inline __attribute__((always_inline)) void pv_group(
 /* ---- the bf16 dot path (bf16 cache and q, a CPU with AVX512-BF16): vdpbf16ps multiplies
  * pairs of bf16 values and accumulates in float32, twice the multiply-adds of an fp32 FMA.
  * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
- * precision) and pairs keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
+ * precision; the output is normalised by the sum of the rounded p, see run_item) and pairs
+ * keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
 #define BF16_ISA APP_AVX512BF16_ISA
 #define BF16_TARGET __attribute__((BF16_ISA, noinline))
 
@@ -474,9 +480,9 @@ static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int dot) 
 
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
   const int64_t mp = app_round_up(qlen * heads, G);
-  /* 16 to align, packed q, accumulators, m, l, limits (int32), scores (+1 key of slack),
-   * bf16 probability pairs */
-  return 16 + mp * (rank + rope) + mp * rank + 3 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
+  /* 16 to align, packed q, accumulators, m, l, lr, limits (int32), scores (+1 key of
+   * slack), bf16 probability pairs */
+  return 16 + mp * (rank + rope) + mp * rank + 4 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
 }
 
 /* The key range [k0, k1) of request b, for all its query rows; see mla_decode_args. */
@@ -490,7 +496,12 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   float* acc = qp + mp * d;
   float* m = acc + mp * rank;
   float* l = m + mp;
-  int32_t* limit = (int32_t*)(l + mp);
+  /* The dot path's sum of the probabilities as rounded to bf16 (what p.v multiplies): it
+   * normalises the output, so the output is the exact weighted mean of the values under the
+   * rounded weights (a key holding almost all the weight comes out to float32, not bf16's
+   * 2^-9); l, the float32 sum, gives the LSE. */
+  float* lr = l + mp;
+  int32_t* limit = (int32_t*)(lr + mp);
   float* S = (float*)(limit + mp);
   uint32_t* P2 = (uint32_t*)(S + (BK + 1) * G);
   uint16_t* q16 = (uint16_t*)qp; /* the dot path keeps q as bf16 bits, unscaled */
@@ -507,6 +518,7 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     limit[r] = (int32_t)(r >= rows_m ? seq_len - 1 : seq_len - qlen + i);
     m[r] = -INFINITY;
     l[r] = 0.f;
+    lr[r] = 0.f;
   }
   memset(acc, 0, sizeof(float) * (size_t)(mp * rank));
   const int32_t* table = a->block_table + b * a->bt_stride;
@@ -534,7 +546,8 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
       const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
       if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S, &pc);
       else scores(qp + g0 * d, d, rows, n, valid, dt, S, &pc);
-      softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, acc + g0 * rank, rank);
+      softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, lr + g0, acc + g0 * rank, rank,
+                    dot);
       if (dot)
         pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, &pc);
       else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt, &pc);
@@ -542,7 +555,8 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     pf_finish(&pc);
   }
   for (int64_t r = 0; r < rows_m; ++r) {
-    const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];
+    const float norm = dot ? lr[r] : l[r];
+    const float inv = norm == 0.f ? 0.f : 1.f / norm;
     const float lse2 = l[r] == 0.f ? -INFINITY : m[r] + log2f(l[r]);
     const float* row = acc + r * rank;
     if (part >= 0) {

@@ -51,7 +51,8 @@ static inline long elem_size(int dt) { return (long)app_native_elem_size(dt); }
  * v copy, scores, accumulator, row max and row sum, plus 16 floats to align the packed k. */
 int64_t mla_prefill_cpu_scratch_floats(int64_t q_len, int64_t kv_len, int64_t d, int64_t dv) {
   (void)q_len;
-  return BQ * d + app_round_up(kv_len, NR) * d + kv_len * dv + BQ * LDS + BQ * dv + 2 * BQ + 16;
+  /* ... + m, l and lr per query row of a block (see softmax_row) + 16 to align */
+  return BQ * d + app_round_up(kv_len, NR) * d + kv_len * dv + BQ * LDS + BQ * dv + 3 * BQ + 16;
 }
 
 /* A hint to fetch one input row (never faults). */
@@ -229,9 +230,13 @@ static inline __attribute__((always_inline)) void pv_tile(
  * running max), zero the rest; update the row's running max m, sum l and accumulator.
  * A non-finite score among the first `vis` (a NaN or inf in q or in a key the row sees)
  * makes l NaN, and so the row's output and LSE: the max and the exp clamp below would
- * otherwise drop a NaN, hiding the corruption. The rest of the row is never read. */
-static void softmax_row(float* row, long vis, long width, float* m, float* l, float* acc,
-                        long dv) {
+ * otherwise drop a NaN, hiding the corruption. The rest of the row is never read. round_p:
+ * the bf16-products path, which multiplies p in bf16: p is rounded (app_round_to_bf16) and lr
+ * sums the rounded values. lr normalises that path's output, so the output is the exact
+ * weighted mean of the values under the rounded weights (a key holding almost all the weight
+ * comes out to float32, not bf16's 2^-9); l, the float32 sum, gives the LSE. */
+static void softmax_row(float* row, long vis, long width, float* m, float* l, float* lr,
+                        float* acc, long dv, int round_p) {
   for (long j = vis; j < width; ++j) row[j] = 0.f;
   if (vis <= 0) return;
   __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -251,19 +256,28 @@ static void softmax_row(float* row, long vis, long width, float* m, float* l, fl
   float row_max = _mm512_reduce_max_ps(vmax);
   float m_new = *m > row_max ? *m : row_max;
   float alpha = exp2f(*m - m_new);  /* 0 on the first block (m = -inf) */
-  __m512 vm = _mm512_set1_ps(m_new), sum = nonfinite;
+  __m512 vm = _mm512_set1_ps(m_new), sum = nonfinite, sum_r = nonfinite;
   for (j = 0; j + 16 <= vis; j += 16) {
     __m512 e = app_exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
-    _mm512_storeu_ps(row + j, e);
     sum = _mm512_add_ps(sum, e);
+    if (round_p) {
+      e = app_round_to_bf16(e);
+      sum_r = _mm512_add_ps(sum_r, e);
+    }
+    _mm512_storeu_ps(row + j, e);
   }
   if (j < vis) {
     __m512 e = app_exp2_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + j), vm));
     e = _mm512_maskz_mov_ps(tail, e);
-    _mm512_mask_storeu_ps(row + j, tail, e);
     sum = _mm512_add_ps(sum, e);
+    if (round_p) {
+      e = app_round_to_bf16(e);
+      sum_r = _mm512_add_ps(sum_r, e);
+    }
+    _mm512_mask_storeu_ps(row + j, tail, e);
   }
   *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  if (round_p) *lr = *lr * alpha + _mm512_reduce_add_ps(sum_r);
   *m = m_new;
   if (alpha != 1.f) {
     __m512 va = _mm512_set1_ps(alpha);
@@ -341,7 +355,7 @@ static void attend_head(const void* q, long ld_q, const void* k, long ld_k, cons
         if (vis > tile_keys[i / MR]) vis = tile_keys[i / MR];
         if (vis < 0) vis = 0;
         row_vis[i] = vis;
-        softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, acc + i * dv, dv);
+        softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, NULL, acc + i * dv, dv, 0);
       }
       for (long i0 = 0; i0 < qn; i0 += PR) {
         const long tk = pv_keys[i0 / PR];

@@ -165,6 +165,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
   float* acc = S + BQ * LDS;
   float* m = acc + BQ * dv;
   float* l = m + BQ;
+  float* lr = l + BQ;  /* the rounded probabilities' sum: see softmax_row */
   const long off = kv_len - q_len;
   const float mult = scale * 1.4426950408889634f;
   long packed = 0;  /* keys packed so far: whole k panels, or all of them */
@@ -185,7 +186,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
       pack_v_pairs(v + packed * ld_v, ld_v, need - packed, dv, vbuf + packed * dv);
       packed = need;
     }
-    for (long i = 0; i < qn; ++i) { m[i] = -INFINITY; l[i] = 0.f; }
+    for (long i = 0; i < qn; ++i) { m[i] = -INFINITY; l[i] = 0.f; lr[i] = 0.f; }
     memset(acc, 0, sizeof(float) * qn * dv);
     for (long ks = 0; ks < kv_end; ks += BK) {
       const long kn = kv_end - ks < BK ? kv_end - ks : BK;
@@ -215,7 +216,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
         if (vis > tile_keys[i / MR]) vis = tile_keys[i / MR];
         if (vis < 0) vis = 0;
         row_vis[i] = vis;
-        softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, acc + i * dv, dv);
+        softmax_row(S + i * LDS, vis, pv_keys[i / PR], m + i, l + i, lr + i, acc + i * dv, dv, 1);
         probabilities_to_bf16(S + i * LDS, pv_keys[i / PR]);
       }
       for (long i0 = 0; i0 < qn; i0 += PR) {
@@ -239,7 +240,7 @@ static void attend_head_bf16(const uint16_t* q, long ld_q, const uint16_t* k, lo
         lse[qs + i] = -INFINITY;
         continue;
       }
-      __m512 inv = _mm512_set1_ps(1.f / l[i]);
+      __m512 inv = _mm512_set1_ps(lr[i] == 0.f ? 0.f : 1.f / lr[i]);
       for (long c = 0; c < dv; c += 16)
         app_store16(out, o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + i * dv + c), inv), out_dt);
       lse[qs + i] = (m[i] + log2f(l[i])) * 0.6931471805599453f;
