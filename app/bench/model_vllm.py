@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import torch
 
-from app.bench.vllm_engine import _python_env
+from app.bench.vllm_engine import vllm_worker_env
 from app.config import dtype_name
 
 __all__ = ["VLLM_KV_CACHE_GIB", "WholeVLLM", "check_vllm_python"]
@@ -66,7 +66,7 @@ class WholeVLLM:
                        "max_num_batched_tokens": max(8192, options.batch * options.prompt_len,
                                                      longest),
                        "enable_prefix_caching": False}
-        env = _python_env({"VLLM_PLUGINS": "none",
+        env = vllm_worker_env({"VLLM_PLUGINS": "none",
                            "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)})
         # Held for the worker's lifetime (its log, read back on errors); closed in close().
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115

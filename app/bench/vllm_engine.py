@@ -102,7 +102,10 @@ def _jobs(load: dict[str, Any], vocab: int, repeat: int) -> list[dict[str, Any]]
          "repeat": repeat}]
 
 
-def _python_env(extra: dict[str, str]) -> dict[str, str]:
+def vllm_worker_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a vLLM worker subprocess: ours, minus ``VLLM_PLUGINS``, with vLLM's
+    CPU settings (in-process engine, KV cache size, quieter logs), this checkout on
+    ``PYTHONPATH``, then ``extra``."""
     root = str(Path(__file__).resolve().parent.parent.parent)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -134,14 +137,14 @@ def _write_checkpoint(python: str, path: Path, spec: dict[str, Any], timeout: fl
             "DeepseekCheckpointSpec, write_deepseek_checkpoint\n"
             "write_deepseek_checkpoint(sys.argv[1], DeepseekCheckpointSpec(**json.loads("
             "sys.argv[2])))")
-    return _call(python, ["-c", code, str(path), json.dumps(spec)], _python_env({}), timeout)
+    return _call(python, ["-c", code, str(path), json.dumps(spec)], vllm_worker_env({}), timeout)
 
 
 def _engine_run(python: str, work: Path, name: str, engine: dict[str, Any], plugin: bool,
                 timeout: float) -> dict[str, Any]:
     spec_file, out_file = work / f"{name}.json", work / f"{name}.out.json"
     spec_file.write_text(json.dumps({"engines": [engine]}))
-    env = _python_env({} if plugin else {"VLLM_PLUGINS": "none"})
+    env = vllm_worker_env({} if plugin else {"VLLM_PLUGINS": "none"})
     error = _call(python, ["-m", "app.bench.vllm_engine_worker", str(spec_file),
                            str(out_file)], env, timeout)
     if error is not None:

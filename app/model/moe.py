@@ -21,6 +21,8 @@ the compute dtype when wider).
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -138,8 +140,8 @@ class MoE:
         # Every (token, expert) pair's input, in expert order: one gather; each expert then
         # works on a contiguous run of rows.
         rows = xc.index_select(0, order // k)
-        spans = [(e, a, a + n) for e, a, n in zip(range(len(counts)),
-                                                  _starts(counts), counts, strict=True) if n]
+        starts = itertools.accumulate(counts[:-1], initial=0)
+        spans = [(e, a, a + n) for e, (a, n) in enumerate(zip(starts, counts, strict=True)) if n]
         hidden = torch.cat([self._gate_up[e](rows[a:b]) for e, a, b in spans])
         act = swiglu(hidden, self.intermediate_size)
         del hidden
@@ -156,10 +158,3 @@ class MoE:
             out += self.shared(xc).to(acc)
         return out.to(self.compute_dtype)
 
-
-def _starts(counts: list[int]) -> list[int]:
-    starts, total = [], 0
-    for n in counts:
-        starts.append(total)
-        total += n
-    return starts

@@ -33,26 +33,6 @@ static inline float app_load_elem(const void* p, int64_t i, int dt) {
   return ((const float*)p)[i];
 }
 
-/* Store 16 float32 lanes as elements i .. i + 15 of p (of type dt). fp16 and bf16 round to
- * nearest even; a NaN is stored as the quiet NaN 0x7FC0 in bf16 (rounding a NaN's payload
- * could carry into the sign bit and leave -0). */
-static inline void app_store16(void* p, int64_t i, __m512 x, int dt) {
-  if (dt == APP_DT_F32) {
-    _mm512_storeu_ps((float*)p + i, x);
-  } else if (dt == APP_DT_F16) {
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {
-    __m512i bits = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
-    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-}
-
 /* x rounded to the nearest bf16 value (ties to even), kept as float32; a NaN stays a NaN.
  * The bf16-product kernels sum the probabilities they multiply in bf16 *after* this rounding:
  * the output is then an exact weighted mean of the values with the rounded weights, so a key
@@ -64,6 +44,24 @@ static inline __m512 app_round_to_bf16(__m512 x) {
   const __m512 rounded = _mm512_castsi512_ps(
       _mm512_and_si512(up, _mm512_set1_epi32((int)0xFFFF0000u)));
   return _mm512_mask_mov_ps(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* Store 16 float32 lanes as elements i .. i + 15 of p (of type dt). fp16 and bf16 round to
+ * nearest even; a NaN is stored as the quiet NaN 0x7FC0 in bf16 (rounding a NaN's payload
+ * could carry into the sign bit and leave -0). */
+static inline void app_store16(void* p, int64_t i, __m512 x, int dt) {
+  if (dt == APP_DT_F32) {
+    _mm512_storeu_ps((float*)p + i, x);
+  } else if (dt == APP_DT_F16) {
+    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512i bits = _mm512_castps_si512(app_round_to_bf16(x));
+    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
+    _mm256_storeu_si256((__m256i*)((uint16_t*)p + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
 }
 
 /* 2^x for x <= 0 (relative error ~1e-7): below -126 gives 2^-126, never a denormal; a NaN
