@@ -16,10 +16,10 @@
  * it too and put back in natural order (one permute per 16 values) when the output is
  * written. fp16 and fp32 rows load in natural order.
  *
- * q.k: 8 query rows x 2 keys per register tile (16 accumulators along the head dim; the bf16
- * dot path: 4 rows x 4 keys, fewer loads per product), reduced to one vector of 16 scores per
- * key (lane = query row); the softmax is then lane-wise over
- * the keys (base 2: q is pre-scaled by scale * log2(e)); p.v: 6 rows x 64 columns tiles.
+ * q.k: 4 query rows x 4 keys per register tile (16 accumulators along the head dim),
+ * reduced to one vector of 16 scores per key (lane = query row); the softmax is then
+ * lane-wise over the keys (base 2: q is pre-scaled by scale * log2(e)); p.v: 6 rows x 64
+ * columns tiles.
  * Causal (multi-token prediction): row i sees keys <= seq_len - qlen + i, so only the last
  * qlen - 1 keys are hidden from some rows; those keys are masked in the scores and skipped
  * (not multiplied by 0: 0 * NaN is NaN) in p.v, and rows past seq_len are never read.
@@ -51,6 +51,14 @@ APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 #error "SMALL_BK <= BK, both multiples of 4 (the row pointer arrays have BK entries)"
 #endif
 #define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
+/* The bf16 q.k steps pf_step() every QK_PF_STEPS steps of 32 dims (32 dot products), about
+ * as often in time as p.v does (one per key pair of a tile: 16-24): the next chunk's lines
+ * then go out evenly over the whole chunk, not mostly during p.v (measured, 16 heads, cache
+ * streaming from memory: 1.05-1.13x; once per 4 x 4 tile, i.e. every 288 products, left
+ * the memory idle through q.k). The fp32 q.k keeps one step per tile: stepping it from its
+ * inner loop measured slower, as its prefetches then evict the q rows it reloads (16 rows
+ * of fp32 q are 36 KiB of the 48 KiB L1). */
+#define QK_PF_STEPS 2
 #define LN2 0.6931471805599453f
 #define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
 
@@ -122,8 +130,8 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
  * does not start it), so every line of the next chunk's rows is prefetched by hand. Issued
  * in bursts (the whole chunk at once, or a row per call) they fill the core's miss buffers
  * and stall the loads of the work they were meant to hide behind; so they are dealt out a
- * line or two at a time from the innermost loops of q.k (per register tile of scores) and
- * p.v (per key or key pair of a tile). The cursor is copied into a local by each function
+ * line or two at a time from the innermost loops of q.k (bf16: per QK_PF_STEPS steps of a
+ * scores tile; fp32: per tile) and p.v (per key or key pair of a tile). The cursor is copied into a local by each function
  * that steps it, so it lives in registers. Prefetches are hints and never fault; the rows
  * are those of keys the item reads anyway. */
 typedef struct {
@@ -156,39 +164,59 @@ static inline void pf_finish(pf_cursor* c) {
 }
 
 /* S[j][lane] = q row (g0 + lane) . key j for the n keys at rows[] (q rows past `valid` are
- * zero and their lanes unused). Two keys share each q load; 8 rows x 2 keys per pass. */
+ * zero and their lanes unused). 4 keys x 4 rows per pass, as scores_bf16() (16 loads per 32
+ * multiply-adds; 2 keys x 8 rows took 20, and measured 1.11x slower streaming fp32): pass p's
+ * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k. */
 static inline __attribute__((always_inline)) void scores(const float* qg, int64_t d,
                                                          const char* const* rows, int64_t n,
                                                          int64_t valid, const int dt, float* S,
                                                          pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
-  for (int64_t j = 0; j < n; j += 2) {
+  pf_cursor cur = *pc;
+  for (int64_t j = 0; j < n; j += 4) {
     const char* k0 = rows[j];
     const char* k1 = rows[j + 1 < n ? j + 1 : j];
-    __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int pass = 0; pass < 2 && pass * 8 < valid; ++pass) {
-      pf_step(pc);
-      const float* qr = qg + pass * 8 * d;
+    const char* k2 = rows[j + 2 < n ? j + 2 : j];
+    const char* k3 = rows[j + 3 < n ? j + 3 : j];
+    __m512 v[4];
+    for (int pass = 0; pass < 4; ++pass) {
+      v[pass] = _mm512_setzero_ps();
+      if (pass * 4 >= valid) continue;
+      pf_step(&cur);
+      const float* qr = qg + pass * 4 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < d; c += 32) {
-        __m512 a0, b0, a1, b1;
+        __m512 a0, b0, a1, b1, a2, b2, a3, b3;
         load32(k0 + c * es, dt, &a0, &b0);
         load32(k1 + c * es, dt, &a1, &b1);
-        _Pragma("GCC unroll 8") for (int r = 0; r < 8; ++r) {
+        load32(k2 + c * es, dt, &a2, &b2);
+        load32(k3 + c * es, dt, &a3, &b3);
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; ++r) {
           const __m512 qa = _mm512_load_ps(qr + r * d + c);
           const __m512 qb = _mm512_load_ps(qr + r * d + c + 16);
           acc[r] = _mm512_fmadd_ps(qa, a0, acc[r]);
-          acc[8 + r] = _mm512_fmadd_ps(qa, a1, acc[8 + r]);
+          acc[4 + r] = _mm512_fmadd_ps(qa, a1, acc[4 + r]);
+          acc[8 + r] = _mm512_fmadd_ps(qa, a2, acc[8 + r]);
+          acc[12 + r] = _mm512_fmadd_ps(qa, a3, acc[12 + r]);
           acc[r] = _mm512_fmadd_ps(qb, b0, acc[r]);
-          acc[8 + r] = _mm512_fmadd_ps(qb, b1, acc[8 + r]);
+          acc[4 + r] = _mm512_fmadd_ps(qb, b1, acc[4 + r]);
+          acc[8 + r] = _mm512_fmadd_ps(qb, b2, acc[8 + r]);
+          acc[12 + r] = _mm512_fmadd_ps(qb, b3, acc[12 + r]);
         }
       }
-      half[pass] = hsum16(acc); /* lanes 0-7: key j, rows 8 pass..; lanes 8-15: key j + 1 */
+      v[pass] = hsum16(acc);
     }
-    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(half[0], half[1], 0x44));
-    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(half[0], half[1], 0xEE));
+    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+    const __m512 t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+    const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+    const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(t0, t1, 0x88));
+    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
+    if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
   }
+  *pc = cur;
 }
 
 /* Online softmax of one group over one chunk: mask hidden keys (position >= tail only),
@@ -327,11 +355,11 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
     for (int pass = 0; pass < 4; ++pass) {
       v[pass] = _mm512_setzero_ps();
       if (pass * 4 >= valid) continue;
-      pf_step(&cur);
       const uint16_t* qr = qg + pass * 4 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < d; c += 32) {
+        if ((c / 32) % QK_PF_STEPS == 0) pf_step(&cur);
         const __m512bh a0 = (__m512bh)_mm512_loadu_si512((const void*)(k0 + 2 * c));
         const __m512bh a1 = (__m512bh)_mm512_loadu_si512((const void*)(k1 + 2 * c));
         const __m512bh a2 = (__m512bh)_mm512_loadu_si512((const void*)(k2 + 2 * c));
@@ -464,16 +492,17 @@ static inline void row_pointers(const mla_decode_args* a, const int32_t* table, 
 }
 
 /* How often a chunk of n keys calls pf_step() (see its call sites), so that the next chunk's
- * lines are dealt evenly over it: per group of G rows, one per scores tile (4 keys x 4 rows
- * on the dot path, 2 keys x 8 rows otherwise) and one per key pair (dot path) or key of
- * each p.v tile. */
-static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int dot) {
+ * lines are dealt evenly over it: per group of G rows, QK_PF_STEPS-th step of 32 dims of
+ * each scores tile of 4 keys x 4 rows on the dot path (once per tile otherwise), and one per
+ * key pair (dot path) or key of each p.v tile. */
+static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int64_t d, int dot) {
   int64_t calls = 0;
+  const int64_t qk_steps = (d / 32 + QK_PF_STEPS - 1) / QK_PF_STEPS;
   for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
     const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
     const int64_t tiles = rank / 64 * ((valid + PR - 1) / PR);
-    calls += dot ? (n + 3) / 4 * ((valid + 3) / 4) + tiles * (n / 2)
-                 : (n + 1) / 2 * ((valid + 7) / 8) + tiles * n;
+    calls += dot ? (n + 3) / 4 * ((valid + 3) / 4) * qk_steps + tiles * (n / 2)
+                 : (n + 3) / 4 * ((valid + 3) / 4) + tiles * n;
   }
   return calls > 0 ? calls : 1;
 }
@@ -537,7 +566,7 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
       row_pointers(a, table, cs + bk, n_next, es, next);
-      const int64_t calls = prefetch_calls(rows_m, n, rank, dot);
+      const int64_t calls = prefetch_calls(rows_m, n, rank, d, dot);
       pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
     int64_t n_main = tail - cs;
