@@ -269,6 +269,19 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
   }
 }
 
+/* acc[i * rank + 0 .. 63] += c[i] for the pr rows of a p.v tile. A tile sums from zero and
+ * is added to acc once at its end, rather than starting from acc: the loads then wait for
+ * nothing and the first products do not wait for them (p.v alone, cache hot: 1.07x). */
+static inline __attribute__((always_inline)) void add_tile(const __m512 c[PR][4], const int pr,
+                                                          float* acc, int64_t rank) {
+  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
+      if (i < pr) {
+        float* a = acc + i * rank + 16 * u;
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), c[i][u]));
+      }
+}
+
 /* acc rows r0 .. r0 + pr (64 columns from c0) += p . v over the chunk's keys. Keys before
  * n_main are seen by every row; a later key only by the rows whose limit reaches it. */
 static inline __attribute__((always_inline)) void pv_tile(
@@ -278,9 +291,7 @@ static inline __attribute__((always_inline)) void pv_tile(
   const int64_t es = app_native_elem_size(dt);
   __m512 c[PR][4];
   _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
-      c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
-                       : _mm512_setzero_ps();
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u) c[i][u] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n_main; ++j) {
     pf_step(pc);
     const char* v = rows[j] + c0 * es;
@@ -312,9 +323,7 @@ static inline __attribute__((always_inline)) void pv_tile(
       c[i][3] = _mm512_fmadd_ps(pi, b1, c[i][3]);
     }
   }
-  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
-      if (i < pr) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
+  add_tile(c, pr, acc + r0 * rank + c0, rank);
 }
 
 static inline __attribute__((always_inline)) void pv_group(
@@ -418,9 +427,7 @@ static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
     int64_t c0, pf_cursor* pc) {
   __m512 c[PR][4];
   _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
-      c[i][u] = i < pr ? _mm512_loadu_ps(acc + (r0 + i) * rank + c0 + 16 * u)
-                       : _mm512_setzero_ps();
+    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u) c[i][u] = _mm512_setzero_ps();
   const int64_t pairs = n_main / 2;
   for (int64_t jp = 0; jp < pairs; ++jp) {
     pf_step(pc);
@@ -452,9 +459,7 @@ static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
       dot4(c[i], (__m512bh)_mm512_set1_epi32((int)P1[j * G + r0 + i]), a0, b0, a1, b1);
     }
   }
-  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u)
-      if (i < pr) _mm512_storeu_ps(acc + (r0 + i) * rank + c0 + 16 * u, c[i][u]);
+  add_tile(c, pr, acc + r0 * rank + c0, rank);
 }
 
 static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows,
