@@ -3,7 +3,7 @@
  * Built at first use by app/backends/decode/cpu_mla.py through the shared native loader and
  * called through ctypes (which releases the GIL): one call per worker thread, each with its
  * own items and scratch. The cache is read in place through the block table (a chunk of BK
- * keys, SMALL_BK for one group of query rows, is a list of row pointers, never a copy), and
+ * keys is a list of row pointers, never a copy), and
  * the latent cache has one KV head, so every row loaded serves all query rows of the request
  * (qlen x heads, in groups of 16: one per vector lane) for both q.k (the whole row) and p.v
  * (its first `rank` values). At 16 heads that is 30 FLOPs per byte of a bf16 cache, so the
@@ -40,15 +40,15 @@ APP_NATIVE_LIBRARY(MLA_DECODE_CPU_ABI)
 APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 
 #define G 16   /* query rows per group: one per vector lane */
-#ifndef SMALL_BK
-#define SMALL_BK 32 /* keys per chunk for one group of query rows (see run_item) */
-#endif
 #ifndef BK
 #define BK 64 /* keys per chunk: their rows (72 KiB at D = 576, bf16) stay in L2; 64 rather
-                 * than 32 halves the per-chunk costs (accumulator reloads, softmax set-up) */
+                 * than 32 halves the per-chunk costs (accumulator reloads, softmax set-up).
+                 * One group of 16 rows once ran 32 (faster while the prefetches went out in
+                 * bursts); with them dealt evenly 64 measured 1.04-1.06x over 32, and 96 or
+                 * 128 no faster (128 slower on fp32). */
 #endif
-#if SMALL_BK > BK || SMALL_BK % 4 || BK % 4
-#error "SMALL_BK <= BK, both multiples of 4 (the row pointer arrays have BK entries)"
+#if BK % 4
+#error "BK must be a multiple of 4"
 #endif
 #define PR 6   /* query rows per p.v register tile (x 64 columns: 24 accumulators) */
 /* The bf16 q.k steps pf_step() every QK_PF_STEPS steps of 32 dims (32 dot products), about
@@ -561,19 +561,16 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   const int32_t* table = a->block_table + b * a->bt_stride;
   const char* rows[BK];
   const char* next[BK];
-  /* One group of query rows (16 heads): chunks of SMALL_BK keys (measured faster when the
-   * cache streams from memory); more groups: BK, which halves the per-chunk costs. */
-  const int64_t bk = rows_m <= G ? SMALL_BK : BK;
-  row_pointers(a, table, k0, k1 - k0 < bk ? k1 - k0 : bk, es, next);
-  for (int64_t cs = k0; cs < k1; cs += bk) {
-    const int64_t n = k1 - cs < bk ? k1 - cs : bk;
+  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
+  for (int64_t cs = k0; cs < k1; cs += BK) {
+    const int64_t n = k1 - cs < BK ? k1 - cs : BK;
     /* This chunk's row pointers were made one chunk ago (and its rows fetched meanwhile);
      * make the next chunk's now and deal their prefetches over this chunk's work. */
     memcpy(rows, next, sizeof(const char*) * (size_t)n);
-    const int64_t n_next = k1 - cs - bk < bk ? k1 - cs - bk : bk;
+    const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
     pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
-      row_pointers(a, table, cs + bk, n_next, es, next);
+      row_pointers(a, table, cs + BK, n_next, es, next);
       const int64_t calls = prefetch_calls(rows_m, n, rank, d, dot);
       pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
