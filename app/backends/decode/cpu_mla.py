@@ -180,15 +180,18 @@ class NativeMLADecodeKernel:
         ``[B, W]`` and ``seq_lens`` int32 ``[B]`` (contiguous, already checked against the
         cache), ``out [B, Q, H, kv_lora_rank]`` contiguous in q's dtype, ``lse [B, Q, H]``
         float32 contiguous or None. All on the CPU. ``bf16_dot`` (default: wherever it
-        can) runs a bf16 cache with a bf16 q on the CPU's AVX512-BF16 dot products;
+        can: :func:`has_bf16_dot`; True asks for them whatever the switch says) runs a bf16
+        cache with a bf16 q on the CPU's AVX512-BF16 dot products;
         ``openmp`` (default: wherever it can) runs the shares on this thread's OpenMP team
         rather than on the package's pool (never in a forked child: see ``cpu.openmp``)."""
         if openmp and not self.openmp:
             raise ValueError("native CPU decode kernel: openmp needs the library built with "
                              "OpenMP (see decode_kernel_status())")
         batch, qlen, heads, dim = q.shape
-        can_dot = kv_cache.dtype == q.dtype == torch.bfloat16 and has_bf16_dot()
-        if bf16_dot and not can_dot:
+        bf16 = kv_cache.dtype == q.dtype == torch.bfloat16
+        if bf16_dot is None:
+            bf16_dot = bf16 and has_bf16_dot()
+        elif bf16_dot and not (bf16 and _cpu_has_bf16_dot()):
             raise ValueError("native CPU decode kernel: bf16_dot needs a bf16 cache and q on a "
                              "CPU with AVX512-BF16 and AVX512BW")
         rows = qlen * heads
@@ -207,7 +210,7 @@ class NativeMLADecodeKernel:
             bt_stride=block_table.stride(0), q_sb=q.stride(0), q_si=q.stride(1),
             q_sh=q.stride(2), n_merge=plan.merge.shape[0], cache_dt=codes(kv_cache.dtype),
             q_dt=codes(q.dtype), out_dt=codes(out.dtype),
-            bf16_dot=int(can_dot if bf16_dot is None else bf16_dot),
+            bf16_dot=int(bf16_dot),
             q_mult=softmax_scale * k_scale * _LOG2E, v_mult=k_scale)
         floats = int(self._scratch_floats(qlen, heads, kv_lora_rank, dim - kv_lora_rank))
         use_openmp = self.openmp and (openmp or (openmp is None and same_process()))
@@ -259,7 +262,9 @@ def _cpu_has_bf16_dot() -> bool:
 
 def has_bf16_dot() -> bool:
     """Whether the kernel uses AVX512-BF16 dot products for bf16: the CPU has them (and
-    AVX512BW) and ``$APP_CPU_DECODE_BF16_DOT`` does not turn them off (read on every call).
+    AVX512BW) and ``$APP_CPU_DECODE_BF16_DOT`` does not turn them off (read on every call
+    of this function: :meth:`NativeMLADecodeKernel.run` asks it per call, a
+    :class:`CpuMLADecodeBackend` once, at its first run).
     AMX-BF16 does not enter: the kernel has no AMX path (an AMX CPU has AVX512-BF16 too)."""
     return _cpu_has_bf16_dot() and read_switch(BF16_DOT_ENV)
 
@@ -407,6 +412,20 @@ class CpuMLADecodeBackend(MLADecodeBackend):
                              f"{qk_rope_head_dim}")
         self._plans: tuple[DecodeMetadata, int, DecodePlan] | None = None
         self._plan_lock = threading.Lock()
+        self._kernel: tuple[NativeMLADecodeKernel, bool] | None = None
+
+    def _kernel_and_dot(self) -> tuple[NativeMLADecodeKernel, bool]:
+        """The kernel and whether a bf16 step runs on the bf16 dot products, looked up at
+        this backend's first run and kept: the lookup (the loader's switch checks and
+        locks) took ~3 us, on every layer of every step. A backend made after a switch
+        changes sees it; one already running keeps what it started with."""
+        found = self._kernel
+        if found is None:
+            kernel = load_decode_kernel()
+            if kernel is None:
+                raise ValueError(self.unavailable_reason())
+            found = self._kernel = (kernel, has_bf16_dot())
+        return found
 
     def _plan_for(self, metadata: DecodeMetadata) -> DecodePlan:
         workers = torch.get_num_threads()
@@ -426,10 +445,9 @@ class CpuMLADecodeBackend(MLADecodeBackend):
                     k_scale: float) -> None:
         if q.device.type != "cpu":
             raise ValueError(f"{type(self).__name__}: expected CPU tensors, got {q.device}")
-        kernel = load_decode_kernel()
-        if kernel is None:
-            raise ValueError(self.unavailable_reason())
+        kernel, dot = self._kernel_and_dot()
         if q.stride(-1) != 1:
             q = q.contiguous()
         kernel.run(self._plan_for(metadata), q, kv_cache, metadata.block_table_cpu,
-                   metadata.seq_lens_cpu, self.kv_lora_rank, out, lse, softmax_scale, k_scale)
+                   metadata.seq_lens_cpu, self.kv_lora_rank, out, lse, softmax_scale, k_scale,
+                   bf16_dot=dot and kv_cache.dtype == q.dtype == torch.bfloat16)

@@ -148,3 +148,35 @@ def test_bf16_dot_needs_bf16_q_and_cache() -> None:
         kernel.run(plan_decode([5], 1), q, cache, torch.zeros(1, 1, dtype=torch.int32),
                    torch.tensor([5], dtype=torch.int32), 512, torch.empty(1, 1, 2, 512),
                    None, 0.1, 1.0, bf16_dot=True)
+
+
+@needs_kernel
+def test_a_backend_looks_its_kernel_up_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel and the bf16 switch are resolved at a backend's first run, not on every
+    layer of every step; a backend made after the switch changes sees the new value."""
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(8, 16, 576, generator=gen).bfloat16()
+    table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+    lens = torch.tensor([50, 17], dtype=torch.int32)
+    q = torch.randn(2, 1, 16, 576, generator=gen).bfloat16()
+    ref = reference_decode(q, cache, table, lens.tolist(), 512, 0.05)
+
+    def decode(be: CpuMLADecodeBackend) -> torch.Tensor:
+        be.prepare_metadata(table, lens, 1)
+        return be.run_decode(q, cache)
+
+    first = CpuMLADecodeBackend(16, 0.05, 512, 64, torch.bfloat16)
+    decode(first)
+    calls: list[int] = []
+    real = cpu_mla_decode.load_decode_kernel
+    monkeypatch.setattr(cpu_mla_decode, "load_decode_kernel",
+                        lambda: calls.append(1) or real())
+    monkeypatch.setenv(cpu_mla_decode.BF16_DOT_ENV, "0")
+    kept = decode(first)                              # still its first lookup (and dot path)
+    assert calls == []
+    fresh = decode(CpuMLADecodeBackend(16, 0.05, 512, 64, torch.bfloat16))
+    assert calls == [1]
+    for out in (kept, fresh):
+        assert float((out.double() - ref[0]).abs().max()) < 4e-2
+    if cpu_mla_decode._cpu_has_bf16_dot():            # the two paths round differently
+        assert not torch.equal(kept, fresh)
