@@ -240,8 +240,9 @@ def test_bf16_error_is_vllms_on_the_float32_path_and_bounded_on_bf16_dot_product
     theirs = error(_impl(CPUMLAImpl).forward_mqa(q, cache, step, None)[0])
     built = _build(monkeypatch, _builder(512, torch.bfloat16), step)
     fast = error(_impl(AppCPUMLAImpl).forward_mqa(q, cache, built, None)[0])
-    monkeypatch.setenv("APP_CPU_DECODE_BF16_DOT", "0")
-    exact = error(_impl(AppCPUMLAImpl).forward_mqa(q, cache, built, None)[0])
+    monkeypatch.setenv("APP_CPU_DECODE_BF16_DOT", "0")  # read by a decode backend made now
+    exact_built = _build(monkeypatch, _builder(512, torch.bfloat16), step)
+    exact = error(_impl(AppCPUMLAImpl).forward_mqa(q, cache, exact_built, None)[0])
     assert exact == pytest.approx(theirs, rel=1e-3)
     assert fast < 2 * theirs
 
