@@ -522,10 +522,12 @@ int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank,
   return 16 + mp * (rank + rope) + mp * rank + 4 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
 }
 
-/* The key range [k0, k1) of request b, for all its query rows; see mla_decode_args. */
+/* The key range [k0, k1) of request b, for all its query rows; see mla_decode_args. `after`:
+ * the next item of the call (request, first key, end key, part), or NULL. */
 static inline __attribute__((always_inline)) void run_item(const mla_decode_args* a, int64_t b,
                                                            int64_t k0, int64_t k1, int64_t part,
-                                                           const int dt, const int dot) {
+                                                           const int64_t* after, const int dt,
+                                                           const int dot) {
   const int64_t heads = a->heads, qlen = a->qlen, rows_m = qlen * heads, rank = a->rank;
   const int64_t d = rank + a->rope, mp = app_round_up(rows_m, G), es = app_native_elem_size(dt);
   const int64_t seq_len = a->seq_lens[b], tail = seq_len - qlen + 1;
@@ -567,10 +569,21 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
     /* This chunk's row pointers were made one chunk ago (and its rows fetched meanwhile);
      * make the next chunk's now and deal their prefetches over this chunk's work. */
     memcpy(rows, next, sizeof(const char*) * (size_t)n);
-    const int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    const int32_t* next_table = table;
+    int64_t next_start = cs + BK;
+    /* The last chunk fetches the next item's first chunk (`after`: its quadruple, or NULL),
+     * which otherwise started cold: 1.02-1.03x on 64 requests of 4k keys and 128 of 1k,
+     * 1.06x on 256 of 512 (paired, cache from memory). */
+    if (n_next <= 0 && after != NULL) {
+      const int64_t len = after[2] - after[1];
+      n_next = len < BK ? len : BK;
+      next_table = a->block_table + after[0] * a->bt_stride;
+      next_start = after[1];
+    }
     pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
-      row_pointers(a, table, cs + BK, n_next, es, next);
+      row_pointers(a, next_table, next_start, n_next, es, next);
       const int64_t calls = prefetch_calls(rows_m, n, rank, d, dot);
       pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
@@ -630,11 +643,14 @@ int32_t mla_decode_cpu_run(const mla_decode_args* a) {
   if (!shape_ok(a)) return 1;
   for (int64_t t = 0; t < a->n_items; ++t) {
     const int64_t* it = a->items + 4 * t;
+    const int64_t* after = t + 1 < a->n_items ? it + 4 : NULL;
     if (a->cache_dt == APP_DT_BF16 && a->bf16_dot)
-      run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16, 1);
-    else if (a->cache_dt == APP_DT_BF16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_BF16, 0);
-    else if (a->cache_dt == APP_DT_F16) run_item(a, it[0], it[1], it[2], it[3], APP_DT_F16, 0);
-    else run_item(a, it[0], it[1], it[2], it[3], APP_DT_F32, 0);
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 1);
+    else if (a->cache_dt == APP_DT_BF16)
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 0);
+    else if (a->cache_dt == APP_DT_F16)
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F16, 0);
+    else run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F32, 0);
   }
   return 0;
 }
