@@ -149,6 +149,9 @@ int main(void) {
   int cases = 0, bad = 0;
   const int dts[4] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16, APP_DT_BF16};
   const int64_t lens_a[3] = {1, 17, 70}, lens_b[2] = {16, 33}, lens_c[1] = {300};
+  /* more than two chunks of keys: the pages two chunks ahead (blocks <= 16) and the next
+   * item's first chunk are prefetched */
+  const int64_t lens_d[2] = {700, 260};
   const int has_dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
   for (int di = 0; di < (has_dot ? 4 : 3); ++di) {
     const int dt = dts[di];
@@ -161,6 +164,8 @@ int main(void) {
       bad += run_case(dt, 1, 2, 20, 64, 32, bss[bi], lens_c, 3), ++cases;
       bad += run_case(dt, 2, 4, 1, 64, 32, bss[bi], lens_b, 2), ++cases;
       bad += run_case(dt, 1, 16, 3, 64, 32, bss[bi], lens_b + 1, 3), ++cases; /* empty part */
+      bad += run_case(dt, 2, 1, 5, 64, 32, bss[bi], lens_d, 1), ++cases;
+      bad += run_case(dt, 2, 2, 3, 64, 32, bss[bi], lens_d, 2), ++cases;
     }
   }
   printf("%d cases, %d bad\n", cases, bad);
