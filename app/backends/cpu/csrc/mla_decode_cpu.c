@@ -125,6 +125,33 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
+/* The rows of keys j .. j + 3 for a 4 x 4 scores tile; past n, key j again (its scores are
+ * computed and not stored). */
+static inline __attribute__((always_inline)) void four_keys(const char* const* rows, int64_t j,
+                                                            int64_t n, const char** k0,
+                                                            const char** k1, const char** k2,
+                                                            const char** k3) {
+  *k0 = rows[j];
+  *k1 = rows[j + 1 < n ? j + 1 : j];
+  *k2 = rows[j + 2 < n ? j + 2 : j];
+  *k3 = rows[j + 3 < n ? j + 3 : j];
+}
+
+/* S[j + k] = the scores of key j + k (k < 4, j + k < n) from a 4 x 4 tile's four reduced
+ * passes: pass p holds key k's rows 4p..4p+3 in its 128-bit block k; a 4 x 4 transpose of
+ * blocks. */
+static inline __attribute__((always_inline)) void store_scores4(float* S, int64_t j, int64_t n,
+                                                                const __m512 v[4]) {
+  const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+  const __m512 t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+  const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+  const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+  _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(t0, t1, 0x88));
+  if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(t0, t1, 0xDD));
+  if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
+  if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
+}
+
 /* Fetching the next chunk while this one computes. Pages are scattered (a hardware
  * prefetcher stops at every 4 KiB page, and prefetching only the first lines of each page
  * does not start it), so every line of the next chunk's rows is prefetched by hand. Issued
@@ -177,10 +204,8 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
   const int64_t es = app_native_elem_size(dt);
   pf_cursor cur = *pc;
   for (int64_t j = 0; j < n; j += 4) {
-    const char* k0 = rows[j];
-    const char* k1 = rows[j + 1 < n ? j + 1 : j];
-    const char* k2 = rows[j + 2 < n ? j + 2 : j];
-    const char* k3 = rows[j + 3 < n ? j + 3 : j];
+    const char *k0, *k1, *k2, *k3;
+    four_keys(rows, j, n, &k0, &k1, &k2, &k3);
     __m512 v[4];
     for (int pass = 0; pass < 4; ++pass) {
       v[pass] = _mm512_setzero_ps();
@@ -210,14 +235,7 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
       }
       v[pass] = hsum16(acc);
     }
-    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
-    const __m512 t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
-    const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
-    const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
-    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(t0, t1, 0x88));
-    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(t0, t1, 0xDD));
-    if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
-    if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
+    store_scores4(S, j, n, v);
   }
   *pc = cur;
 }
@@ -341,147 +359,7 @@ static inline __attribute__((always_inline)) void pv_group(
     }
 }
 
-/* ---- the bf16 dot path (bf16 cache and q, a CPU with AVX512-BF16): vdpbf16ps multiplies
- * pairs of bf16 values and accumulates in float32, twice the multiply-adds of an fp32 FMA.
- * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
- * precision; the output is normalised by the sum of the rounded p, see run_item) and pairs
- * keys j, j+1 column by column with 16-bit unpacks (ORDER_PAIRS). */
-#define BF16_ISA APP_AVX512BF16_ISA
-#define BF16_TARGET __attribute__((BF16_ISA, noinline))
-
-/* As scores(), from q rows of bf16 bits; the scores are multiplied by mult afterwards. Four
- * keys x 4 rows per pass (4 key loads + 4 q loads per 16 dot products, not 2 + 8): pass p's
- * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k, and a 4 x 4 transpose
- * of blocks turns the four passes into S[j..j+3]. */
-static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
-                                    int64_t n, int64_t valid, float mult, float* S,
-                                    pf_cursor* pc) {
-  const __m512 vm = _mm512_set1_ps(mult);
-  pf_cursor cur = *pc;
-  for (int64_t j = 0; j < n; j += 4) {
-    const char* k0 = rows[j];
-    const char* k1 = rows[j + 1 < n ? j + 1 : j];
-    const char* k2 = rows[j + 2 < n ? j + 2 : j];
-    const char* k3 = rows[j + 3 < n ? j + 3 : j];
-    __m512 v[4];
-    for (int pass = 0; pass < 4; ++pass) {
-      v[pass] = _mm512_setzero_ps();
-      if (pass * 4 >= valid) continue;
-      const uint16_t* qr = qg + pass * 4 * d;
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += 32) {
-        if ((c / 32) % QK_PF_STEPS == 0) pf_step(&cur);
-        const __m512bh a0 = (__m512bh)_mm512_loadu_si512((const void*)(k0 + 2 * c));
-        const __m512bh a1 = (__m512bh)_mm512_loadu_si512((const void*)(k1 + 2 * c));
-        const __m512bh a2 = (__m512bh)_mm512_loadu_si512((const void*)(k2 + 2 * c));
-        const __m512bh a3 = (__m512bh)_mm512_loadu_si512((const void*)(k3 + 2 * c));
-        _Pragma("GCC unroll 4") for (int r = 0; r < 4; ++r) {
-          const __m512bh qv = (__m512bh)_mm512_load_si512((const void*)(qr + r * d + c));
-          acc[r] = _mm512_dpbf16_ps(acc[r], qv, a0);
-          acc[4 + r] = _mm512_dpbf16_ps(acc[4 + r], qv, a1);
-          acc[8 + r] = _mm512_dpbf16_ps(acc[8 + r], qv, a2);
-          acc[12 + r] = _mm512_dpbf16_ps(acc[12 + r], qv, a3);
-        }
-      }
-      v[pass] = _mm512_mul_ps(hsum16(acc), vm);
-    }
-    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
-    const __m512 t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
-    const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
-    const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
-    _mm512_store_ps(S + j * G, _mm512_shuffle_f32x4(t0, t1, 0x88));
-    if (j + 1 < n) _mm512_store_ps(S + (j + 1) * G, _mm512_shuffle_f32x4(t0, t1, 0xDD));
-    if (j + 2 < n) _mm512_store_ps(S + (j + 2) * G, _mm512_shuffle_f32x4(t2, t3, 0x88));
-    if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
-  }
-  *pc = cur;
-}
-
-/* The probabilities as bf16: P1[j][lane] = bits of p (low half), P2[j / 2][lane] = the pair of
- * keys 2 (j / 2) and 2 (j / 2) + 1 (P1 overwrites S in place). */
-static BF16_TARGET void pack_p_bf16(float* S, int64_t n, uint32_t* P2) {
-  uint32_t* P1 = (uint32_t*)S;
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(S + j * G));
-    _mm512_store_si512((void*)(P1 + j * G), _mm512_cvtepu16_epi32(h));
-  }
-  for (int64_t j = 0; j + 1 < n; j += 2)
-    _mm512_store_si512((void*)(P2 + j / 2 * G),
-                       _mm512_or_si512(_mm512_load_si512((const void*)(P1 + j * G)),
-                                       _mm512_slli_epi32(_mm512_load_si512(
-                                           (const void*)(P1 + (j + 1) * G)), 16)));
-}
-
-static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m512bh p, __m512bh a0,
-                                                       __m512bh b0, __m512bh a1, __m512bh b1) {
-  c[0] = _mm512_dpbf16_ps(c[0], a0, p);
-  c[1] = _mm512_dpbf16_ps(c[1], b0, p);
-  c[2] = _mm512_dpbf16_ps(c[2], a1, p);
-  c[3] = _mm512_dpbf16_ps(c[3], b1, p);
-}
-
-/* As pv_tile() in ORDER_PAIRS: pairs of keys over [0, n_main), then single keys (paired
- * with a zero) for an odd one left and the step's own keys, skipping the rows they hide.
- * Inlined with a constant pr, like pv_tile(), so that the tile stays in registers. */
-static inline __attribute__((always_inline, BF16_ISA)) void pv_tile_bf16(
-    const uint32_t* P1, const uint32_t* P2, const char* const* rows, int64_t n, int64_t n_main,
-    int64_t pos0, const int32_t* limit, int r0, const int pr, float* acc, int64_t rank,
-    int64_t c0, pf_cursor* pc) {
-  __m512 c[PR][4];
-  _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-    _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u) c[i][u] = _mm512_setzero_ps();
-  const int64_t pairs = n_main / 2;
-  for (int64_t jp = 0; jp < pairs; ++jp) {
-    pf_step(pc);
-    const char* v0 = rows[2 * jp] + 2 * c0;
-    const char* v1 = rows[2 * jp + 1] + 2 * c0;
-    const __m512i x0 = _mm512_loadu_si512((const void*)v0);
-    const __m512i x1 = _mm512_loadu_si512((const void*)v1);
-    const __m512i y0 = _mm512_loadu_si512((const void*)(v0 + 64));
-    const __m512i y1 = _mm512_loadu_si512((const void*)(v1 + 64));
-    const __m512bh a0 = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-    const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-    const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y0, y1);
-    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y0, y1);
-    const uint32_t* p = P2 + jp * G + r0;
-    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i)
-      if (i < pr) dot4(c[i], (__m512bh)_mm512_set1_epi32((int)p[i]), a0, b0, a1, b1);
-  }
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t j = 2 * pairs; j < n; ++j) {
-    const char* v = rows[j] + 2 * c0;
-    const __m512i x = _mm512_loadu_si512((const void*)v);
-    const __m512i y = _mm512_loadu_si512((const void*)(v + 64));
-    const __m512bh a0 = (__m512bh)_mm512_unpacklo_epi16(x, zero);
-    const __m512bh b0 = (__m512bh)_mm512_unpackhi_epi16(x, zero);
-    const __m512bh a1 = (__m512bh)_mm512_unpacklo_epi16(y, zero);
-    const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(y, zero);
-    _Pragma("GCC unroll 6") for (int i = 0; i < PR; ++i) {
-      if (i >= pr || (j >= n_main && pos0 + j > limit[r0 + i])) continue; /* 0 * NaN: skip */
-      dot4(c[i], (__m512bh)_mm512_set1_epi32((int)P1[j * G + r0 + i]), a0, b0, a1, b1);
-    }
-  }
-  add_tile(c, pr, acc + r0 * rank + c0, rank);
-}
-
-static BF16_TARGET void pv_group_bf16(float* S, uint32_t* P2, const char* const* rows,
-                                      int64_t n, int64_t n_main, int64_t pos0,
-                                      const int32_t* limit, int64_t valid, float* acc,
-                                      int64_t rank, pf_cursor* pc) {
-  pack_p_bf16(S, n, P2);
-  const uint32_t* P1 = (const uint32_t*)S;
-  pf_cursor cur = *pc;
-  for (int64_t c0 = 0; c0 < rank; c0 += 64)
-    for (int r0 = 0; r0 < valid; r0 += PR) {
-      if (valid - r0 >= PR)
-        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, PR, acc, rank, c0, &cur);
-      else
-        pv_tile_bf16(P1, P2, rows, n, n_main, pos0, limit, r0, (int)(valid - r0), acc, rank,
-                     c0, &cur);
-    }
-  *pc = cur;
-}
+#include "mla_decode_cpu_bf16.h" /* the bf16 dot path: scores_bf16, pv_group_bf16 */
 
 static int accumulator_order(const mla_decode_args* a) {
   if (a->cache_dt != APP_DT_BF16) return ORDER_NATURAL;
