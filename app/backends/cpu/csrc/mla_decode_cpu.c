@@ -54,10 +54,10 @@ APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
 /* The bf16 q.k steps pf_step() every QK_PF_STEPS steps of 32 dims (32 dot products), about
  * as often in time as p.v does (one per key pair of a tile: 16-24): the next chunk's lines
  * then go out evenly over the whole chunk, not mostly during p.v (measured, 16 heads, cache
- * streaming from memory: 1.05-1.13x; once per 4 x 4 tile, i.e. every 288 products, left
- * the memory idle through q.k). The fp32 q.k keeps one step per tile: stepping it from its
- * inner loop measured slower, as its prefetches then evict the q rows it reloads (16 rows
- * of fp32 q are 36 KiB of the 48 KiB L1). */
+ * streaming from memory: 1.04-1.13x; once per 4 x 4 tile, i.e. every 288 products, left
+ * the memory idle through q.k). The float q.k (fp32, fp16, bf16 without dot products) keeps
+ * one step per tile: stepping it from its inner loop measured 0.96x on fp32, whose 16 rows of
+ * q (36 KiB) share the 48 KiB L1 with what the prefetches bring in. */
 #define QK_PF_STEPS 2
 #define LN2 0.6931471805599453f
 #define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
@@ -157,9 +157,10 @@ static inline __attribute__((always_inline)) void store_scores4(float* S, int64_
  * does not start it), so every line of the next chunk's rows is prefetched by hand. Issued
  * in bursts (the whole chunk at once, or a row per call) they fill the core's miss buffers
  * and stall the loads of the work they were meant to hide behind; so they are dealt out a
- * line or two at a time from the innermost loops of q.k (bf16: per QK_PF_STEPS steps of a
- * scores tile; fp32: per tile) and p.v (per key or key pair of a tile). The cursor is copied into a local by each function
- * that steps it, so it lives in registers. Prefetches are hints and never fault; the rows
+ * line or two at a time from the innermost loops of q.k (the dot path: every QK_PF_STEPS
+ * steps of a scores tile; the float path: once per tile) and p.v (per key or key pair of a
+ * tile). The cursor is copied into a local by each function that steps it, so it lives in
+ * registers. Prefetches are hints and never fault; the rows
  * are those of keys the item reads anyway. */
 typedef struct {
   const char* const* rows;   /* the next chunk's row pointers */
