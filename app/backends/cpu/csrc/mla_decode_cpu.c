@@ -394,15 +394,15 @@ static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int64_t d
   return calls > 0 ? calls : 1;
 }
 
-/* One prefetch per 4 KiB page of the rows of keys [start, start + n) (n <= BK), for a chunk
- * two ahead when a chunk spans four or more cache blocks (blocks of 16 tokens, vLLM's): its
- * pages are scattered, and touching each a chunk before its lines are fetched measured
- * 1.02-1.035x on 16x8k and 64x4k at 16 heads, bf16, block 16 (40 paired rounds, the L3
- * flushed between calls); with blocks of 32 no change, with one block per chunk (64) 0.97x,
- * so it is off there. */
+/* far[] = the rows of keys [start, start + n) (n <= BK), and one prefetch per 4 KiB page of
+ * them, for a chunk two ahead when a chunk spans four or more cache blocks (blocks of 16
+ * tokens, vLLM's): its pages are scattered, and touching each a chunk before its lines are
+ * fetched measured 1.02-1.035x on 16x8k and 64x4k at 16 heads, bf16, block 16 (40 paired
+ * rounds, the L3 flushed between calls); with blocks of 32 no change, with one block per
+ * chunk (64) 0.97x, so it is off there. */
 static inline __attribute__((always_inline)) void touch_pages_ahead(
-    const mla_decode_args* a, const int32_t* table, int64_t start, int64_t n, int64_t es) {
-  const char* far[BK];
+    const mla_decode_args* a, const int32_t* table, int64_t start, int64_t n, int64_t es,
+    const char** far) {
   row_pointers(a, table, start, n, es, far);
   uintptr_t last = 0;
   for (int64_t r = 0; r < n; ++r) {
@@ -460,15 +460,18 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   }
   memset(acc, 0, sizeof(float) * (size_t)(mp * rank));
   const int32_t* table = a->block_table + b * a->bt_stride;
-  const char* rows[BK];
-  const char* next[BK];
-  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, next);
-  for (int64_t cs = k0; cs < k1; cs += BK) {
+  /* Chunk t's row pointers live in ring[t % 3], each made once: one chunk ahead (its lines
+   * are prefetched over chunk t - 1's work), or two where pages are touched ahead. */
+  const char* ring[3][BK];
+  const int touch = 4 * a->block_size <= BK; /* see touch_pages_ahead */
+  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, ring[0]);
+  for (int64_t t = 0, cs = k0; cs < k1; ++t, cs += BK) {
     const int64_t n = k1 - cs < BK ? k1 - cs : BK;
-    /* This chunk's row pointers were made one chunk ago (and its rows fetched meanwhile);
-     * make the next chunk's now and deal their prefetches over this chunk's work. */
-    memcpy(rows, next, sizeof(const char*) * (size_t)n);
+    const char* const* rows = ring[t % 3];
+    const char** next = ring[(t + 1) % 3];
     int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
+    /* made by chunk t - 1 when it touched this item's next chunk's pages */
+    int made = touch && t > 0;
     const int32_t* next_table = table;
     int64_t next_start = cs + BK;
     /* The last chunk fetches the next item's first chunk (`after`: its quadruple, or NULL),
@@ -479,16 +482,17 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
       n_next = len < BK ? len : BK;
       next_table = a->block_table + after[0] * a->bt_stride;
       next_start = after[1];
+      made = 0;
     }
     pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
-      row_pointers(a, next_table, next_start, n_next, es, next);
+      if (!made) row_pointers(a, next_table, next_start, n_next, es, next);
       const int64_t calls = prefetch_calls(rows_m, n, rank, d, dot);
       pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
-    if (4 * a->block_size <= BK && k1 - cs > 2 * BK)
+    if (touch && k1 - cs > 2 * BK)
       touch_pages_ahead(a, table, cs + 2 * BK, k1 - cs - 2 * BK < BK ? k1 - cs - 2 * BK : BK,
-                        es);
+                        es, ring[(t + 2) % 3]);
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
     for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
