@@ -8,7 +8,8 @@
  * (qlen x heads, in groups of 16: one per vector lane) for both q.k (the whole row) and p.v
  * (its first `rank` values). At 16 heads that is 30 FLOPs per byte of a bf16 cache, so the
  * kernel must stream the cache near the core's limit while it computes: the next chunk's rows
- * are prefetched a line or two at a time from the inner loops (pf_cursor, below).
+ * are prefetched a line or two at a time from the inner loops (pf_cursor, in
+ * mla_decode_cpu_prefetch.h).
  *
  * Layout trick: a 32-element chunk of a bf16 row is loaded as one 512-bit vector and split
  * into its even and odd elements with a shift and a mask (no shuffles). The dot product does
@@ -59,6 +60,11 @@ APP_NATIVE_STRUCT_LAYOUT(mla_decode_args, MLA_DECODE_ARGS)
  * one step per tile: stepping it from its inner loop measured 0.96x on fp32, whose 16 rows of
  * q (36 KiB) share the 48 KiB L1 with what the prefetches bring in. */
 #define QK_PF_STEPS 2
+/* The head dim of every MLA model there is (DeepSeek-V2/V3, Kimi K2: kv_lora_rank 512 +
+ * rope 64). q.k is compiled a second time for it, with its 18 steps of 32 dims a constant:
+ * fully unrolled, with the prefetch cursor's steps at fixed places, it measured 1.03x
+ * (bf16) and 1.06x (fp32) on 16x8k at 16 heads, cache resident and streamed alike. */
+#define D_MLA 576
 #define LN2 0.6931471805599453f
 #define MAX_PARTS 64 /* partials per request that mla_decode_cpu_merge accepts */
 
@@ -152,56 +158,16 @@ static inline __attribute__((always_inline)) void store_scores4(float* S, int64_
   if (j + 3 < n) _mm512_store_ps(S + (j + 3) * G, _mm512_shuffle_f32x4(t2, t3, 0xDD));
 }
 
-/* Fetching the next chunk while this one computes. Pages are scattered (a hardware
- * prefetcher stops at every 4 KiB page, and prefetching only the first lines of each page
- * does not start it), so every line of the next chunk's rows is prefetched by hand. Issued
- * in bursts (the whole chunk at once, or a row per call) they fill the core's miss buffers
- * and stall the loads of the work they were meant to hide behind; so they are dealt out a
- * line or two at a time from the innermost loops of q.k (the dot path: every QK_PF_STEPS
- * steps of a scores tile; the float path: once per tile) and p.v (per key or key pair of a
- * tile). The cursor is copied into a local by each function that steps it, so it lives in
- * registers. Prefetches are hints and never fault; the rows
- * are those of keys the item reads anyway. */
-typedef struct {
-  const char* const* rows;   /* the next chunk's row pointers */
-  int64_t n_rows, row_bytes; /* rows, and bytes per row rounded up to whole lines */
-  int64_t r, per_call;       /* the row being issued (-1: none yet), lines per call */
-  const char* p;             /* its next line */
-  const char* end;           /* its end */
-} pf_cursor;
-
-static inline __attribute__((always_inline)) void pf_step(pf_cursor* c) {
-  for (int64_t k = 0; k < c->per_call; ++k) {
-    if (c->p >= c->end) {
-      if (++c->r >= c->n_rows) {
-        c->per_call = 0;
-        return;
-      }
-      c->p = c->rows[c->r];
-      c->end = c->p + c->row_bytes;
-    }
-    /* T0 (to L1): with the lines dealt evenly it measured 1.08-1.24x over T1 on 16 heads,
-     * bf16 (the same on fp32 and 128 heads); when they went out in bursts it made no
-     * difference. */
-    _mm_prefetch(c->p, _MM_HINT_T0);
-    c->p += 64;
-  }
-}
-
-/* Whatever lines a cursor has not issued yet (its calls were fewer than planned). */
-static inline void pf_finish(pf_cursor* c) {
-  c->per_call = INT64_MAX;
-  pf_step(c);
-}
+#include "mla_decode_cpu_prefetch.h" /* pf_cursor, row_pointers, touch_pages_ahead */
 
 /* S[j][lane] = q row (g0 + lane) . key j for the n keys at rows[] (q rows past `valid` are
  * zero and their lanes unused). 4 keys x 4 rows per pass, as scores_bf16() (16 loads per 32
  * multiply-adds; 2 keys x 8 rows took 20, and measured 1.11x slower streaming fp32): pass p's
  * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k. */
-static inline __attribute__((always_inline)) void scores(const float* qg, int64_t d,
-                                                         const char* const* rows, int64_t n,
-                                                         int64_t valid, const int dt, float* S,
-                                                         pf_cursor* pc) {
+static inline __attribute__((always_inline)) void scores_d(const float* qg, const int64_t d,
+                                                           const char* const* rows, int64_t n,
+                                                           int64_t valid, const int dt,
+                                                           float* S, pf_cursor* pc) {
   const int64_t es = app_native_elem_size(dt);
   pf_cursor cur = *pc;
   for (int64_t j = 0; j < n; j += 4) {
@@ -215,7 +181,7 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
       const float* qr = qg + pass * 4 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += 32) {
+      _Pragma("GCC unroll 18") for (int64_t c = 0; c < d; c += 32) {
         __m512 a0, b0, a1, b1, a2, b2, a3, b3;
         load32(k0 + c * es, dt, &a0, &b0);
         load32(k1 + c * es, dt, &a1, &b1);
@@ -239,6 +205,14 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
     store_scores4(S, j, n, v);
   }
   *pc = cur;
+}
+
+static inline __attribute__((always_inline)) void scores(const float* qg, int64_t d,
+                                                         const char* const* rows, int64_t n,
+                                                         int64_t valid, const int dt, float* S,
+                                                         pf_cursor* pc) {
+  if (d == D_MLA) scores_d(qg, D_MLA, rows, n, valid, dt, S, pc); /* see D_MLA */
+  else scores_d(qg, d, rows, n, valid, dt, S, pc);
 }
 
 /* Online softmax of one group over one chunk: mask hidden keys (position >= tail only),
@@ -365,53 +339,6 @@ static inline __attribute__((always_inline)) void pv_group(
 static int accumulator_order(const mla_decode_args* a) {
   if (a->cache_dt != APP_DT_BF16) return ORDER_NATURAL;
   return a->bf16_dot ? ORDER_PAIRS : ORDER_EVEN_ODD;
-}
-
-/* rows[j] = the cache row of key start + j (j < n): one division per chunk, not per key. */
-static inline void row_pointers(const mla_decode_args* a, const int32_t* table, int64_t start,
-                                int64_t n, int64_t es, const char** rows) {
-  int64_t blk = start / a->block_size, off = start % a->block_size;
-  for (int64_t j = 0; j < n; ++j) {
-    rows[j] = (const char*)a->cache + ((int64_t)table[blk] * a->block_stride +
-                                       off * a->row_stride) * es;
-    if (++off == a->block_size) off = 0, ++blk;
-  }
-}
-
-/* How often a chunk of n keys calls pf_step() (see its call sites), so that the next chunk's
- * lines are dealt evenly over it: per group of G rows, QK_PF_STEPS-th step of 32 dims of
- * each scores tile of 4 keys x 4 rows on the dot path (once per tile otherwise), and one per
- * key pair (dot path) or key of each p.v tile. */
-static int64_t prefetch_calls(int64_t rows_m, int64_t n, int64_t rank, int64_t d, int dot) {
-  int64_t calls = 0;
-  const int64_t qk_steps = (d / 32 + QK_PF_STEPS - 1) / QK_PF_STEPS;
-  for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
-    const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
-    const int64_t tiles = rank / 64 * ((valid + PR - 1) / PR);
-    calls += dot ? (n + 3) / 4 * ((valid + 3) / 4) * qk_steps + tiles * (n / 2)
-                 : (n + 3) / 4 * ((valid + 3) / 4) + tiles * n;
-  }
-  return calls > 0 ? calls : 1;
-}
-
-/* far[] = the rows of keys [start, start + n) (n <= BK), and one prefetch per 4 KiB page of
- * them, for a chunk two ahead when a chunk spans four or more cache blocks (blocks of 16
- * tokens, vLLM's): its pages are scattered, and touching each a chunk before its lines are
- * fetched measured 1.02-1.035x on 16x8k and 64x4k at 16 heads, bf16, block 16 (40 paired
- * rounds, the L3 flushed between calls); with blocks of 32 no change, with one block per
- * chunk (64) 0.97x, so it is off there. */
-static inline __attribute__((always_inline)) void touch_pages_ahead(
-    const mla_decode_args* a, const int32_t* table, int64_t start, int64_t n, int64_t es,
-    const char** far) {
-  row_pointers(a, table, start, n, es, far);
-  uintptr_t last = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    const uintptr_t page = (uintptr_t)far[r] >> 12;
-    if (page != last) {
-      _mm_prefetch(far[r], _MM_HINT_T1);
-      last = page;
-    }
-  }
 }
 
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {

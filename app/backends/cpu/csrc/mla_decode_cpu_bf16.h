@@ -1,9 +1,10 @@
 /* The bf16 dot path of mla_decode_cpu.c (bf16 cache and q, a CPU with AVX512-BF16 and
  * AVX512BW): q.k and p.v through vdpbf16ps, which multiplies pairs of bf16 values and
  * accumulates in float32, twice the multiply-adds of an fp32 FMA. Included by
- * mla_decode_cpu.c after its shared pieces (G, PR, QK_PF_STEPS, pf_cursor and pf_step, hsum16,
- * four_keys, store_scores4, add_tile), which it uses; compiled with the file's flags, these functions
- * carry the AVX512-BF16 target themselves and run only where the caller checked the CPU.
+ * mla_decode_cpu.c after its shared pieces (G, PR, QK_PF_STEPS, D_MLA, pf_cursor and pf_step,
+ * hsum16, four_keys, store_scores4, add_tile), which it uses; compiled with the file's flags,
+ * these functions carry the AVX512-BF16 target themselves and run only where the caller
+ * checked the CPU.
  *
  * q.k reads q and the cache rows as they are; p.v rounds p to bf16 (the output's own
  * precision; the output is normalised by the sum of the rounded p, see run_item) and pairs
@@ -19,9 +20,9 @@
  * keys x 4 rows per pass (4 key loads + 4 q loads per 16 dot products, not 2 + 8): pass p's
  * reduced vector holds key k's rows 4p..4p+3 in its 128-bit block k, and a 4 x 4 transpose
  * of blocks turns the four passes into S[j..j+3]. */
-static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
-                                    int64_t n, int64_t valid, float mult, float* S,
-                                    pf_cursor* pc) {
+static inline __attribute__((always_inline, BF16_ISA)) void scores_bf16_d(
+    const uint16_t* qg, const int64_t d, const char* const* rows, int64_t n, int64_t valid,
+    float mult, float* S, pf_cursor* pc) {
   const __m512 vm = _mm512_set1_ps(mult);
   pf_cursor cur = *pc;
   for (int64_t j = 0; j < n; j += 4) {
@@ -34,7 +35,7 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
       const uint16_t* qr = qg + pass * 4 * d;
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += 32) {
+      _Pragma("GCC unroll 18") for (int64_t c = 0; c < d; c += 32) {
         if ((c / 32) % QK_PF_STEPS == 0) pf_step(&cur);
         const __m512bh a0 = (__m512bh)_mm512_loadu_si512((const void*)(k0 + 2 * c));
         const __m512bh a1 = (__m512bh)_mm512_loadu_si512((const void*)(k1 + 2 * c));
@@ -53,6 +54,13 @@ static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* c
     store_scores4(S, j, n, v);
   }
   *pc = cur;
+}
+
+static BF16_TARGET void scores_bf16(const uint16_t* qg, int64_t d, const char* const* rows,
+                                    int64_t n, int64_t valid, float mult, float* S,
+                                    pf_cursor* pc) {
+  if (d == D_MLA) scores_bf16_d(qg, D_MLA, rows, n, valid, mult, S, pc); /* see D_MLA */
+  else scores_bf16_d(qg, d, rows, n, valid, mult, S, pc);
 }
 
 /* The probabilities as bf16: P1[j][lane] = bits of p (low half), P2[j / 2][lane] = the pair of

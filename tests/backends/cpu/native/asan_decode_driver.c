@@ -1,10 +1,11 @@
 /* Runs mla_decode_cpu_run_shares / _merge under AddressSanitizer + UBSan (built by
- * test_cpu_mla_decode_asan.py) on shapes around every edge: block sizes 1..64, seq_len 1 and
+ * test_decode_kernel_asan.py) on shapes around every edge: block sizes 1..64, seq_len 1 and
  * not a multiple of the block size, query_len 1..16, head counts whose query rows are not a
- * multiple of 16, rope 0/32/64, every cache dtype, whole and split requests. Every buffer
- * (cache, table, q, out, lse, partials, scratch) is allocated at exactly the size the kernel
- * is told, the unused rows of each last block hold NaN (reading them would show), and the
- * result is checked against a float64 reference. Prints "<cases> cases, <bad> bad". */
+ * multiple of 16, rope 0/32/64 (and DeepSeek's 512 + 64), every cache dtype, whole and split
+ * requests. Every buffer (cache, table, q, out, lse, partials, scratch) is allocated at
+ * exactly the size the kernel is told, the unused rows of each last block hold NaN (reading
+ * them would show), and the result is checked against a float64 reference. Prints
+ * "<cases> cases, <bad> bad". */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -166,6 +167,8 @@ int main(void) {
       bad += run_case(dt, 1, 16, 3, 64, 32, bss[bi], lens_b + 1, 3), ++cases; /* empty part */
       bad += run_case(dt, 2, 1, 5, 64, 32, bss[bi], lens_d, 1), ++cases;
       bad += run_case(dt, 2, 2, 3, 64, 32, bss[bi], lens_d, 2), ++cases;
+      /* DeepSeek's 512 + 64: q.k's unrolled copy (D_MLA in mla_decode_cpu.c) */
+      bad += run_case(dt, 2, 1, 16, 512, 64, bss[bi], lens_d, 2), ++cases;
     }
   }
   printf("%d cases, %d bad\n", cases, bad);
