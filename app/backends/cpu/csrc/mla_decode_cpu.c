@@ -224,15 +224,19 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
   else scores_d(qg, d, rows, n, valid, dt, S, pc, near_ahead);
 }
 
-/* Online softmax of one group over one chunk: mask hidden keys (position >= tail only),
- * update the running max m and sum l of each lane, rescale the accumulator rows, and turn
- * S into the probabilities (exactly 0 for hidden keys). */
-static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const int32_t* limit,
-                          float* m, float* l, float* lr, float* acc, int64_t rank, int round_p) {
+/* Online softmax of one group over one chunk, in three parts (softmax_group() here, and
+ * softmax_group_bf16() of the dot path, which fuses the bf16 packing into its middle part):
+ * softmax_ref() masks hidden keys (position >= tail only) and finds the new running max and
+ * the reference the probabilities are taken against; the middle turns S into the
+ * probabilities (exactly 0 for hidden keys) and sums them; softmax_commit() updates the
+ * running max m and sums l (lr) of each lane and rescales the accumulator rows. */
+static inline __attribute__((always_inline)) void softmax_ref(float* S, int64_t n, int64_t pos0,
+                                                              int64_t tail, __m512i lim,
+                                                              const float* m, __m512* vmax,
+                                                              __m512* ref, __m512* alpha) {
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i lim = _mm512_loadu_si512((const void*)limit);
   const __m512 m_old = _mm512_loadu_ps(m);
-  __m512 vmax = m_old;
+  __m512 mx = m_old;
   for (int64_t j = 0; j < n; ++j) {
     __m512 s = _mm512_load_ps(S + j * G);
     if (pos0 + j >= tail) {
@@ -240,25 +244,28 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
       s = _mm512_mask_mov_ps(ninf, vis, s);
       _mm512_store_ps(S + j * G, s);
     }
-    vmax = _mm512_max_ps(vmax, s);
+    mx = _mm512_max_ps(mx, s);
   }
   /* A lane that has seen no key yet keeps max -inf; 0 is its reference (its p are 0). */
-  const __mmask16 none = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ);
-  const __m512 ref = _mm512_mask_mov_ps(vmax, none, _mm512_setzero_ps());
-  const __m512 alpha = app_exp2_nonpositive(_mm512_sub_ps(m_old, ref));
-  __m512 sum = _mm512_setzero_ps(), sum_r = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 p = app_exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
-    if (pos0 + j >= tail)
-      p = _mm512_maskz_mov_ps(
-          _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim), p);
-    sum = _mm512_add_ps(sum, p);
-    if (round_p) { /* the dot path multiplies p in bf16: see lr in run_item */
-      p = app_round_to_bf16(p);
-      sum_r = _mm512_add_ps(sum_r, p);
-    }
-    _mm512_store_ps(S + j * G, p);
-  }
+  const __mmask16 none = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
+  *vmax = mx;
+  *ref = _mm512_mask_mov_ps(mx, none, _mm512_setzero_ps());
+  *alpha = app_exp2_nonpositive(_mm512_sub_ps(m_old, *ref));
+}
+
+/* The probability of key j (position pos0 + j) in each lane: 0 where the key is hidden. */
+static inline __attribute__((always_inline)) __m512 softmax_p(const float* S, int64_t j,
+                                                              int64_t pos0, int64_t tail,
+                                                              __m512i lim, __m512 ref) {
+  const __m512 p = app_exp2_nonpositive(_mm512_sub_ps(_mm512_load_ps(S + j * G), ref));
+  if (pos0 + j < tail) return p;
+  return _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(pos0 + j)), lim),
+                             p);
+}
+
+static inline __attribute__((always_inline)) void softmax_commit(
+    float* m, float* l, float* lr, __m512 vmax, __m512 alpha, __m512 sum, __m512 sum_r,
+    float* acc, int64_t rank, int round_p) {
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
   if (round_p) _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), alpha, sum_r));
   _mm512_storeu_ps(m, vmax);
@@ -272,6 +279,21 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
     for (int64_t c = 0; c < rank; c += 16)
       _mm512_storeu_ps(acc + r * rank + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * rank + c), va));
   }
+}
+
+/* The float path's softmax (see softmax_ref): S becomes the probabilities in float32. */
+static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const int32_t* limit,
+                          float* m, float* l, float* acc, int64_t rank) {
+  const __m512i lim = _mm512_loadu_si512((const void*)limit);
+  __m512 vmax, ref, alpha;
+  softmax_ref(S, n, pos0, tail, lim, m, &vmax, &ref, &alpha);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 p = softmax_p(S, j, pos0, tail, lim, ref);
+    sum = _mm512_add_ps(sum, p);
+    _mm512_store_ps(S + j * G, p);
+  }
+  softmax_commit(m, l, NULL, vmax, alpha, sum, sum, acc, rank, 0);
 }
 
 /* acc[i * rank + 0 .. 63] += c[i] for the pr rows of a p.v tile. A tile sums from zero and
@@ -435,8 +457,10 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
       const int64_t valid = rows_m - g0 < G ? rows_m - g0 : G;
       if (dot) scores_bf16(q16 + g0 * d, d, rows, n, valid, a->q_mult, S, &pc);
       else scores(qp + g0 * d, d, rows, n, valid, dt, S, &pc, g0 == 0);
-      softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, lr + g0, acc + g0 * rank, rank,
-                    dot);
+      if (dot)
+        softmax_group_bf16(S, P2, n, cs, tail, limit + g0, m + g0, l + g0, lr + g0,
+                           acc + g0 * rank, rank);
+      else softmax_group(S, n, cs, tail, limit + g0, m + g0, l + g0, acc + g0 * rank, rank);
       if (dot)
         pv_group_bf16(S, P2, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, &pc);
       else pv_group(S, rows, n, n_main, cs, limit + g0, valid, acc + g0 * rank, rank, dt, &pc);
