@@ -169,6 +169,7 @@ int main(void) {
       bad += run_case(dt, 2, 2, 3, 64, 32, bss[bi], lens_d, 2), ++cases;
       /* DeepSeek's 512 + 64: q.k's unrolled copy (D_MLA in mla_decode_cpu.c) */
       bad += run_case(dt, 2, 1, 16, 512, 64, bss[bi], lens_d, 2), ++cases;
+      bad += run_case(dt, 1, 2, 10, 512, 64, bss[bi], lens_d + 1, 1), ++cases; /* 16 + 4 rows */
     }
   }
   printf("%d cases, %d bad\n", cases, bad);
