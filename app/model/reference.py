@@ -360,10 +360,17 @@ class ReferenceModel:
         fault)."""
         if n <= 0:
             return
-        for i, layer in enumerate(self.layers):
-            keep = len(self._tokens) if self._keys[i] is not None else 0
-            self._keys[i] = _fit(self._keys[i], 1, n, keep, (layer.h, n, layer.p + layer.r))
-            self._values[i] = _fit(self._values[i], 1, n, keep, (layer.h, n, layer.v))
+        for i in range(len(self.layers)):
+            self._keys_values_room(i, n, len(self._tokens) if self._keys[i] is not None else 0)
+
+    def _keys_values_room(self, i: int, n: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s key and value buffers with room for ``n`` positions (their first
+        ``keep`` kept), stored back and returned."""
+        layer = self.layers[i]
+        k = _fit(self._keys[i], 1, n, keep, (layer.h, n, layer.p + layer.r))
+        v = _fit(self._values[i], 1, n, keep, (layer.h, n, layer.v))
+        self._keys[i], self._values[i] = k, v
+        return k, v
 
     def _attend_last(self, tokens: tuple[int, ...], rows: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,11 +389,9 @@ class ReferenceModel:
                 k_new, v_new = self._first_layer_keys_values(tokens[common:], common)
             else:
                 k_new, v_new = layer.keys_values(x, common)
-            k = _fit(self._keys[i], 1, n, common, (layer.h, n, layer.p + layer.r))
-            v = _fit(self._values[i], 1, n, common, (layer.h, n, layer.v))
+            k, v = self._keys_values_room(i, n, common)
             k[:, common:n] = k_new
             v[:, common:n] = v_new
-            self._keys[i], self._values[i] = k, v
             if i == last:
                 break
             x, m = layer.forward(x, torch.arange(common, n), k, v)

@@ -229,7 +229,8 @@ static inline __attribute__((always_inline)) void scores(const float* qg, int64_
  * softmax_ref() masks hidden keys (position >= tail only) and finds the new running max and
  * the reference the probabilities are taken against; the middle turns S into the
  * probabilities (exactly 0 for hidden keys) and sums them; softmax_commit() updates the
- * running max m and sums l (lr) of each lane and rescales the accumulator rows. */
+ * running max m and sums l (and lr, the dot path's, where given) of each lane and rescales
+ * the accumulator rows. */
 static inline __attribute__((always_inline)) void softmax_ref(float* S, int64_t n, int64_t pos0,
                                                               int64_t tail, __m512i lim,
                                                               const float* m, __m512* vmax,
@@ -265,9 +266,9 @@ static inline __attribute__((always_inline)) __m512 softmax_p(const float* S, in
 
 static inline __attribute__((always_inline)) void softmax_commit(
     float* m, float* l, float* lr, __m512 vmax, __m512 alpha, __m512 sum, __m512 sum_r,
-    float* acc, int64_t rank, int round_p) {
+    float* acc, int64_t rank) {
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
-  if (round_p) _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), alpha, sum_r));
+  if (lr != NULL) _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), alpha, sum_r));
   _mm512_storeu_ps(m, vmax);
   __mmask16 rescale = _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ);
   if (!rescale) return;
@@ -293,7 +294,7 @@ static void softmax_group(float* S, int64_t n, int64_t pos0, int64_t tail, const
     sum = _mm512_add_ps(sum, p);
     _mm512_store_ps(S + j * G, p);
   }
-  softmax_commit(m, l, NULL, vmax, alpha, sum, sum, acc, rank, 0);
+  softmax_commit(m, l, NULL, vmax, alpha, sum, sum, acc, rank); /* no rounded sum */
 }
 
 /* acc[i * rank + 0 .. 63] += c[i] for the pr rows of a p.v tile. A tile sums from zero and

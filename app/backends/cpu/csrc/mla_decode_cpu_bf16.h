@@ -88,7 +88,7 @@ static BF16_TARGET void softmax_group_bf16(float* S, uint32_t* P2, int64_t n, in
     if (j & 1) _mm512_store_si512((void*)(P2 + j / 2 * G), _mm512_or_si512(even, hi));
     else even = w;
   }
-  softmax_commit(m, l, lr, vmax, alpha, sum, sum_r, acc, rank, 1);
+  softmax_commit(m, l, lr, vmax, alpha, sum, sum_r, acc, rank);
 }
 
 static inline __attribute__((always_inline, BF16_ISA)) void dot4(__m512* c, __m512bh p, __m512bh a0,
