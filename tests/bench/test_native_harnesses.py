@@ -1,0 +1,74 @@
+"""The C harnesses under ``benchmarks/native/`` still build against the kernel's sources and
+run: ``decode_pair.c`` (paired timing of kernel builds, docs/cpu-decode-kernel.md) on a small
+case with a bit-compare of two builds, and its argument check; ``prefetch_cost.c`` (what a
+memory-missing prefetch costs the core) on a small buffer. Timings are not checked here: they
+are diagnostics, read by a person. Skipped where the kernel cannot run (no x86-64 AVX-512, no
+C compiler)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from app.backends.cpu import loader as loader
+from app.backends.cpu import prefill_kernel as prefill_native
+from app.backends.decode import cpu_mla as cpu_mla_decode
+
+NATIVE = Path(__file__).resolve().parents[2] / "benchmarks" / "native"
+
+
+def _compiler() -> str:
+    compiler = loader.find_compiler()
+    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64") \
+            or not prefill_native._cpu_has_avx512():
+        pytest.skip("the native kernel cannot run here (needs x86-64, AVX-512, a C compiler)")
+    return compiler
+
+
+def _build(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        pytest.fail(f"did not compile: {' '.join(cmd)}\n{done.stderr[-2000:]}")
+
+
+def test_decode_pair_times_two_builds_and_finds_them_identical(tmp_path: Path) -> None:
+    compiler = _compiler()
+    include = ["-I", str(loader.NATIVE_DIR)]
+    exe = tmp_path / "decode_pair"
+    _build([compiler, "-O2", *include, str(NATIVE / "decode_pair.c"), "-o", str(exe),
+            "-ldl", "-lpthread", "-lm"])
+    sources = [str(loader.NATIVE_DIR / s) for s in cpu_mla_decode.SPEC.sources]
+    libs = [tmp_path / "a.so", tmp_path / "b.so"]
+    for lib in libs:
+        _build([compiler, "-fPIC", "-shared", "-fvisibility=hidden",
+                *cpu_mla_decode.SPEC.flags, *include, *sources, "-o", str(lib), "-lm"])
+    env = {**os.environ, "CMP": "1", "THREADS": "1"}
+    # 3 requests of 130 keys (two chunks and a partial block), 2 query rows: the edges.
+    run = subprocess.run([str(exe), "3", "130", "16", "2", "16", "fp32", "2", *map(str, libs)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "bit-identical: yes" in run.stdout, run.stdout
+    assert sum(line.startswith(str(tmp_path)) and " best " in line
+               for line in run.stdout.splitlines()) == 2, run.stdout
+    bad = subprocess.run([str(exe), "1", "2", "16", "4", "16", "fp32", "1", str(libs[0])],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "context >= qlen" in bad.stderr, bad.stderr
+
+
+def test_prefetch_cost_runs_every_hint(tmp_path: Path) -> None:
+    compiler = _compiler()
+    if not cpu_mla_decode._cpu_has_bf16_dot():
+        pytest.skip("prefetch_cost runs vdpbf16ps: needs AVX512-BF16")
+    exe = tmp_path / "prefetch_cost"
+    _build([compiler, "-O2", "-mavx512f", "-mavx512bw", "-mavx512bf16",
+            str(NATIVE / "prefetch_cost.c"), "-o", str(exe)])
+    run = subprocess.run([str(exe), "16"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("buffer 16 MiB; no prefetch:"), run.stdout
+    assert [line.split()[0] for line in lines[1:]] == ["T0", "T0", "T1", "T1", "NTA", "NTA",
+                                                       "load", "load"], run.stdout
