@@ -9,17 +9,28 @@ A backend declares, as class attributes:
   ``requires_device_capability``: whether it needs a GPU at all (False: it also runs where there
   is no capability, on a CPU).
 - ``probe``: a function of no arguments that returns None (or False) when the kernel package is
-  missing; ``install_hint``: what to install then.
+  missing; ``install_hint``: what to install then; ``kernel_package``: the package's import
+  name, asked instead of the probe where the device already rules the backend out (below).
 
 The seed's classmethods (``get_name()``, ``supports_compute_capability()``, ``supports_dtype()``,
 ``is_available()``) read these attributes, and ``platform_reasons`` gives the first three reasons
 of ``validate_configuration`` in their fixed order: capability, dtype, availability. A backend
 may still override any classmethod (vLLM's documentation shows ``get_name`` and
 ``is_available`` overridden that way).
+
+Where the capability reason is already there (a GPU backend asked about a CPU, or a GPU its
+kernels do not run on) and the backend declares ``kernel_package`` and keeps the base
+``is_available``, the availability reason asks only whether the package is installed
+(``importlib.util.find_spec``), without importing it: importing flashinfer to learn that it
+cannot run on a CPU cost ~1 s of every CPU start-up where it is installed, and a GPU kernel
+package has no business being imported on a host that cannot run it. The reasons are the same
+but for an installed package that fails to import, which no device it could run on is asking
+about.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -51,6 +62,8 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
     probe: ClassVar[Callable[[], object] | None] = None
     #: The reason given when the probe finds nothing (an install hint, ideally).
     install_hint: ClassVar[str] = DEFAULT_UNAVAILABLE_REASON
+    #: The kernel package's top-level import name (``"flashinfer"``), or None: see the module.
+    kernel_package: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -106,8 +119,39 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
         elif not cls.supports_compute_capability(device_capability):
             reasons.append(f"compute capability {device_capability.major}."
                            f"{device_capability.minor} not supported")
+        ruled_out = bool(reasons)
         if not cls.supports_dtype(dtype):
             reasons.append(f"dtype {dtype} not supported")
-        if not cls.is_available():
+        if not cls.available_for_reasons(ruled_out):
             reasons.append(cls.unavailable_reason())
         return reasons
+
+    @classmethod
+    def available_for_reasons(cls, ruled_out: bool) -> bool:
+        """Whether no availability reason is due: ``is_available()``, or where the device
+        already rules the backend out (``ruled_out``: a capability reason was given) and it
+        declares ``kernel_package``, whether that package is installed (see the module)."""
+        return cls._installed() if ruled_out and cls._asks_package() else cls.is_available()
+
+    @classmethod
+    def _asks_package(cls) -> bool:
+        """Whether availability may be read off the installed packages (see the module): a
+        ``kernel_package`` is declared, ``is_available`` is the base one, and no subclass
+        swapped the probe without naming its package."""
+        base = vars(BackendDeclarations)["is_available"].__func__
+        if cls.kernel_package is None or getattr(cls.is_available, "__func__", None) is not base:
+            return False
+        for klass in cls.__mro__:
+            if "kernel_package" in vars(klass):
+                return True
+            if "probe" in vars(klass):
+                return False
+        return False
+
+    @classmethod
+    def _installed(cls) -> bool:
+        """Whether ``kernel_package`` is installed: found on the path, not imported."""
+        try:
+            return importlib.util.find_spec(str(cls.kernel_package)) is not None
+        except (ImportError, ValueError):  # a broken or half-removed install
+            return False

@@ -105,7 +105,7 @@ def insert_reasons(cls: type[MLADecodeBackend], base: list[str],
                 or (device_capability is not None
                     and not cls.supports_compute_capability(device_capability)))
     dtype_n = int(not cls.supports_dtype(config.dtype))
-    avail_n = int(not cls.is_available())
+    avail_n = int(not cls.available_for_reasons(bool(cap_n)))
     dims_n = int(not cls.supports_mla_dimensions(config.mla_dimensions))
     block_n = int(not cls.supports_block_size(config.block_size))
     at_dtype = cap_n + dtype_n

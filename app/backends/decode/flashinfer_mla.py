@@ -183,6 +183,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         minimum=DeviceCapability(8, 0))
     #: flashinfer's MLA decode entry points (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
+    kernel_package: ClassVar[str | None] = "flashinfer"
     install_hint: ClassVar[str] = INSTALL_HINT
 
     @classmethod

@@ -118,6 +118,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
     compute_capabilities: ClassVar[ComputeCapabilities] = SUPPORTED_CAPABILITIES
     #: tokenspeed-mla and its CuTe-DSL runtime (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
+    kernel_package: ClassVar[str | None] = "tokenspeed_mla"
     install_hint: ClassVar[str] = INSTALL_HINT
 
     @classmethod

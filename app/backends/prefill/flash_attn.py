@@ -77,6 +77,7 @@ class FlashAttnBackend(RaggedKernelBackend):
     #: flash-attn-4 (``flash_attn.cute``) or flash-attn 2 (late-bound: tests swap the
     #: module's probes).
     probe = staticmethod(lambda: _probe_fa4() or _probe_fa2())
+    kernel_package: ClassVar[str | None] = "flash_attn"
     install_hint: ClassVar[str] = (
         "neither flash-attn-4 (pip install --pre flash-attn-4, plus triton) nor flash-attn 2 "
         "(pip install flash-attn, builds against CUDA) is installed")

@@ -82,6 +82,7 @@ class FlashInferBackend(RaggedKernelBackend):
         minimum=DeviceCapability(8, 0))
     #: flashinfer-python (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
+    kernel_package: ClassVar[str | None] = "flashinfer"
     install_hint: ClassVar[str] = INSTALL_HINT
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,

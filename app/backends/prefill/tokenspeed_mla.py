@@ -77,6 +77,7 @@ class TokenSpeedMLABackend(RaggedKernelBackend):
     compute_capabilities: ClassVar[ComputeCapabilities] = SUPPORTED_CAPABILITIES
     #: tokenspeed-mla and its CuTe-DSL runtime (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
+    kernel_package: ClassVar[str | None] = "tokenspeed_mla"
     install_hint: ClassVar[str] = INSTALL_HINT
 
     def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -60,6 +60,7 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
     #: ``flashinfer.prefill.trtllm_ragged_attention_deepseek`` (late-bound: tests swap
     #: the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
+    kernel_package: ClassVar[str | None] = "flashinfer"
     install_hint: ClassVar[str] = INSTALL_HINT
 
     def run_kwargs(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from app._types import DeviceCapability
+from app.backends.declarations import BackendDeclarations
 from app.backends.decode import flashinfer_mla as fi_mod
 from app.backends.decode import tokenspeed_mla as ts_mod
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
@@ -61,7 +62,10 @@ def fake_tokenspeed(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def _available(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, ok: bool) -> None:
+    """The kernel package installed and importing (ok) or missing, whichever is installed
+    here: the probe, and the installed-package check asked where the GPU rules it out."""
     monkeypatch.setattr(module, "_probe", (lambda: object()) if ok else (lambda: None))
+    monkeypatch.setattr(BackendDeclarations, "_installed", classmethod(lambda cls: ok))
 
 
 # -- nothing imported at module import ----------------------------------------------------

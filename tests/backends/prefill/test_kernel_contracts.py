@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from app._types import DeviceCapability, MLADimensions
+from app.backends.declarations import BackendDeclarations
 from app.backends.prefill import flash_attn as fa_mod
 from app.backends.prefill import flashinfer as fi_mod
 from app.backends.prefill import tokenspeed_mla as ts_mod
@@ -83,7 +84,10 @@ def test_kernel_packages_are_not_imported_with_the_backend_modules() -> None:
 
 def _availability(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType,
                   available: bool) -> None:
+    """The kernel package installed and importing, or missing, whichever is installed here:
+    the probe, and the installed-package check asked where the GPU rules it out."""
     monkeypatch.setattr(module, "_probe", (lambda: object()) if available else (lambda: None))
+    monkeypatch.setattr(BackendDeclarations, "_installed", classmethod(lambda cls: available))
 
 
 @pytest.mark.parametrize("cap", [SM80, SM90, SM100, SM103, SM120])
@@ -163,6 +167,7 @@ def test_flash_attn_variants(monkeypatch: pytest.MonkeyPatch, fa4: bool, fa2: bo
                              cap: DeviceCapability, expected: list[str]) -> None:
     monkeypatch.setattr(fa_mod, "_probe_fa4", (lambda: object()) if fa4 else (lambda: None))
     monkeypatch.setattr(fa_mod, "_probe_fa2", (lambda: object()) if fa2 else (lambda: None))
+    monkeypatch.setattr(BackendDeclarations, "_installed", classmethod(lambda cls: fa4 or fa2))
     assert FlashAttnBackend.validate_configuration(cap, cfg()) == expected
     if expected == []:
         assert fa_mod.flash_attn_variant_for(cap) == ("fa4" if fa4 and cap.major >= 9 else "fa2")
