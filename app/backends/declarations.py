@@ -23,9 +23,9 @@ kernels do not run on) and the backend declares ``kernel_package`` and keeps the
 ``is_available``, the availability reason asks only whether the package is installed
 (``importlib.util.find_spec``), without importing it: importing flashinfer to learn that it
 cannot run on a CPU cost ~1 s of every CPU start-up where it is installed, and a GPU kernel
-package has no business being imported on a host that cannot run it. The reasons are the same
-but for an installed package that fails to import, which no device it could run on is asking
-about.
+package has no business being imported on a host that cannot run it. The reasons are the
+same, but for an installed package that fails to import: where the device rules the backend
+out anyway, that is no longer reported.
 """
 
 from __future__ import annotations
