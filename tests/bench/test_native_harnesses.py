@@ -8,25 +8,16 @@ C compiler)."""
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from app.backends.cpu import loader as loader
-from app.backends.cpu import prefill_kernel as prefill_native
 from app.backends.decode import cpu_mla as cpu_mla_decode
+from tests._support import native_compiler_or_skip
 
 NATIVE = Path(__file__).resolve().parents[2] / "benchmarks" / "native"
-
-
-def _compiler() -> str:
-    compiler = loader.find_compiler()
-    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64") \
-            or not prefill_native._cpu_has_avx512():
-        pytest.skip("the native kernel cannot run here (needs x86-64, AVX-512, a C compiler)")
-    return compiler
 
 
 def _build(cmd: list[str]) -> None:
@@ -36,7 +27,7 @@ def _build(cmd: list[str]) -> None:
 
 
 def test_decode_pair_times_two_builds_and_finds_them_identical(tmp_path: Path) -> None:
-    compiler = _compiler()
+    compiler = native_compiler_or_skip()
     include = ["-I", str(loader.NATIVE_DIR)]
     exe = tmp_path / "decode_pair"
     _build([compiler, "-O2", *include, str(NATIVE / "decode_pair.c"), "-o", str(exe),
@@ -60,7 +51,7 @@ def test_decode_pair_times_two_builds_and_finds_them_identical(tmp_path: Path) -
 
 
 def test_prefetch_cost_runs_every_hint(tmp_path: Path) -> None:
-    compiler = _compiler()
+    compiler = native_compiler_or_skip()
     if not cpu_mla_decode._cpu_has_bf16_dot():
         pytest.skip("prefetch_cost runs vdpbf16ps: needs AVX512-BF16")
     exe = tmp_path / "prefetch_cost"

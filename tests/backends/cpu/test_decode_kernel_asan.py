@@ -7,15 +7,14 @@ compiler has no sanitizers."""
 
 from __future__ import annotations
 
-import platform
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from app.backends.cpu import loader as loader
-from app.backends.cpu import prefill_kernel as prefill_native
 from app.backends.decode import cpu_mla as cpu_mla_decode
+from tests._support import native_compiler_or_skip
 
 DRIVER = Path(__file__).with_name("native") / "asan_decode_driver.c"
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
@@ -23,10 +22,7 @@ SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=
 
 
 def test_decode_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Path) -> None:
-    compiler = loader.find_compiler()
-    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64") \
-            or not prefill_native._cpu_has_avx512():
-        pytest.skip("the native kernel cannot run here (needs x86-64, AVX-512, a C compiler)")
+    compiler = native_compiler_or_skip()
     exe = tmp_path / "asan_decode_driver"
     sources = [str(loader.NATIVE_DIR / s) for s in cpu_mla_decode.SPEC.sources]
     build = subprocess.run([compiler, *SANITIZE, "-I", str(loader.NATIVE_DIR), str(DRIVER),

@@ -7,7 +7,6 @@ compiler has no sanitizers."""
 
 from __future__ import annotations
 
-import platform
 import subprocess
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from app.backends.cpu import loader as loader
 from app.backends.cpu import prefill_kernel as native
 from app.platforms import detect_cpu_features
+from tests._support import native_compiler_or_skip
 
 DRIVER = Path(__file__).with_name("native") / "asan_driver.c"
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
@@ -28,10 +28,7 @@ BF16_BUILD = ["-mavx512bf16", "-mavx512bw", "-mavx512vl", "-DMLA_PREFILL_BF16"]
 
 @pytest.mark.parametrize("build", ["float32", "bf16"])
 def test_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Path, build: str) -> None:
-    compiler = loader.find_compiler()
-    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64") \
-            or not native._cpu_has_avx512():
-        pytest.skip("the native kernel cannot run here (needs x86-64, AVX-512, a C compiler)")
+    compiler = native_compiler_or_skip()
     if build == "bf16" and not detect_cpu_features().avx512_bf16:
         pytest.skip("the bf16-products build needs a CPU with AVX512-BF16; this one has none")
     exe = tmp_path / "asan_driver"
