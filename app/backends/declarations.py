@@ -14,7 +14,8 @@ A backend declares, as class attributes:
 
 The seed's classmethods (``get_name()``, ``supports_compute_capability()``, ``supports_dtype()``,
 ``is_available()``) read these attributes, and ``platform_reasons`` gives the first three reasons
-of ``validate_configuration`` in their fixed order: capability, dtype, availability. A backend
+of ``validate_configuration`` in their fixed order: capability, dtype, availability
+(``platform_reason_slots``: the same, one list per slot). A backend
 may still override any classmethod (vLLM's documentation shows ``get_name`` and
 ``is_available`` overridden that way).
 
@@ -112,19 +113,25 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
                          dtype: torch.dtype) -> list[str]:
         """The first reasons of ``validate_configuration``, in order: capability, dtype,
         availability."""
-        reasons: list[str] = []
+        capability, dtypes, availability = cls.platform_reason_slots(device_capability, dtype)
+        return capability + dtypes + availability
+
+    @classmethod
+    def platform_reason_slots(cls, device_capability: DeviceCapability | None,
+                              dtype: torch.dtype) -> tuple[list[str], list[str], list[str]]:
+        """``platform_reasons`` by slot: (capability, dtype, availability), at most one reason
+        in each, for a subclass that adds reasons of its own to a slot."""
+        capability: list[str] = []
         if device_capability is None:
             if cls.requires_device_capability:
-                reasons.append("device capability not available")
+                capability.append("device capability not available")
         elif not cls.supports_compute_capability(device_capability):
-            reasons.append(f"compute capability {device_capability.major}."
-                           f"{device_capability.minor} not supported")
-        ruled_out = bool(reasons)
-        if not cls.supports_dtype(dtype):
-            reasons.append(f"dtype {dtype} not supported")
-        if not cls.available_for_reasons(ruled_out):
-            reasons.append(cls.unavailable_reason())
-        return reasons
+            capability.append(f"compute capability {device_capability.major}."
+                              f"{device_capability.minor} not supported")
+        dtypes = [] if cls.supports_dtype(dtype) else [f"dtype {dtype} not supported"]
+        availability = ([] if cls.available_for_reasons(bool(capability))
+                        else [cls.unavailable_reason()])
+        return capability, dtypes, availability
 
     @classmethod
     def available_for_reasons(cls, ruled_out: bool) -> bool:

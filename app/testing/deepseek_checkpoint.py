@@ -22,6 +22,7 @@ Needs ``transformers`` and ``safetensors`` (imported when called; both come with
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import tempfile
@@ -152,6 +153,9 @@ def transformers_greedy(path: str | Path, prompts: list[list[int]], max_tokens: 
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = loaded.eval()
+    # transformers renamed past_key_values to cache (5.2x; the old name goes in 5.40)
+    cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                else "past_key_values")
     out: list[dict[str, list[Any]]] = []
     with torch.no_grad():
         for prompt in prompts:
@@ -161,8 +165,8 @@ def transformers_greedy(path: str | Path, prompts: list[list[int]], max_tokens: 
             for _ in range(max_tokens):    # greedy, no EOS stop (as vLLM's ignore_eos)
                 tokens.append(int(step.logits[0, -1].argmax()))
                 if len(tokens) < max_tokens:
-                    step = model(torch.tensor([tokens[-1:]]),
-                                 past_key_values=step.past_key_values, use_cache=True)
+                    step = model(torch.tensor([tokens[-1:]]), use_cache=True,
+                                 **{cache_kw: step[cache_kw]})
             out.append({"tokens": tokens,
                         "prompt_logprobs": [float(logprobs[i, prompt[i + 1]])
                                             for i in range(len(prompt) - 1)]})

@@ -11,8 +11,8 @@
 - ``base2_to_natural``: kernels that write a base-2 LSE are converted to the contract's
   natural log (``* ln 2``).
 - ``insert_reasons``: a backend whose limits depend on the GPU (which kernel runs there) adds
-  its reasons to the base class's list without breaking its fixed order (capability, dtype,
-  availability, dimensions, block size, query_len).
+  its reasons to the base class's slots (``MLADecodeBackend.reason_slots``), so that the fixed
+  order holds (capability, dtype, availability, dimensions, block size, query_len).
 """
 
 from __future__ import annotations
@@ -91,25 +91,14 @@ def check_query_dtype(what: str, q: torch.Tensor, allowed: Sequence[torch.dtype]
                          f"of {[str(d) for d in allowed]}, got {q.dtype}")
 
 
-def insert_reasons(cls: type[MLADecodeBackend], base: list[str],
-                   device_capability: DeviceCapability | None,
+def insert_reasons(cls: type[MLADecodeBackend], device_capability: DeviceCapability | None,
                    config: MLADecodeSelectorConfig, *, dtype: Sequence[str] = (),
                    dimensions: Sequence[str] = (), block_size: Sequence[str] = ()
                    ) -> list[str]:
-    """``base`` (the base class's reasons) with extra reasons placed in their slots.
-
-    The base list is ordered capability, dtype, availability, dimensions, block size,
-    query_len, one reason at most per slot; the slots it filled are recomputed with the same
-    predicates, so each extra reason lands right after its slot's base reason."""
-    cap_n = int((device_capability is None and cls.requires_device_capability)
-                or (device_capability is not None
-                    and not cls.supports_compute_capability(device_capability)))
-    dtype_n = int(not cls.supports_dtype(config.dtype))
-    avail_n = int(not cls.available_for_reasons(bool(cap_n)))
-    dims_n = int(not cls.supports_mla_dimensions(config.mla_dimensions))
-    block_n = int(not cls.supports_block_size(config.block_size))
-    at_dtype = cap_n + dtype_n
-    at_dims = at_dtype + avail_n + dims_n
-    at_block = at_dims + block_n
-    return (base[:at_dtype] + list(dtype) + base[at_dtype:at_dims] + list(dimensions)
-            + base[at_dims:at_block] + list(block_size) + base[at_block:])
+    """The base class's reasons (``cls.reason_slots``) with extra reasons added to their
+    slots, in its fixed order: each lands right after its slot's base reason."""
+    slots = cls.reason_slots(device_capability, config)
+    slots["dtype"] += dtype
+    slots["dimensions"] += dimensions
+    slots["block_size"] += block_size
+    return [reason for reasons in slots.values() for reason in reasons]

@@ -146,20 +146,35 @@ class MLADecodeBackend(BackendDeclarations):
                                selector_config: MLADecodeSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
         availability, dimensions, block size, query_len. An empty list means valid."""
-        reasons = cls.platform_reasons(device_capability, selector_config.dtype)
+        slots = cls.reason_slots(device_capability, selector_config)
+        return [reason for reasons in slots.values() for reason in reasons]
+
+    @classmethod
+    def reason_slots(cls, device_capability: DeviceCapability | None,
+                     selector_config: MLADecodeSelectorConfig) -> dict[str, list[str]]:
+        """``validate_configuration``'s reasons by slot, in its order: ``capability``,
+        ``dtype``, ``availability``, ``dimensions``, ``block_size``, ``query_len`` (at most one
+        reason in each). A backend with limits of its own adds them to a slot and flattens
+        the lists, so that the order holds (FLASHINFER_MLA, TOKENSPEED_MLA)."""
+        capability, dtypes, availability = cls.platform_reason_slots(device_capability,
+                                                                     selector_config.dtype)
         rank, rope = selector_config.kv_lora_rank, selector_config.qk_rope_head_dim
+        dimensions: list[str] = []
         if not cls.supports_mla_dimensions(selector_config.mla_dimensions):
             supported = ", ".join(f"({r}, {p})" for r, p in cls.supported_head_dims)
-            reasons.append(f"MLA dimensions (kv_lora_rank, qk_rope_head_dim) = ({rank}, "
-                           f"{rope}) not supported (supported: {supported})")
+            dimensions.append(f"MLA dimensions (kv_lora_rank, qk_rope_head_dim) = ({rank}, "
+                              f"{rope}) not supported (supported: {supported})")
+        block_size: list[str] = []
         if not cls.supports_block_size(selector_config.block_size):
             sizes = ", ".join(str(s) for s in cls.supported_block_sizes)
-            reasons.append(f"block size {selector_config.block_size} not supported "
-                           f"(supported: {sizes})")
+            block_size.append(f"block size {selector_config.block_size} not supported "
+                              f"(supported: {sizes})")
+        query_len: list[str] = []
         if selector_config.query_len > cls.max_query_len:
-            reasons.append(f"query_len {selector_config.query_len} exceeds the maximum "
-                           f"{cls.max_query_len}")
-        return reasons
+            query_len.append(f"query_len {selector_config.query_len} exceeds the maximum "
+                             f"{cls.max_query_len}")
+        return {"capability": capability, "dtype": dtypes, "availability": availability,
+                "dimensions": dimensions, "block_size": block_size, "query_len": query_len}
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,

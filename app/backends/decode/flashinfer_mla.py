@@ -197,9 +197,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLADecodeSelectorConfig) -> list[str]:
         """The base class's reasons plus the kernel's own (dtype, block size) on this GPU."""
-        base = super().validate_configuration(device_capability, selector_config)
         if device_capability is None or not cls.supports_compute_capability(device_capability):
-            return base
+            return super().validate_configuration(device_capability, selector_config)
         cfg = selector_config
         kernel = decode_kernel_for(device_capability, cfg.num_heads)
         dtype = [] if not cls.supports_dtype(cfg.dtype) or cfg.dtype in \
@@ -212,8 +211,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             f"block size {cfg.block_size} not supported by flashinfer's {kernel} MLA kernel "
             f"on SM{device_capability.to_int()} (supported: "
             f"{', '.join(str(s) for s in sizes)})"]
-        reasons = insert_reasons(cls, base, device_capability, cfg, dtype=dtype,
-                                 block_size=block)
+        reasons = insert_reasons(cls, device_capability, cfg, dtype=dtype, block_size=block)
         if kernel != TRTLLM_GEN and not causal_tiles_fit(cfg.num_heads, cfg.query_len):
             reasons.append(f"query_len {cfg.query_len} with {cfg.num_heads} heads not "
                            f"supported by flashinfer's {kernel} MLA kernel (its causal query "

@@ -125,12 +125,10 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLADecodeSelectorConfig) -> list[str]:
         """The base class's reasons plus the kernel's head limit (with the dimensions)."""
-        base = super().validate_configuration(device_capability, selector_config)
         heads = selector_config.num_heads
         extra = [] if heads <= MAX_HEADS else [
             f"{heads} query heads not supported (at most {MAX_HEADS})"]
-        return insert_reasons(cls, base, device_capability, selector_config,
-                              dimensions=extra)
+        return insert_reasons(cls, device_capability, selector_config, dimensions=extra)
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 
@@ -176,3 +177,35 @@ def test_selector_config_and_validate_configuration() -> None:
     assert "supported: 32, 64" in reasons[3]
     assert Picky.validate_configuration(DeviceCapability(9, 0), cfg) == [
         "dtype torch.float64 not supported", "query_len 4 exceeds the maximum 2"]
+
+
+def test_reason_slots_let_a_backend_add_reasons_in_order() -> None:
+    """A backend with a limit of its own adds it to its slot of ``reason_slots``; the flattened
+    slots are ``validate_configuration``, whatever the backend."""
+
+    class EvenHeads(_Recorder):
+        requires_device_capability = True
+        supported_block_sizes = (64,)
+
+        @classmethod
+        def validate_configuration(cls, device_capability: DeviceCapability | None,
+                                   selector_config: MLADecodeSelectorConfig) -> list[str]:
+            slots = cls.reason_slots(device_capability, selector_config)
+            if selector_config.num_heads % 2:
+                slots["dimensions"].append(f"{selector_config.num_heads} heads: odd")
+            return [r for reasons in slots.values() for r in reasons]
+
+    bad = MLADecodeSelectorConfig(dtype=torch.float64, kv_lora_rank=512, qk_rope_head_dim=64,
+                                  num_heads=15, block_size=16, query_len=1)
+    slots = EvenHeads.reason_slots(None, bad)
+    assert list(slots) == ["capability", "dtype", "availability", "dimensions", "block_size",
+                           "query_len"]
+    assert slots["availability"] == slots["dimensions"] == slots["query_len"] == []
+    assert EvenHeads.validate_configuration(None, bad) == [
+        "device capability not available", "dtype torch.float64 not supported",
+        "15 heads: odd", "block size 16 not supported (supported: 64)"]
+    good = attrs.evolve(bad, dtype=torch.float32, num_heads=16, block_size=64)
+    assert EvenHeads.validate_configuration(DeviceCapability(9, 0), good) == []
+    for cfg in (bad, good):
+        flat = [r for reasons in _Recorder.reason_slots(None, cfg).values() for r in reasons]
+        assert _Recorder.validate_configuration(None, cfg) == flat
