@@ -153,7 +153,8 @@ def transformers_greedy(path: str | Path, prompts: list[list[int]], max_tokens: 
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = loaded.eval()
-    # transformers renamed past_key_values to cache (5.2x; the old name goes in 5.40)
+    # transformers renamed past_key_values to cache (5.19 has the old name, 5.24 the new one
+    # and warns that the old goes in 5.40)
     cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
                 else "past_key_values")
     out: list[dict[str, list[Any]]] = []
