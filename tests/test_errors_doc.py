@@ -198,6 +198,12 @@ def _decode_metadata(table: list[list[int]], seq_lens: list[int]) -> Callable[[]
     return run
 
 
+def _decode_scale() -> object:
+    backend = _decode_metadata([[0, 1]], [20])()
+    return backend.run_decode(  # type: ignore[attr-defined]
+        torch.zeros(1, 1, 2, 96), torch.zeros(2, 16, 96), softmax_scale=1e39)
+
+
 def _prefill_cu_beyond_int32() -> object:
     host = torch.tensor([0, 2**32 + 4], dtype=torch.int64)
     narrowed = host.to(torch.int32)
@@ -397,6 +403,14 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("decode", "an int64 `seq_len` `2**32 + 7` (it was narrowed to 7)",
      _decode_metadata([[0, 1]], [2**32 + 7])),
     ("tensors", "int64 prefill `cu_seqlens` ending beyond int32", _prefill_cu_beyond_int32),
+    ("tensors", "a sparse `q`", lambda: _backend().run_prefill_new_tokens(
+        _q(8, 4, 12).to_sparse(), _q(8, 4, 12), _q(8, 4, 8), False)),
+    ("tensors", "an `out=` made by `expand` (elements sharing memory)",
+     lambda: _backend().run_prefill_new_tokens(_q(8, 4, 12), _q(8, 4, 12), _q(8, 4, 8), False,
+                                               out=_q(1, 1, 8).expand(8, 4, 8))),
+    ("tensors", "`return_softmax_lse=\"no\"`", lambda: _backend().run_prefill_new_tokens(
+        _q(8, 4, 12), _q(8, 4, 12), _q(8, 4, 8), "no")),  # type: ignore[arg-type]
+    ("decode", "`softmax_scale=1e39` (finite in float64, inf in float32)", _decode_scale),
     ("platform", "`APP_CPU_DECODE_BF16_DOT=maybe` (read when CPU_MLA is first loaded)",
      _with_env("APP_CPU_DECODE_BF16_DOT", "maybe", _decode_switch)),
     ("platform", "`APP_CPU_DECODE_OPENMP=maybe` (read when CPU_MLA is first loaded)",

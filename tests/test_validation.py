@@ -7,10 +7,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from app._imports import import_object
-from app._validation import check_int, check_positive_finite
+from app._validation import (
+    check_int,
+    check_positive_finite,
+    may_overlap_itself,
+    tensors_overlap,
+)
 from app.commands.kv_plan import load_plan_config
 from app.config import AttentionConfig, CacheConfig, ModelConfig
 
@@ -117,3 +124,21 @@ def test_import_object_turns_any_import_failure_into_import_error(
     with pytest.raises(ImportError, match="planted_mod_for_import") as info:
         import_object("planted_mod_for_import.Thing")
     assert raised in str(info.value) and "\n" not in str(info.value)
+
+
+def test_may_overlap_itself() -> None:
+    base = torch.zeros(4, 6)
+    assert not may_overlap_itself(base) and not may_overlap_itself(base.t())
+    assert not may_overlap_itself(base[:, ::2]) and not may_overlap_itself(torch.zeros(0, 3))
+    assert not may_overlap_itself(torch.zeros(1, 1, 5).expand(1, 1, 5))   # size-1 dims
+    assert may_overlap_itself(torch.zeros(1, 6).expand(4, 6))
+    assert may_overlap_itself(base.as_strided((3, 4), (2, 1)))            # rows overlap
+    assert not may_overlap_itself(base.as_strided((3, 2), (4, 1)))
+
+
+def test_tensors_overlap_compares_addresses_not_storages() -> None:
+    buf = np.zeros(64, dtype=np.float32)
+    a, b = torch.from_numpy(buf[:40]), torch.from_numpy(buf[32:])
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert tensors_overlap(a, b) and tensors_overlap(b, a)
+    assert not tensors_overlap(a[:32], b) and not tensors_overlap(a, torch.zeros(0))

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from app._validation import INT32_MAX, is_int
+from app._validation import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT32_MAX,
+    check_dense,
+    check_writable_out,
+    is_int,
+)
 
 __all__ = [
     "DecodeMetadata",
@@ -34,10 +41,12 @@ _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_positive_scale(what: str, value: object) -> float:
-    """``value`` as a float if it is a finite real number > 0, else ``ValueError``.
+    """``value`` as a float if it is a real number > 0 within float32's normal range, else
+    ``ValueError``.
 
     A one-element floating tensor is accepted (its value is read on the host)."""
     if isinstance(value, torch.Tensor):
+        check_dense(what, value)
         if value.numel() != 1 or not value.dtype.is_floating_point:
             raise ValueError(f"{what} must be a finite float > 0 or a one-element float "
                              f"tensor, got a tensor of shape {list(value.shape)} "
@@ -52,6 +61,9 @@ def check_positive_scale(what: str, value: object) -> float:
         number = math.inf
     if not math.isfinite(number) or not number > 0:
         raise ValueError(f"{what} must be a finite float > 0, got {value!r}")
+    if not FLOAT32_TINY <= number <= FLOAT32_MAX:
+        raise ValueError(f"{what} must be within float32's normal range [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX:.4g}] (the kernels multiply in float32), got {value!r}")
     return number
 
 
@@ -63,6 +75,7 @@ def check_query_len(what: str, query_len: object, batch: int, max_query_len: int
     non-uniform batch is refused rather than reshaped (reshaping it would no longer match the
     block table row by row)."""
     if isinstance(query_len, torch.Tensor):
+        check_dense(f"{what}: query_len", query_len)
         if query_len.dim() != 1 or query_len.dtype not in _INT_DTYPES:
             raise ValueError(f"{what}: query_len as a tensor must be 1-D int32/int64, got shape "
                              f"{list(query_len.shape)} dtype {query_len.dtype}")
@@ -92,8 +105,7 @@ def _check_int_tensor(what: str, t: object, dim: int) -> torch.Tensor:
     if t.dim() != dim or t.dtype not in _INT_DTYPES:
         raise ValueError(f"{what}: expected a {dim}-D int32 tensor, got shape {list(t.shape)} "
                          f"dtype {t.dtype}")
-    if t.device.type == "meta":
-        raise ValueError(f"{what}: a meta tensor has no values to read")
+    check_dense(what, t)
     return t
 
 
@@ -210,6 +222,7 @@ def _check_out(what: str, out: object, shape: tuple[int, ...], dtype: torch.dtyp
                device: torch.device) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
+    check_writable_out(f"{what}: out", out)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise ValueError(f"{what}: out must have shape {list(shape)} dtype {dtype} on "
                          f"{device}, got shape {list(out.shape)} dtype {out.dtype} on "
@@ -226,6 +239,8 @@ def check_decode_inputs(what: str, meta: DecodeMetadata, q: object, kv_cache: ob
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"{what}: kv_cache must be a torch.Tensor, got "
                         f"{type(kv_cache).__name__}")
+    check_dense(f"{what}: q", q)
+    check_dense(f"{what}: kv_cache", kv_cache)
     expected_q = (meta.batch, meta.query_len, num_heads, head)
     if tuple(q.shape) != expected_q:
         raise ValueError(f"{what}: q must be [B, query_len, H, kv_lora_rank + "

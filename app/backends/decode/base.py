@@ -33,7 +33,13 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import check_int_at_least, is_int, tensors_overlap
+from app._validation import (
+    FLOAT32_TINY,
+    MAX_ATTENTION_SCALE,
+    check_int_at_least,
+    is_int,
+    tensors_overlap,
+)
 from app.backends.declarations import BackendDeclarations
 from app.backends.decode._checks import (
     DecodeMetadata,
@@ -266,6 +272,10 @@ class MLADecodeBackend(BackendDeclarations):
         scale = check_positive_scale(f"{what}: softmax_scale",
                                      self.scale if softmax_scale is None else softmax_scale)
         kscale = 1.0 if k_scale is None else check_positive_scale(f"{what}: k_scale", k_scale)
+        if not FLOAT32_TINY <= scale * kscale <= MAX_ATTENTION_SCALE:
+            raise ValueError(f"{what}: softmax_scale * k_scale must be in [{FLOAT32_TINY:.4g}, "
+                             f"{MAX_ATTENTION_SCALE:.4g}] (the kernels multiply q by it, and by "
+                             f"log2(e), in float32), got {scale * kscale!r}")
         if not isinstance(return_softmax_lse, bool):
             raise TypeError(f"{what}: return_softmax_lse must be a bool, got "
                             f"{return_softmax_lse!r}")
@@ -274,10 +284,12 @@ class MLADecodeBackend(BackendDeclarations):
                             qk_rope_head_dim=self.qk_rope_head_dim,
                             kv_cache_dtype=self.kv_cache_dtype)
         shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
+        # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
+        q, kv_cache = q.resolve_neg(), kv_cache.resolve_neg()
         # An out= that shares memory with q or the cache is written after the kernel, never
         # during it (the kernel would read its own output).
-        target = out if out is not None and out.is_contiguous() and not tensors_overlap(
-            out, q) and not tensors_overlap(out, kv_cache) else torch.empty(
+        target = out if out is not None and out.is_contiguous() and not out.is_neg() and not \
+            tensors_overlap(out, q) and not tensors_overlap(out, kv_cache) else torch.empty(
             shape, dtype=q.dtype, device=q.device)
         # Kernels write the LSE token-major (next to their output rows); it is handed out
         # head-major.

@@ -24,7 +24,13 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import INT32_MAX, check_int_at_least, is_int
+from app._validation import (
+    FLOAT32_TINY,
+    INT32_MAX,
+    MAX_ATTENTION_SCALE,
+    check_int_at_least,
+    is_int,
+)
 from app.backends.declarations import BackendDeclarations
 
 if TYPE_CHECKING:
@@ -118,7 +124,11 @@ class MLAPrefillMetadata:
         ``new_kv_lens[b]`` (default ``query_lens[b]``) lets the causal call see more keys than
         queries (bottom-right aligned). Raises ``ValueError`` on negative or mismatched lengths.
         """
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:   # torch's "Invalid device string"
+            raise ValueError(f"MLAPrefillMetadata.build: device must be a torch.device or a "
+                             f"device string ('cpu', 'cuda:0'), got {device!r}") from exc
         cu_q_cpu = _cu_seqlens(query_lens, "query_lens")
         batch = len(query_lens)
         if new_kv_lens is None:
@@ -206,9 +216,10 @@ class MLAPrefillBackend(BackendDeclarations):
                 scale, (int, float)) else float(scale))
         except OverflowError:
             scale_value = math.nan
-        if not 0 < scale_value < math.inf:
-            raise ValueError(f"{type(self).__name__}: scale must be a positive, finite float, "
-                             f"got {scale!r}")
+        if not FLOAT32_TINY <= scale_value <= MAX_ATTENTION_SCALE:
+            raise ValueError(f"{type(self).__name__}: scale must be a positive, finite float in "
+                             f"[{FLOAT32_TINY:.4g}, {MAX_ATTENTION_SCALE:.4g}] (the kernels "
+                             f"multiply by it, and by log2(e), in float32), got {scale!r}")
         self.num_heads = num_heads
         self.scale = scale_value
         self.kv_lora_rank = kv_lora_rank

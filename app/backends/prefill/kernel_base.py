@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import attrs
 import torch
 
-from app._validation import INT32_MAX, tensors_overlap
+from app._validation import INT32_MAX, check_dense, check_writable_out, tensors_overlap
 from app.backends.lse import lse_rows_to_heads_tokens
 from app.backends.prefill.base import ContextChunkMetadata, MLAPrefillBackend, MLAPrefillMetadata
 from app.backends.workspaces import KernelWorkspaces
@@ -214,6 +214,7 @@ def check_attention_inputs(who: str, q: object, k: object, v: object, *, num_hea
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(f"{who}: {name}", t)
         if t.dim() != 3:
             raise ValueError(f"{who}: {name} must have rank 3 [tokens, heads, head_dim], got "
                              f"rank {t.dim()} (shape {_shape(t)})")
@@ -254,6 +255,7 @@ def check_attention_inputs(who: str, q: object, k: object, v: object, *, num_hea
             raise ValueError(f"{who}: out device: expected {qt.device}, got {out.device}")
         if out_contiguous and not out.is_contiguous():
             raise ValueError(f"{who}: out must be contiguous, got strides {list(out.stride())}")
+        check_writable_out(f"{who}: out", out)
 
 
 def empty_rows_mask(ranges: Sequence[tuple[int, int]], total_q: int,
@@ -340,11 +342,20 @@ class RaggedKernelBackend(MLAPrefillBackend):
         self._step_cache = StepCache()
 
     def prepare_metadata(self, prefill_metadata: MLAPrefillMetadata) -> None:
-        """Check every ``cu_seqlens`` of the step once, then ``_on_prepare`` (kernel plans)."""
-        super().prepare_metadata(prefill_metadata)
-        self._layouts = StepLayouts.from_metadata(prefill_metadata, self.get_name())
+        """Check every ``cu_seqlens`` of the step once, then ``_on_prepare`` (kernel plans).
+        A step refused by the checks leaves the previous one in place; one whose plans fail
+        leaves no step (every run then asks for ``prepare_metadata``)."""
+        layouts = (StepLayouts.from_metadata(prefill_metadata, self.get_name())
+                   if isinstance(prefill_metadata, MLAPrefillMetadata) else None)
+        super().prepare_metadata(prefill_metadata)  # the TypeError for anything else
+        self._layouts = layouts
         self._step_cache.clear()
-        self._on_prepare(self._layouts)
+        try:
+            if layouts is not None:
+                self._on_prepare(layouts)
+        except BaseException:
+            self._metadata = self._layouts = None
+            raise
 
     def _on_prepare(self, layouts: StepLayouts) -> None:
         """Hook: plan kernels for the step (default: nothing)."""
@@ -379,6 +390,9 @@ class RaggedKernelBackend(MLAPrefillBackend):
                                return_softmax_lse: bool, out: torch.Tensor | None = None
                                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Causal (bottom-right) attention of the new tokens; see ``MLAPrefillBackend``."""
+        if not isinstance(return_softmax_lse, bool):
+            raise TypeError(f"{self.get_name()}.run_prefill_new_tokens: return_softmax_lse "
+                            f"must be a bool, got {return_softmax_lse!r}")
         result, lse = self._run(-1, self._step().new_tokens, q, k, v, True, out,
                                 return_softmax_lse)
         if not return_softmax_lse:
@@ -405,12 +419,14 @@ class RaggedKernelBackend(MLAPrefillBackend):
             name, q, k, v, num_heads=self.num_heads, qk_head_dim=self.qk_head_dim,
             v_head_dim=self.v_head_dim, total_q=layout.total_q, total_kv=layout.total_kv,
             dtypes=self.supported_dtypes, device=layout.cu_q.device, out=out,
-            out_dtype=self._out_dtype(q.dtype))
+            out_dtype=self._out_dtype(q.dtype) if isinstance(q, torch.Tensor) else None)
         if self.requires_cuda and q.device.type != "cuda":
             raise ValueError(f"{name}: expected CUDA tensors (the kernel runs on a GPU), "
                              f"got device {q.device}")
+        # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
         # An out= sharing memory with an input is written after the kernel, never during it.
-        result = out if out is not None and out.is_contiguous() and not any(
+        result = out if out is not None and out.is_contiguous() and not out.is_neg() and not any(
             tensors_overlap(out, t) for t in (q, k, v)) else torch.empty(
             layout.total_q, self.num_heads, self.v_head_dim, dtype=self._out_dtype(q.dtype),
             device=q.device)

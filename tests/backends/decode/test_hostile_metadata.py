@@ -130,7 +130,8 @@ def test_int64_values_beyond_int32_are_refused_not_narrowed(
 
 def test_a_meta_tensor_is_refused() -> None:
     be = _backend(TorchSDPADecodeBackend)
-    with pytest.raises(ValueError, match="block_table: a meta tensor has no values"):
+    with pytest.raises(ValueError, match="block_table: expected a tensor with data, got one "
+                                         "on the meta device"):
         be.prepare_metadata(torch.zeros(1, 2, dtype=torch.int32, device="meta"),
                             torch.tensor([3], dtype=torch.int32), 1)
 

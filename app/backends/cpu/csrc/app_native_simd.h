@@ -64,10 +64,13 @@ static inline void app_store16(void* p, int64_t i, __m512 x, int dt) {
   }
 }
 
-/* 2^x for x <= 0 (relative error ~1e-7): below -126 gives 2^-126, never a denormal; a NaN
- * stays a NaN (the clamp's NaN operand comes second: vmaxps returns its second operand when
- * either is a NaN), so a non-finite score reaches the probabilities it makes. */
+/* 2^x for x <= 0 (relative error ~1e-7): below -126 gives 0, never a denormal (a key that
+ * far below the row's max has no weight in float32; 2^-126 would still carry a value of 1e38
+ * into the output); a NaN stays a NaN (the clamp's NaN operand comes second: vmaxps returns
+ * its second operand when either is a NaN; the zeroing keeps unordered lanes), so a
+ * non-finite score reaches the probabilities it makes. */
 static inline __m512 app_exp2_nonpositive(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);
   x = _mm512_max_ps(_mm512_set1_ps(-126.f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -78,7 +81,7 @@ static inline __m512 app_exp2_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 #endif /* APP_NATIVE_SIMD_H */
