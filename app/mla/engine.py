@@ -40,8 +40,8 @@ import attrs
 import torch
 from dependency_injector import containers
 
-from app._validation import check_int_at_least
-from app.backends.decode.base import MLADecodeBackend
+from app._validation import check_int, check_int_at_least
+from app.backends.decode.base import MAX_QUERY_LEN, MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.containers import get_container
@@ -150,7 +150,14 @@ class MLAEngine:
                  num_speculative_tokens: int = 0, keep_outputs: bool = True,
                  timer: PhaseTimer | None = None) -> None:
         check_int_at_least("step_tokens", step_tokens, 1)
-        check_int_at_least("num_speculative_tokens", num_speculative_tokens, 0)
+        check_int_at_least("max_num_seqs", max_num_seqs, 1)
+        check_int("MLAEngine: num_speculative_tokens", num_speculative_tokens, 0,
+                  MAX_QUERY_LEN - 1)   # a decode step's query: 1 + the drafts
+        if not isinstance(keep_outputs, bool):
+            raise TypeError(f"MLAEngine: keep_outputs must be a bool, got {keep_outputs!r}")
+        if timer is not None and not isinstance(timer, PhaseTimer):
+            raise TypeError(f"MLAEngine: timer must be an app.model.profiling.PhaseTimer or "
+                            f"None, got {type(timer).__name__}")
         if isinstance(container, EngineConfig):
             raise TypeError("MLAEngine takes its config from its container: pass "
                             "MLAEngine(create_container(config), weights=...)")
@@ -245,6 +252,11 @@ class MLAEngine:
         """Queue ``request``. ``RequestTooLargeError`` when it can never fit in the pool;
         ``ValueError`` for a token outside the vocabulary or a duplicate id; nothing is queued
         on an error."""
+        self._queue(request, self._check_request(request))
+
+    def _check_request(self, request: Request) -> int:
+        """The blocks ``request`` needs at most, once it is known to be one this engine can
+        queue (see ``add_request``); changes nothing."""
         if not isinstance(request, Request):
             raise TypeError(f"add_request expects an app.mla.Request, got "
                             f"{type(request).__name__}")
@@ -266,6 +278,10 @@ class MLAEngine:
                 f"(cache.num_blocks={usable + 1}, block 0 is reserved); it can never run. "
                 f"Raise cache.num_blocks to at least {needed + 1}, or shorten the prompt or "
                 f"max_new_tokens.")
+        return needed
+
+    def _queue(self, request: Request, needed: int) -> None:
+        rid, tokens = request.request_id, request.prompt_token_ids
         state = RequestState(
             request=request, kv=self.kv_manager.new_request(rid, tokens),
             block_table=torch.zeros(needed, dtype=torch.int32),
@@ -453,9 +469,16 @@ class MLAEngine:
 
     def run(self, requests: Iterable[Request] = ()) -> list[RequestOutput]:
         """Add ``requests`` and step until every request is finished; the outputs, in
-        finishing order."""
-        for request in requests:
-            self.add_request(request)
+        finishing order. Every request is checked before any is queued: one refused (see
+        ``add_request``; also an id twice in ``requests``) queues none of them."""
+        batch = list(requests)
+        needed = [self._check_request(request) for request in batch]
+        ids = [request.request_id for request in batch]
+        if len(set(ids)) != len(ids):
+            twice = sorted({rid for rid in ids if ids.count(rid) > 1})
+            raise ValueError(f"run: request ids must be unique, got {twice} more than once")
+        for request, blocks in zip(batch, needed, strict=True):
+            self._queue(request, blocks)
         outputs: list[RequestOutput] = []
         while self.has_unfinished():
             step = self.step()

@@ -207,6 +207,33 @@ def test_bad_requests_are_refused() -> None:
         MLAEngine(wrong, weights=weights)
 
 
+def test_run_queues_nothing_when_one_request_is_refused() -> None:
+    engine = _engine()
+    free = engine.kv_manager.num_free_blocks
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\)"):
+        engine.run([Request("ok", [1, 2], max_new_tokens=1), Request("oov", [97])])
+    with pytest.raises(ValueError, match=r"request ids must be unique, got \['a'\]"):
+        engine.run([Request("a", [1]), Request("b", [2]), Request("a", [3])])
+    assert not engine.has_unfinished() and engine.num_waiting == 0
+    assert engine.kv_manager.num_free_blocks == free
+    assert [o.request_id for o in engine.run([Request("ok", [1, 2], max_new_tokens=1)])] == [
+        "ok"]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"timer": 5}, TypeError, "timer must be an app.model.profiling.PhaseTimer or None"),
+    ({"keep_outputs": "no"}, TypeError, "keep_outputs must be a bool, got 'no'"),
+    ({"num_speculative_tokens": 16}, ValueError,
+     r"num_speculative_tokens: expected an int in \[0, 15\], got 16"),
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be an int >= 1"),
+])
+def test_bad_engine_arguments_are_refused_up_front(kwargs: dict[str, object],
+                                                   error: type[Exception], message: str) -> None:
+    cfg, weights = tiny_config()
+    with pytest.raises(error, match=message):
+        MLAEngine(tiny_container(cfg), weights=weights, **kwargs)  # type: ignore[arg-type]
+
+
 def _repetitive(n: int, seed: int) -> list[int]:
     motif = _tokens(7, seed)
     return (motif * (n // 7 + 1))[:n]
