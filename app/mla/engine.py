@@ -32,6 +32,7 @@ prefix-cache hits) and finished requests free their blocks.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -217,6 +218,9 @@ class MLAEngine:
         self.stats = EngineStats()
         self._states: dict[str, RequestState] = {}
         self.initial_free_blocks = self.kv_manager.num_free_blocks
+        # add_request, abort and step may come from different threads (a server's request
+        # handlers and its stepping loop): each runs whole, one at a time.
+        self._lock = threading.RLock()
 
     # -- convenience views --------------------------------------------------------------
 
@@ -252,7 +256,8 @@ class MLAEngine:
         """Queue ``request``. ``RequestTooLargeError`` when it can never fit in the pool;
         ``ValueError`` for a token outside the vocabulary or a duplicate id; nothing is queued
         on an error."""
-        self._queue(request, self._check_request(request))
+        with self._lock:
+            self._queue(request, self._check_request(request))
 
     def _check_request(self, request: Request) -> int:
         """The blocks ``request`` needs at most, once it is known to be one this engine can
@@ -298,16 +303,21 @@ class MLAEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free every block it holds; its output (finish reason ``abort``),
         or None when no such request is queued or running."""
-        state = self._states.get(request_id)
-        if state is None:
-            return None
-        self.stats.aborted_requests += 1
-        return self._finish(state, FinishReason.ABORT, time.perf_counter())
+        with self._lock:
+            state = self._states.get(request_id)
+            if state is None:
+                return None
+            self.stats.aborted_requests += 1
+            return self._finish(state, FinishReason.ABORT, time.perf_counter())
 
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> StepOutput:
         """Schedule, run and account one step (see the module docstring)."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> StepOutput:
         start = time.perf_counter()
         timer = self.timer
         with timer.phase("schedule"):
@@ -472,27 +482,32 @@ class MLAEngine:
         finishing order. Every request is checked before any is queued: one refused (see
         ``add_request``; also an id twice in ``requests``) queues none of them."""
         batch = list(requests)
-        needed = [self._check_request(request) for request in batch]
-        ids = [request.request_id for request in batch]
-        if len(set(ids)) != len(ids):
-            twice = sorted({rid for rid in ids if ids.count(rid) > 1})
-            raise ValueError(f"run: request ids must be unique, got {twice} more than once")
-        for request, blocks in zip(batch, needed, strict=True):
-            self._queue(request, blocks)
+        with self._lock:
+            needed = [self._check_request(request) for request in batch]
+            ids = [request.request_id for request in batch]
+            if len(set(ids)) != len(ids):
+                twice = sorted({rid for rid in ids if ids.count(rid) > 1})
+                raise ValueError(f"run: request ids must be unique, got {twice} more than "
+                                 f"once")
+            for request, blocks in zip(batch, needed, strict=True):
+                self._queue(request, blocks)
         outputs: list[RequestOutput] = []
-        while self.has_unfinished():
-            step = self.step()
-            if not step.num_prefill_tokens and not step.num_decode_tokens \
-                    and not self.num_running:
-                # Nothing runs and the head of the queue does not fit in a pool nobody in this
-                # engine holds: the blocks are held elsewhere, and waiting would never end.
-                head = self.scheduler.waiting[0].request_id
-                raise RuntimeError(
-                    f"no progress: request {head!r} does not fit although no request of this "
-                    f"engine holds blocks ({self.kv_manager.num_free_blocks} free of "
-                    f"{self.kv_manager.block_pool.num_blocks - 1})")
+        while True:
+            with self._lock:   # released between steps: another thread may add or abort
+                if not self.has_unfinished():
+                    return outputs
+                step = self._step()
+                if not step.num_prefill_tokens and not step.num_decode_tokens \
+                        and not self.num_running and self.scheduler.waiting:
+                    # Nothing runs and the head of the queue does not fit in a pool nobody in
+                    # this engine holds: the blocks are held elsewhere, and waiting would never
+                    # end.
+                    head = self.scheduler.waiting[0].request_id
+                    raise RuntimeError(
+                        f"no progress: request {head!r} does not fit although no request of "
+                        f"this engine holds blocks ({self.kv_manager.num_free_blocks} free of "
+                        f"{self.kv_manager.block_pool.num_blocks - 1})")
             outputs.extend(step.finished)
-        return outputs
 
     # -- introspection ------------------------------------------------------------------
 

@@ -4,6 +4,9 @@ no leaks, outputs against float64, and resolution through the container once at 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import attrs
 import pytest
 import torch
@@ -218,6 +221,38 @@ def test_run_queues_nothing_when_one_request_is_refused() -> None:
     assert engine.kv_manager.num_free_blocks == free
     assert [o.request_id for o in engine.run([Request("ok", [1, 2], max_new_tokens=1)])] == [
         "ok"]
+
+
+def test_a_call_from_another_thread_waits_for_the_step_in_flight() -> None:
+    engine = _engine()
+    engine.add_request(Request("a", [1, 2, 3], max_new_tokens=4))
+    inside, release = threading.Event(), threading.Event()
+    schedule = engine.scheduler.schedule
+
+    def held_schedule() -> object:   # the step stops here until released
+        inside.set()
+        release.wait(5)
+        return schedule()
+
+    engine.scheduler.schedule = held_schedule  # type: ignore[method-assign]
+    order: list[str] = []
+    stepper = threading.Thread(target=lambda: (engine.step(), order.append("step")))
+    stepper.start()
+    assert inside.wait(5)
+    handlers = [threading.Thread(target=lambda: (engine.abort("a"), order.append("abort"))),
+                threading.Thread(target=lambda: (engine.add_request(Request("b", [4])),
+                                                 order.append("add")))]
+    for t in handlers:
+        t.start()
+    time.sleep(0.05)
+    order.append("released")
+    release.set()
+    for t in (stepper, *handlers):
+        t.join(5)
+    assert order[:2] == ["released", "step"] and sorted(order[2:]) == ["abort", "add"]
+    engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    assert [o.request_id for o in engine.run()] == ["b"]
+    assert engine.kv_manager.num_free_blocks == engine.initial_free_blocks
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
