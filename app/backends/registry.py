@@ -164,7 +164,15 @@ def check_backend_class(kind: BackendKind, cls: object, where: str) -> type[Any]
         missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
         raise TypeError(f"{where}: {object_path(cls)} is abstract (it does not implement "
                         f"{missing}); register a concrete {base} subclass")
+    _check_declarations(cls, where)
     return cls
+
+
+def _check_declarations(cls: type[Any], where: str) -> None:
+    """``TypeError`` naming every declaration of ``cls`` that has the wrong type."""
+    problems = cls.declaration_problems()
+    if problems:
+        raise TypeError(f"{where}: {object_path(cls)} declares {'; '.join(problems)}")
 
 
 def check_target(kind: BackendKind, target: object, where: str) -> str | type[Any]:
@@ -232,6 +240,8 @@ def resolve_class(kind: BackendKind, name: str,
     # answer as ``inspect.isabstract``, at a fraction of its cost on this per-selection path.
     if getattr(obj, "__abstractmethods__", None):
         check_backend_class(kind, obj, f"{kind.label} backend {name}")  # raises, saying why
+    # A class path is checked only now, and a class may have changed since it was registered.
+    _check_declarations(obj, f"{kind.label} backend {name}")
     return obj
 
 
