@@ -188,14 +188,27 @@ def _add_member(enum_cls: type[_E], name: str, value: str | None, *, by_value: b
         members._value2member_map_.setdefault(value, member)
 
 
+def _remove_member(enum_cls: type[_E], name: str) -> None:
+    """Drop run-time member ``name`` from ``enum_cls`` (the catalog took the name back: the
+    registration that added it was undone)."""
+    members: Any = enum_cls
+    if name not in members._member_map_:
+        return
+    del members._member_map_[name]
+    members._member_names_.remove(name)
+    delattr(members, name)
+
+
 def _follow_catalog(enum_cls: type[BackendEnum]) -> None:
-    """Give ``enum_cls`` a member for every name of its kind's catalog, now and later."""
+    """Give ``enum_cls`` a member for every name of its kind's catalog, now and later, and
+    drop the members of names the catalog takes back."""
     catalog = enum_cls._kind().catalog
     with catalog.lock:
         for name in catalog:
             builtin = name in catalog.builtins or name == CUSTOM
             _add_member(enum_cls, name, catalog.builtins.get(name), by_value=builtin)
         catalog.on_add(lambda name: _add_member(enum_cls, name, None, by_value=False))
+        catalog.on_remove(lambda name: _remove_member(enum_cls, name))
 
 
 for _enum in (MLAPrefillBackendEnum, MLADecodeBackendEnum):

@@ -1,13 +1,16 @@
-"""What the registry refuses: a backend whose declarations have the wrong type."""
+"""What the registry refuses (a backend whose declarations have the wrong type) and what it
+takes back (a registration made in a ``rollback_on_error`` block that fails)."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any
 
 import pytest
 import torch
 
+from app._container_state import rollback_on_error
 from app.backends import (
     MLADecodeBackendEnum,
     MLAPrefillBackendEnum,
@@ -16,9 +19,11 @@ from app.backends import (
     register_mla_decode_backend,
     register_mla_prefill_backend,
 )
+from app.backends.catalog import PREFILL_BACKENDS
 from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
 from app.backends.prefill.torch_sdpa import TorchSDPABackend
-from app.containers import Application
+from app.containers import Application, create_container, use_container
+from app.kvcache import FullAttentionManager, FullAttentionSpec, KVCacheSpecRegistry
 
 # (attribute, bad value, what the message says is expected)
 BAD_DECLARATIONS: list[tuple[str, Any, str]] = [
@@ -87,3 +92,61 @@ def test_a_bad_class_behind_a_path_is_a_reason_at_selection(app_container: Appli
     assert "declares supported_dtypes = None" in reasons[0]
     with pytest.raises(ValueError, match="No valid MLA prefill backend"):
         get_mla_prefill_backend()
+
+
+# --- taking a registration back ---------------------------------------------------------------
+
+
+class Mine(TorchSDPABackend):
+    pass
+
+
+def test_registrations_in_a_failed_block_are_taken_back(app_container: Application) -> None:
+    name = _unique("ROLLED_BACK")
+    members = list(MLAPrefillBackendEnum.__members__)
+    with pytest.raises(RuntimeError), rollback_on_error():
+        register_mla_prefill_backend(name, Mine)
+        register_mla_prefill_backend(MLAPrefillBackendEnum.TORCH_SDPA, Mine)
+        KVCacheSpecRegistry.register(_spec_type(), FullAttentionManager)
+        assert name in MLAPrefillBackendEnum.__members__
+        raise RuntimeError("failed after registering")
+    assert list(MLAPrefillBackendEnum.__members__) == members
+    assert name not in PREFILL_BACKENDS and not hasattr(MLAPrefillBackendEnum, name)
+    assert name not in app_container.mla_prefill_backends().providers
+    assert not MLAPrefillBackendEnum.TORCH_SDPA.is_overridden()
+    assert get_mla_prefill_backend() is TorchSDPABackend
+    registered = KVCacheSpecRegistry.registered_specs()
+    assert FullAttentionSpec in registered  # the built-ins, set up inside the block, stay
+    assert all(spec.__name__ != "RolledBackSpec" for spec in registered)
+    register_mla_prefill_backend(name, Mine)  # the name is free again
+    assert MLAPrefillBackendEnum[name].get_class() is Mine
+
+
+def test_a_name_another_container_holds_stays(app_container: Application) -> None:
+    name = _unique("SHARED")
+    other = create_container()
+
+    def register_in_other() -> None:  # another thread: not part of the failing block
+        with use_container(other):
+            register_mla_prefill_backend(name, Mine)
+
+    with pytest.raises(RuntimeError), rollback_on_error():
+        register_mla_prefill_backend(name, Mine)
+        thread = threading.Thread(target=register_in_other)
+        thread.start()
+        thread.join()
+        raise RuntimeError("failed")
+    assert name in MLAPrefillBackendEnum.__members__
+    assert not MLAPrefillBackendEnum[name].is_registered()
+    with use_container(other):
+        assert MLAPrefillBackendEnum[name].get_class() is Mine
+
+
+def _spec_type() -> type[FullAttentionSpec]:
+    import attrs
+
+    @attrs.frozen(kw_only=True)
+    class RolledBackSpec(FullAttentionSpec):
+        pass
+
+    return RolledBackSpec
