@@ -135,6 +135,9 @@ def parse(path: str | Path) -> Deployment:
 
 def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deployment:
     """Validate a deployment given as a dict (the parsed TOML)."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{source}: expected a table (a dict of sections), got {data!r} "
+                        f"({type(data).__name__})")
     _check_keys(source, "", data, _TOP_LEVEL)
     section = _table(source, "deployment", data.get("deployment", {}))
     _check_keys(source, "deployment.", section, _DEPLOYMENT_KEYS)
@@ -166,6 +169,10 @@ def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deploymen
 
 
 def _check_keys(source: str, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in table:
+        if not isinstance(key, str):
+            raise TypeError(f"{source}: key {prefix}{key!r}: expected a string key, got "
+                            f"{type(key).__name__}; allowed: {sorted(allowed)}")
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{source}: unknown key '{prefix}{unknown[0]}'; "
@@ -213,6 +220,10 @@ def _backend_overrides(source: str, kind: BackendKind, table: Mapping[str, Any]
     result: dict[str, type[Any]] = {}
     for name, path in table.items():
         where = f"{source}: {key}.{name} = {path!r}"
+        if not isinstance(name, str):
+            raise TypeError(f"{source}: {key} key {name!r}: a backend name must be a string "
+                            f"(an upper-case identifier, e.g. MY_KERNEL), got "
+                            f"{type(name).__name__}")
         if not name.isidentifier() or name != name.upper() or name.startswith("_"):
             raise ValueError(f"{where}: a backend name must be an upper-case identifier not "
                              f"starting with '_' (e.g. MY_KERNEL)")

@@ -124,3 +124,16 @@ def test_a_build_refused_half_way_leaves_no_backend_name(tmp_path: Path,
     assert calls == ["HALF_WAY_A", "HALF_WAY_B", "HALF_WAY_C"]
     assert list(MLAPrefillBackendEnum.__members__) == before
     assert "HALF_WAY_A" not in PREFILL_BACKENDS and "HALF_WAY_B" not in PREFILL_BACKENDS
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (None, r"deployment: expected a table \(a dict of sections\), got None \(NoneType\)"),
+    ([1], r"deployment: expected a table \(a dict of sections\), got \[1\] \(list\)"),
+    ({1: {}}, r"deployment: key 1: expected a string key, got int"),
+    ({"backends": {1: "x.y"}}, r"deployment: backends key 1: a backend name must be a string "
+                               r"\(an upper-case identifier, e.g\. MY_KERNEL\), got int"),
+    ({"deployment": {None: 1}}, r"deployment: key deployment\.None: expected a string key"),
+])
+def test_parse_dict_refuses_what_is_not_a_table_of_string_keys(data: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=rf"^{message}"):
+        deployment.parse_dict(data)
