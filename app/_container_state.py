@@ -20,6 +20,13 @@ entries by the count; ``app.seed_api`` keeps its last answers per active contain
 ``keep_if_unchanged`` and drops them on every change (``on_change``), so its hot path compares
 nothing but the active container.
 
+**Taking registrations back**: inside a ``rollback_on_error()`` block (this thread / task), a
+registration records how to undo itself (``record_undo``); when the block raises, the undos run,
+newest first, so a failed step (a general plugin that registers and then raises, a deployment
+refused half-way) leaves nothing behind. The backend registry and the KV-cache spec bindings
+record their registrations; code that builds a registry's own state (the built-ins, a platform
+hook) runs under ``undo_suspended()``.
+
 This module imports nothing from the package: it sits below everything that builds providers.
 """
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -44,7 +52,12 @@ __all__ = [
     "CountedSingleton",
     "activate",
     "active",
+    "record_undo",
+    "rollback_on_error",
+    "undo_suspended",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: The container made active for this thread / task (None: the process default).
 ACTIVE_CONTAINER: contextvars.ContextVar[Any] = contextvars.ContextVar(
@@ -163,3 +176,54 @@ class CountedSingleton(_Counted, providers.Singleton[T]):
             return super().reset()
         finally:
             CHANGES.bump()
+
+
+# -- taking registrations back ----------------------------------------------------------------
+
+#: The undos recorded in the innermost ``rollback_on_error`` block (None: outside any).
+_UNDO: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "app_undo_journal", default=None)
+
+
+def record_undo(undo: Callable[[], None]) -> None:
+    """Called by a registration once it has changed something: inside a ``rollback_on_error``
+    block, remember ``undo`` (which takes exactly that change back); elsewhere, nothing."""
+    journal = _UNDO.get()
+    if journal is not None:
+        journal.append(undo)
+
+
+@contextlib.contextmanager
+def rollback_on_error() -> Iterator[None]:
+    """Run the block; if it raises, undo every registration recorded inside it (newest first)
+    and re-raise. An undo that fails is logged and the others still run. A block nested in
+    another hands what it recorded to the outer one when it succeeds, so an outer failure
+    takes it back too."""
+    journal: list[Callable[[], None]] = []
+    outer = _UNDO.get()
+    token = _UNDO.set(journal)
+    try:
+        yield
+    except BaseException:
+        _UNDO.reset(token)
+        for undo in reversed(journal):
+            try:
+                undo()
+            except Exception:  # one failed undo must not keep the others from running
+                logger.exception("could not undo a registration (%r)", undo)
+        raise
+    else:
+        _UNDO.reset(token)
+        if outer is not None:
+            outer.extend(journal)
+
+
+@contextlib.contextmanager
+def undo_suspended() -> Iterator[None]:
+    """Inside the block nothing is recorded: for state built on first use (a registry's
+    built-ins, a platform hook) that must outlive a failed step that happened to trigger it."""
+    token = _UNDO.set(None)
+    try:
+        yield
+    finally:
+        _UNDO.reset(token)

@@ -54,6 +54,7 @@ __all__ = [
     "MLAPrefillBackendClasses",
     "build_backend",
     "build_decode_backend",
+    "check_container",
     "create_container",
     "get_container",
     "reset_default_container",
@@ -177,12 +178,14 @@ _default_lock = threading.Lock()
 _default_container: Application | None = None
 
 
-def _check_container(container: object, where: str) -> Application:
+def check_container(container: object, where: str) -> Application:
+    """``container`` if it is an ``Application`` container; ``TypeError`` naming ``where``
+    (the caller), what is expected and what was given otherwise."""
     if not (containers.is_container(container)
             and isinstance(getattr(container, "mla_prefill_backends", None),
                            providers.Container)):
         raise TypeError(f"{where}: expected an app.containers.Application instance, "
-                        f"got {container!r}")
+                        f"got {container!r} ({type(container).__name__})")
     return container  # type: ignore[return-value]
 
 
@@ -202,7 +205,7 @@ def get_container() -> Application:
 def set_default_container(container: Application) -> None:
     """Replace the process-default container (an engine calls this once at start-up)."""
     global _default_container
-    checked = _check_container(container, "set_default_container")
+    checked = check_container(container, "set_default_container")
     with _default_lock:
         _default_container = checked
     CHANGES.bump()
@@ -219,6 +222,6 @@ def reset_default_container() -> None:
 @contextlib.contextmanager
 def use_container(container: Application) -> Iterator[Application]:
     """Make ``container`` the active one inside the ``with`` block (this thread / task only)."""
-    checked = _check_container(container, "use_container")
+    checked = check_container(container, "use_container")
     with activate(checked):
         yield checked

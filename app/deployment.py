@@ -38,6 +38,7 @@ from typing import Any
 
 import attrs
 
+from app._container_state import rollback_on_error
 from app._files import load_toml
 from app._imports import import_object
 from app.backends.registry import (
@@ -45,6 +46,8 @@ from app.backends.registry import (
     PREFILL,
     BackendKind,
     check_backend_class,
+    check_name_form,
+    check_new_name,
     register_backend,
 )
 from app.config import EngineConfig
@@ -84,22 +87,34 @@ class Deployment:
     decode_backend_overrides: dict[str, type[Any]] = attrs.field(factory=dict)
 
     def build(self) -> Application:
-        """A fresh container with this deployment's platform, backends, specs and config."""
+        """A fresh container with this deployment's platform, backends, specs and config.
+
+        Everything is checked before anything is registered, and a failure takes back what
+        was registered (``rollback_on_error``): a refused build adds no backend name to the
+        process-wide enum."""
         container = create_container(self.config, platform=self.platform)
+        kinds = ((PREFILL, self.backend_overrides), (DECODE, self.decode_backend_overrides))
         try:
-            # Container-local registrations first: a spec conflict fails before any new
-            # backend name reaches the process-wide enum (names were checked in parse()).
-            bindings = container.kv_cache_spec_bindings()
-            for binding in self.kv_cache_specs:
-                bindings.register(binding.spec, binding.manager,
-                                  uniform_type_base_spec=binding.uniform_base)
-            for kind, overrides in ((PREFILL, self.backend_overrides),
-                                    (DECODE, self.decode_backend_overrides)):
+            # Every new name against this container first (a general plugin may have taken
+            # one here since parse()).
+            for kind, overrides in kinds:
                 backends = kind.backends_of(container)
-                for name, cls in overrides.items():
-                    # An existing name is overridden; a new name is added to the catalog.
-                    register_backend(kind, backends, name, cls,
-                                     new_name=name not in kind.catalog)
+                for name in overrides:
+                    if name not in kind.catalog:
+                        check_new_name(kind, backends, name)
+            with rollback_on_error():
+                # Container-local registrations first: a spec conflict fails before any new
+                # backend name reaches the process-wide enum.
+                bindings = container.kv_cache_spec_bindings()
+                for binding in self.kv_cache_specs:
+                    bindings.register(binding.spec, binding.manager,
+                                      uniform_type_base_spec=binding.uniform_base)
+                for kind, overrides in kinds:
+                    backends = kind.backends_of(container)
+                    for name, cls in overrides.items():
+                        # An existing name is overridden; a new name is added to the catalog.
+                        register_backend(kind, backends, name, cls,
+                                         new_name=name not in kind.catalog)
         except (ValueError, TypeError, ImportError) as exc:
             if str(exc).startswith(self.source):
                 raise
@@ -120,6 +135,9 @@ def parse(path: str | Path) -> Deployment:
 
 def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deployment:
     """Validate a deployment given as a dict (the parsed TOML)."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{source}: expected a table (a dict of sections), got {data!r} "
+                        f"({type(data).__name__})")
     _check_keys(source, "", data, _TOP_LEVEL)
     section = _table(source, "deployment", data.get("deployment", {}))
     _check_keys(source, "deployment.", section, _DEPLOYMENT_KEYS)
@@ -151,6 +169,10 @@ def parse_dict(data: Mapping[str, Any], source: str = "deployment") -> Deploymen
 
 
 def _check_keys(source: str, prefix: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in table:
+        if not isinstance(key, str):
+            raise TypeError(f"{source}: key {prefix}{key!r}: expected a string key, got "
+                            f"{type(key).__name__}; allowed: {sorted(allowed)}")
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ValueError(f"{source}: unknown key '{prefix}{unknown[0]}'; "
@@ -198,9 +220,18 @@ def _backend_overrides(source: str, kind: BackendKind, table: Mapping[str, Any]
     result: dict[str, type[Any]] = {}
     for name, path in table.items():
         where = f"{source}: {key}.{name} = {path!r}"
+        if not isinstance(name, str):
+            raise TypeError(f"{source}: {key} key {name!r}: a backend name must be a string "
+                            f"(an upper-case identifier, e.g. MY_KERNEL), got "
+                            f"{type(name).__name__}")
         if not name.isidentifier() or name != name.upper() or name.startswith("_"):
             raise ValueError(f"{where}: a backend name must be an upper-case identifier not "
                              f"starting with '_' (e.g. MY_KERNEL)")
+        if name not in kind.catalog:  # a new name: what registering it would refuse
+            try:
+                check_name_form(kind, name)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
         if not isinstance(path, str):
             raise TypeError(f"{where}: expected a dotted class path string")
         result[name] = check_backend_class(kind, _import(source, f"{key}.{name}", path), where)

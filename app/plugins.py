@@ -9,7 +9,9 @@ Two groups, as in vLLM:
 
 The environment variable ``APP_PLUGINS`` (comma-separated entry-point names) restricts which
 plugins load; unset means all, empty means none. Entry points are imported once per process; a
-plugin that raises is logged with its name and skipped.
+plugin that raises is logged with its name and skipped, and whatever a general plugin registered
+before it raised (backends, overrides, KV-cache specs) is taken back. A platform plugin whose
+``Platform`` class does not import or cannot be constructed is an error naming the plugin.
 
 Registrations live in containers, so a general plugin runs once on every container that
 ``create_container`` builds (the process default included): a deployment or a test's fresh
@@ -25,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app._container_state import activate
+from app._container_state import activate, rollback_on_error
 from app._imports import import_object
 from app.platforms.base import Platform
 
@@ -110,12 +112,19 @@ def load_platform_plugin() -> Platform | None:
         raise ValueError(f"several platform plugins are active: {sorted(active)}; choose one "
                          f"with {PLUGINS_ENV}=<name>")
     name, path = next(iter(active.items()))
-    cls = import_object(path)
+    where = f"platform plugin {name} returned {path!r}"
+    try:
+        cls = import_object(path)
+    except (ImportError, ValueError) as exc:
+        raise ImportError(f"{where}, which does not import: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
-        raise TypeError(f"platform plugin {name} returned {path!r}, which is not a Platform "
-                        f"subclass")
+        raise TypeError(f"{where}, which is not a Platform subclass")
     logger.info("platform plugin %s selected %s", name, path)
-    platform: Platform = cls()
+    try:
+        platform: Platform = cls()
+    except Exception as exc:  # a third party's constructor: any failure is a bad platform
+        raise ValueError(f"{where}: constructing {cls.__name__}() raised "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
     return platform
 
 
@@ -128,7 +137,8 @@ def apply_general_plugins(container: Any) -> dict[str, bool]:
     """Run every general plugin once on ``container`` (active while it runs).
 
     Returns ``{name: succeeded}`` for this container. Idempotent: a plugin already applied to
-    the container is not run again. A plugin that raises is logged with its name and skipped.
+    the container is not run again. A plugin that raises is logged with its name and skipped,
+    and what it registered before it raised is taken back (``rollback_on_error``).
     """
     applied: dict[str, bool] = container.applied_general_plugins()
     with _lock:
@@ -136,10 +146,11 @@ def apply_general_plugins(container: Any) -> dict[str, bool]:
             if name in applied:
                 continue
             try:
-                with activate(container):
+                with activate(container), rollback_on_error():
                     func()
             except Exception:
-                logger.exception("general plugin %s raised; skipped", name)
+                logger.exception("general plugin %s raised; what it registered was taken "
+                                 "back; skipped", name)
                 applied[name] = False
             else:
                 logger.info("applied general plugin %s", name)

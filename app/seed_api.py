@@ -48,7 +48,7 @@ from app.backends.registry import (
 )
 from app.backends.selection import SelectionExplanation, explain_selection, select_backend
 from app.config import EngineConfig
-from app.containers import Application, get_container
+from app.containers import Application, check_container, get_container
 from app.kvcache.bindings import KVCacheSpecBindings, KVCacheSpecMetadata, bindings_in_setup
 from app.kvcache.managers import SingleTypeKVCacheManager
 from app.kvcache.specs import KVCacheSpec, set_default_uniformity_lookup
@@ -188,14 +188,27 @@ def _add_member(enum_cls: type[_E], name: str, value: str | None, *, by_value: b
         members._value2member_map_.setdefault(value, member)
 
 
+def _remove_member(enum_cls: type[_E], name: str) -> None:
+    """Drop run-time member ``name`` from ``enum_cls`` (the catalog took the name back: the
+    registration that added it was undone)."""
+    members: Any = enum_cls
+    if name not in members._member_map_:
+        return
+    del members._member_map_[name]
+    members._member_names_.remove(name)
+    delattr(members, name)
+
+
 def _follow_catalog(enum_cls: type[BackendEnum]) -> None:
-    """Give ``enum_cls`` a member for every name of its kind's catalog, now and later."""
+    """Give ``enum_cls`` a member for every name of its kind's catalog, now and later, and
+    drop the members of names the catalog takes back."""
     catalog = enum_cls._kind().catalog
     with catalog.lock:
         for name in catalog:
             builtin = name in catalog.builtins or name == CUSTOM
             _add_member(enum_cls, name, catalog.builtins.get(name), by_value=builtin)
         catalog.on_add(lambda name: _add_member(enum_cls, name, None, by_value=False))
+        catalog.on_remove(lambda name: _remove_member(enum_cls, name))
 
 
 for _enum in (MLAPrefillBackendEnum, MLADecodeBackendEnum):
@@ -318,11 +331,26 @@ _last_prefill = _FORGOTTEN
 _last_decode = _FORGOTTEN
 
 
-def _select(kind: BackendKind, config: EngineConfig | None, container: Application | None,
-            **selection_args: Any) -> type[Any]:
-    c = get_container() if container is None else container
-    return select_backend(kind, c.config() if config is None else config, c.platform(),
-                          kind.backends_of(c), c.selection_cache(), **selection_args)
+def _arguments(where: str, config: object, container: object
+               ) -> tuple[Application, EngineConfig]:
+    """The container (default: the active one) and config (default: its config) a selector
+    was given, checked: ``TypeError`` naming the selector, what is expected and what was
+    given."""
+    c = get_container() if container is None else check_container(
+        container, f"{where}: container")
+    if config is None:
+        return c, c.config()
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"{where}: config must be an EngineConfig or None (build one with "
+                        f"EngineConfig.from_dict), got {config!r} ({type(config).__name__})")
+    return c, config
+
+
+def _select(kind: BackendKind, where: str, config: EngineConfig | None,
+            container: Application | None, **selection_args: Any) -> type[Any]:
+    c, checked = _arguments(where, config, container)
+    return select_backend(kind, checked, c.platform(), kind.backends_of(c),
+                          c.selection_cache(), **selection_args)
 
 
 def get_mla_prefill_backend(config: EngineConfig | None = None, *,
@@ -330,14 +358,16 @@ def get_mla_prefill_backend(config: EngineConfig | None = None, *,
                             ) -> type[MLAPrefillBackend]:
     """The MLA prefill backend class for ``config`` (default: the container's config) on the
     platform of ``container`` (default: the active container). ``ValueError`` when a forced
-    backend is invalid here, or when no backend in the platform's priority list is valid."""
+    backend is invalid here, or when no backend in the platform's priority list is valid;
+    ``TypeError`` for a config that is not an ``EngineConfig`` (or None) or a container that is
+    not an ``Application``."""
     key = _active_key() if container is None else container
     last = _last_prefill
     if last[0] is key and last[1] is config:
         found: type[MLAPrefillBackend] = last[3]
         return found
     changes = CHANGES.count
-    found = _select(PREFILL, config, container)
+    found = _select(PREFILL, "get_mla_prefill_backend", config, container)
     CHANGES.keep_if_unchanged(changes, lambda: _keep("prefill", (key, config, 1, found)))
     return found
 
@@ -353,16 +383,16 @@ def get_mla_decode_backend(config: EngineConfig | None = None, *, query_len: int
         found: type[MLADecodeBackend] = last[3]
         return found
     changes = CHANGES.count
-    found = _select(DECODE, config, container, query_len=query_len)
+    found = _select(DECODE, "get_mla_decode_backend", config, container, query_len=query_len)
     CHANGES.keep_if_unchanged(changes, lambda: _keep("decode", (key, config, query_len, found)))
     return found
 
 
-def _explain(kind: BackendKind, config: EngineConfig | None, container: Application | None,
-             **selection_args: Any) -> SelectionExplanation:
-    c = get_container() if container is None else container
-    return explain_selection(kind, c.config() if config is None else config, c.platform(),
-                             kind.backends_of(c), **selection_args)
+def _explain(kind: BackendKind, where: str, config: EngineConfig | None,
+             container: Application | None, **selection_args: Any) -> SelectionExplanation:
+    c, checked = _arguments(where, config, container)
+    return explain_selection(kind, checked, c.platform(), kind.backends_of(c),
+                             **selection_args)
 
 
 def explain_mla_prefill_selection(config: EngineConfig | None = None, *,
@@ -370,14 +400,15 @@ def explain_mla_prefill_selection(config: EngineConfig | None = None, *,
                                   ) -> SelectionExplanation:
     """Why each prefill backend is or is not valid for ``config`` on ``container``'s platform
     (defaults as in ``get_mla_prefill_backend``), and which one is chosen. Never cached."""
-    return _explain(PREFILL, config, container)
+    return _explain(PREFILL, "explain_mla_prefill_selection", config, container)
 
 
 def explain_mla_decode_selection(config: EngineConfig | None = None, *, query_len: int = 1,
                                  container: Application | None = None
                                  ) -> SelectionExplanation:
     """Why each decode backend is or is not valid (as ``explain_mla_prefill_selection``)."""
-    return _explain(DECODE, config, container, query_len=query_len)
+    return _explain(DECODE, "explain_mla_decode_selection", config, container,
+                    query_len=query_len)
 
 
 # -- KV-cache specs ----------------------------------------------------------------------------

@@ -153,3 +153,51 @@ def test_the_kv_spec_facade_sees_registrations_and_provider_overrides() -> None:
         assert KVCacheSpecRegistry.get_manager_class(sub) is FullAttentionManager
     with use_container(create_container(CONFIG, CpuPlatform())):
         assert KVCacheSpecRegistry.get_manager_class(sub) is FullAttentionManager
+
+
+# --- taking registrations back (rollback_on_error) -------------------------------------------
+
+
+def test_a_failed_block_runs_its_undos_newest_first_and_reraises() -> None:
+    from app._container_state import record_undo, rollback_on_error
+
+    done: list[str] = []
+    record_undo(lambda: done.append("outside"))  # outside any block: not recorded
+    with pytest.raises(RuntimeError, match="boom"), rollback_on_error():
+        record_undo(lambda: done.append("first"))
+        record_undo(lambda: done.append("second"))
+        raise RuntimeError("boom")
+    assert done == ["second", "first"]
+
+
+def test_a_failing_undo_is_logged_and_the_others_still_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from app._container_state import record_undo, rollback_on_error
+
+    done: list[str] = []
+
+    def broken() -> None:
+        raise OSError("cannot undo")
+
+    with pytest.raises(KeyError), rollback_on_error():
+        record_undo(lambda: done.append("first"))
+        record_undo(broken)
+        raise KeyError("x")
+    assert done == ["first"]
+    assert "could not undo a registration" in caplog.text
+
+
+def test_a_nested_block_that_succeeds_is_undone_by_the_outer_failure() -> None:
+    from app._container_state import record_undo, rollback_on_error, undo_suspended
+
+    done: list[str] = []
+    with pytest.raises(ValueError), rollback_on_error():
+        with rollback_on_error():
+            record_undo(lambda: done.append("inner"))
+        with undo_suspended():
+            record_undo(lambda: done.append("suspended"))
+        raise ValueError("outer fails")
+    assert done == ["inner"]
+    with rollback_on_error():  # success: nothing is undone
+        record_undo(lambda: done.append("kept"))
+    assert done == ["inner"]

@@ -135,6 +135,12 @@ class _Float16OnlyBackend(TorchSDPABackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16,)
 
 
+class _NoDtypesBackend(TorchSDPABackend):
+    """A backend whose declaration has the wrong type (refused when it is registered)."""
+
+    supported_dtypes = None  # type: ignore[assignment]
+
+
 def _kv_plan(text: str, *extra: str) -> Callable[[], object]:
     def run() -> object:
         _TMP.mkdir(exist_ok=True)
@@ -345,6 +351,14 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _in_fresh_container(lambda: register_mla_prefill_backend("my backend", TorchSDPABackend))),
     ("registry", "a new backend name that already exists",
      _in_fresh_container(lambda: register_mla_prefill_backend("TORCH_SDPA", TorchSDPABackend))),
+    ("registry", "a backend class declaring `supported_dtypes = None`",
+     _in_fresh_container(lambda: register_mla_prefill_backend(
+         MLAPrefillBackendEnum.TORCH_SDPA, _NoDtypesBackend))),
+    ("selector", "`get_mla_prefill_backend({\"attention\": {}})` (a dict, not a config)",
+     _in_fresh_container(lambda: get_mla_prefill_backend(
+         {"attention": {}}))),  # type: ignore[arg-type]
+    ("deployment", "`[backends] CPU_MLA = ...` (a decode name: reserved for prefill)",
+     _deployment('[backends]\nCPU_MLA = "app.backends.prefill.torch_sdpa.TorchSDPABackend"\n')),
     ("selector", "an explicit backend that cannot run here (float16-only, for bfloat16)",
      _in_fresh_container(lambda: (
          register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, _Float16OnlyBackend),

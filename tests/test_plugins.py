@@ -46,6 +46,7 @@ def installed_plugin_dist(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def plugin_env(installed_plugin_dist: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(plugins.PLUGINS_ENV, raising=False)
     monkeypatch.delenv("APP_TEST_FAKE_NPU", raising=False)
+    monkeypatch.delenv("APP_TEST_BROKEN_NPU", raising=False)
     plugins.reset_plugin_state()
     yield
     plugins.reset_plugin_state()
@@ -66,7 +67,8 @@ def test_general_plugins_apply_to_new_containers_and_skip_failures(
     before = app_test_plugins.CALLS["register_backend"]
     with caplog.at_level(logging.ERROR, logger="app.plugins"):
         container = create_container()
-    assert container.applied_general_plugins() == {"register_backend": True, "exploding": False}
+    assert container.applied_general_plugins() == {"register_backend": True, "exploding": False,
+                                                   "half_done": False}
     assert "exploding" in caplog.text  # logged with its name, not fatal
     assert container.mla_prefill_backends.PLUGIN_SDPA() is app_test_plugins.PluginBackend
     assert MLAPrefillBackendEnum["PLUGIN_SDPA"].name == "PLUGIN_SDPA"
@@ -90,19 +92,20 @@ def test_allow_list_filters_plugins(plugin_env: None, monkeypatch: pytest.Monkey
 
 def test_entry_points_are_imported_once(plugin_env: None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = 0
+    calls: list[str] = []
     real = importlib.metadata.entry_points
 
     def counting(**kwargs: str) -> importlib.metadata.EntryPoints:
-        nonlocal calls
-        calls += 1
+        calls.append(kwargs["group"])
         return real(**kwargs)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", counting)
     plugins.load_general_plugins()
     plugins.load_general_plugins()
+    create_container()  # (a plugin that registers a KV-cache spec detects the platform)
     create_container()
-    assert calls == 1
+    assert calls.count(plugins.GENERAL_PLUGINS_GROUP) == 1
+    assert calls.count(plugins.PLATFORM_PLUGINS_GROUP) <= 1
 
 
 def test_platform_plugin_selected_only_when_present(plugin_env: None,
@@ -135,3 +138,47 @@ def test_general_plugins_register_decode_backends(plugin_env: None) -> None:
     assert container.mla_decode_backends.PLUGIN_DECODE() is \
         app_test_plugins.decode.PluginDecodeBackend
     assert container.mla_decode_backend_class() is app_test_plugins.decode.PluginDecodeBackend
+
+
+def test_a_failed_general_plugin_leaves_nothing_registered(
+        plugin_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    import app_test_plugins
+
+    from app.backends import MLAPrefillBackendEnum, get_mla_prefill_backend
+    from app.backends.catalog import PREFILL_BACKENDS
+    from app.backends.prefill.torch_sdpa import TorchSDPABackend
+    from app.containers import use_container
+    from app.kvcache import FullAttentionSpec, KVCacheSpecRegistry
+
+    with caplog.at_level(logging.ERROR, logger="app.plugins"):
+        container = create_container(platform=CpuPlatform())
+    assert container.applied_general_plugins()["half_done"] is False
+    assert "general plugin half_done raised; what it registered was taken back" in caplog.text
+    assert "PLUGIN_HALF_DONE" not in PREFILL_BACKENDS
+    assert "PLUGIN_HALF_DONE" not in MLAPrefillBackendEnum.__members__
+    assert "PLUGIN_HALF_DONE" not in container.mla_prefill_backends().providers
+    with use_container(container):
+        assert not MLAPrefillBackendEnum.TORCH_SDPA.is_overridden()
+        assert get_mla_prefill_backend() is TorchSDPABackend
+        registered = KVCacheSpecRegistry.registered_specs()
+        assert app_test_plugins.HalfDoneSpec not in registered
+        assert FullAttentionSpec in registered  # the built-ins it triggered stay
+        # What the plugins that succeeded registered stays.
+        assert MLAPrefillBackendEnum["PLUGIN_SDPA"].get_class() is app_test_plugins.PluginBackend
+
+
+@pytest.mark.parametrize("detect", ["detect_platform", "create_container", "get_container"])
+def test_a_platform_plugin_whose_platform_cannot_be_built_is_a_value_error(
+        plugin_env: None, monkeypatch: pytest.MonkeyPatch, detect: str) -> None:
+    from app.containers import get_container, use_container
+
+    monkeypatch.setenv("APP_TEST_BROKEN_NPU", "1")
+    calls = {"detect_platform": detect_platform,
+             "create_container": lambda: create_container().platform(),
+             "get_container": lambda: get_container().platform()}
+    with use_container(create_container()), pytest.raises(ValueError) as info:
+        calls[detect]()
+    assert str(info.value) == ("platform plugin broken_npu returned "
+                               "'app_test_plugins.BrokenNpuPlatform': constructing "
+                               "BrokenNpuPlatform() raised RuntimeError: no NPU driver handle")
+    assert isinstance(info.value.__cause__, RuntimeError)  # chained

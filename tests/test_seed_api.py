@@ -344,3 +344,25 @@ def test_decode_names_are_checked_the_same_way() -> None:
 
         assert MLADecodeBackendEnum[name].get_class() is Mine
         assert issubclass(Mine, MLADecodeBackend)
+
+
+@pytest.mark.parametrize("call", [
+    "get_mla_prefill_backend", "explain_mla_prefill_selection", "get_mla_decode_backend",
+    "explain_mla_decode_selection"])
+@pytest.mark.parametrize(("kwargs", "what"), [
+    ({"config": 3}, r"config must be an EngineConfig or None .*got 3 \(int\)"),
+    ({"config": {"attention": {}}},
+     r"config must be an EngineConfig or None .*got \{'attention': \{\}\} \(dict\)"),
+    ({"container": 3}, r"container: expected an app\.containers\.Application instance, "
+                       r"got 3 \(int\)"),
+])
+def test_the_selectors_refuse_wrong_argument_types(seed_container: Application, call: str,
+                                                   kwargs: dict[str, Any], what: str) -> None:
+    import app.backends
+
+    selector = getattr(app.backends, call)
+    with pytest.raises(TypeError, match=rf"^{call}: {what}"):
+        selector(**kwargs)
+    if "config" in kwargs:  # positionally too, as the seeds call it
+        with pytest.raises(TypeError, match=rf"^{call}: {what}"):
+            selector(kwargs["config"])

@@ -9,7 +9,9 @@ kind's enum a member, and the class takes its name from this line (``get_name()`
 
 A catalog also holds the names registered at run time (``register_mla_prefill_backend("MY_NAME",
 ...)``): the enum's members and the names a config may force are the built-ins, then ``CUSTOM``,
-then those, for the whole process. Which class a name resolves to lives in each container.
+then those, for the whole process. Which class a name resolves to lives in each container. A
+name whose registration is undone (``app._container_state.rollback_on_error``) and that nothing
+else holds is taken back (``remove``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class BackendCatalog:
         self._names: tuple[str, ...] = (*self.builtins, CUSTOM)
         self._lock = threading.RLock()
         self._listeners: list[Callable[[str], None]] = []
+        self._remove_listeners: list[Callable[[str], None]] = []
         self._declared: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
             f"app_declared_{kind}_backends", default=frozenset())
 
@@ -118,6 +121,23 @@ class BackendCatalog:
         its member this way)."""
         with self._lock:
             self._listeners.append(listener)
+
+    def remove(self, name: str) -> None:
+        """Take back a name added at run time (its registration was undone: nothing holds it)
+        and tell every removal listener; a built-in, ``CUSTOM`` or an unknown name is left
+        alone."""
+        with self._lock:
+            if name not in self._names or name in self.builtins or name == CUSTOM:
+                return
+            self._names = tuple(n for n in self._names if n != name)
+            for listener in self._remove_listeners:
+                listener(name)
+
+    def on_remove(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(name)`` for every name removed from now on (the seed API's enum
+        drops its member this way)."""
+        with self._lock:
+            self._remove_listeners.append(listener)
 
     def __repr__(self) -> str:
         return f"BackendCatalog({self.kind!r}, {list(self._names)})"

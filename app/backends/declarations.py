@@ -12,6 +12,12 @@ A backend declares, as class attributes:
   missing; ``install_hint``: what to install then; ``kernel_package``: the package's import
   name, asked instead of the probe where the device already rules the backend out (below).
 
+The registry refuses a class whose declarations have the wrong type (``TypeError`` naming the
+attribute, what is expected and what was given: ``declaration_problems()``), so one bad
+override cannot break selection for a whole container. An availability check (the probe, or an
+overridden ``is_available``) that raises is a reason, not a failure: the backend is reported
+unavailable with the exception named (a CUDA library that fails to load raises ``OSError``).
+
 The seed's classmethods (``get_name()``, ``supports_compute_capability()``, ``supports_dtype()``,
 ``is_available()``) read these attributes, and ``platform_reasons`` gives the first three reasons
 of ``validate_configuration`` in their fixed order: capability, dtype, availability
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -42,9 +48,55 @@ from app._imports import object_path
 from app._types import ANY_GPU, ComputeCapabilities, DeviceCapability
 from app.backends.catalog import CATALOGS
 
-__all__ = ["DEFAULT_UNAVAILABLE_REASON", "BackendDeclarations"]
+__all__ = [
+    "DEFAULT_UNAVAILABLE_REASON",
+    "BackendDeclarations",
+    "DeclarationRule",
+    "collection_of",
+    "find_declaration_problems",
+]
 
 DEFAULT_UNAVAILABLE_REASON = "required dependencies not available"
+
+#: ``(attribute, whether a value is acceptable, what is expected)``: one declaration's type.
+DeclarationRule = tuple[str, Callable[[object], bool], str]
+
+
+def collection_of(item: Callable[[object], bool]) -> Callable[[object], bool]:
+    """A rule's check: a collection (tuple, list, set; not a string or a mapping) whose every
+    item passes ``item``."""
+    def check(value: object) -> bool:
+        return (isinstance(value, Collection) and not isinstance(value, (str, bytes, Mapping))
+                and all(item(v) for v in value))
+    return check
+
+
+def find_declaration_problems(cls: type, rules: Iterable[DeclarationRule]) -> list[str]:
+    """``"<attribute> = <value>: expected <what>, got <type>"`` for every attribute of ``cls``
+    that breaks its rule (empty: none)."""
+    problems = []
+    for attribute, ok, expected in rules:
+        value = getattr(cls, attribute, None)
+        if not ok(value):
+            problems.append(f"{attribute} = {value!r}: expected {expected}, got "
+                            f"{type(value).__name__}")
+    return problems
+
+
+_DECLARATIONS: tuple[DeclarationRule, ...] = (
+    ("name", lambda v: v is None or (isinstance(v, str) and v != ""),
+     "a non-empty string or None"),
+    ("supported_dtypes", collection_of(lambda v: isinstance(v, torch.dtype)),
+     "a tuple of torch.dtype"),
+    ("compute_capabilities", lambda v: isinstance(v, ComputeCapabilities),
+     "a ComputeCapabilities"),
+    ("requires_device_capability", lambda v: isinstance(v, bool), "a bool"),
+    ("probe", lambda v: v is None or callable(v),
+     "a function of no arguments (in staticmethod()) or None"),
+    ("install_hint", lambda v: isinstance(v, str), "a string"),
+    ("kernel_package", lambda v: v is None or isinstance(v, str),
+     "a package's import name (a string) or None"),
+)
 
 
 class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run methods
@@ -74,6 +126,14 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
                 if builtin is not None:
                     cls.name = builtin
                     break
+
+    @classmethod
+    def declaration_problems(cls) -> list[str]:
+        """What is wrong with the class's declarations, one line per attribute
+        (``"supported_dtypes = None: expected a tuple of torch.dtype, got NoneType"``); empty
+        when nothing is. The registry refuses a class with any (``TypeError``); a kind's base
+        adds its own attributes."""
+        return find_declaration_problems(cls, _DECLARATIONS)
 
     @classmethod
     def get_name(cls) -> str:
@@ -129,9 +189,13 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
             capability.append(f"compute capability {device_capability.major}."
                               f"{device_capability.minor} not supported")
         dtypes = [] if cls.supports_dtype(dtype) else [f"dtype {dtype} not supported"]
-        availability = ([] if cls.available_for_reasons(bool(capability))
-                        else [cls.unavailable_reason()])
-        return capability, dtypes, availability
+        try:
+            available = cls.available_for_reasons(bool(capability))
+        except Exception as exc:  # a third party's probe: any failure means "not available"
+            message = " ".join(str(exc).split())
+            return capability, dtypes, [f"availability check raised {type(exc).__name__}"
+                                        f"{': ' if message else ''}{message}"]
+        return capability, dtypes, [] if available else [cls.unavailable_reason()]
 
     @classmethod
     def available_for_reasons(cls, ruled_out: bool) -> bool:

@@ -12,7 +12,11 @@ container: the seed API (``app.seed_api``) passes the active container's, a depl
   subclass of the kind's base; ``class_path`` says where it lives without importing it.
 - Registering: ``register_backend`` overrides a backend's provider (a new name is added to the
   kind's catalog first); ``override_backend`` is the scoped form, removing exactly the override
-  it pushed. An abstract class is refused (``TypeError``), whatever the kind.
+  it pushed. An abstract class, or one whose declarations have the wrong type
+  (``declaration_problems()``), is refused (``TypeError``), whatever the kind. Inside
+  ``rollback_on_error`` (``app._container_state``) a registration records its undo: the
+  override it pushed, the provider it added and, when no other registration holds it, the
+  name it added to the catalog are taken back if the block fails.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from dependency_injector import containers, providers
 
-from app._container_state import CHANGES, CountedObject
+from app._container_state import CHANGES, CountedObject, record_undo
 from app._imports import import_object, object_path
 from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
@@ -45,6 +49,7 @@ __all__ = [
     "REGISTRATION_LOCK",
     "BackendKind",
     "check_backend_class",
+    "check_name_form",
     "check_new_name",
     "check_target",
     "class_path",
@@ -164,7 +169,15 @@ def check_backend_class(kind: BackendKind, cls: object, where: str) -> type[Any]
         missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
         raise TypeError(f"{where}: {object_path(cls)} is abstract (it does not implement "
                         f"{missing}); register a concrete {base} subclass")
+    _check_declarations(cls, where)
     return cls
+
+
+def _check_declarations(cls: type[Any], where: str) -> None:
+    """``TypeError`` naming every declaration of ``cls`` that has the wrong type."""
+    problems = cls.declaration_problems()
+    if problems:
+        raise TypeError(f"{where}: {object_path(cls)} declares {'; '.join(problems)}")
 
 
 def check_target(kind: BackendKind, target: object, where: str) -> str | type[Any]:
@@ -232,6 +245,8 @@ def resolve_class(kind: BackendKind, name: str,
     # answer as ``inspect.isabstract``, at a fraction of its cost on this per-selection path.
     if getattr(obj, "__abstractmethods__", None):
         check_backend_class(kind, obj, f"{kind.label} backend {name}")  # raises, saying why
+    # A class path is checked only now, and a class may have changed since it was registered.
+    _check_declarations(obj, f"{kind.label} backend {name}")
     return obj
 
 
@@ -247,14 +262,23 @@ def reserve_names(names: Iterable[str]) -> None:
         _reserved.update(names)
 
 
-def check_new_name(kind: BackendKind, backends: Any, name: str) -> None:
-    """``ValueError`` unless ``name`` can be registered by name in ``backends``: a valid,
-    unreserved identifier that is not a built-in and not already registered there (a name
-    added in another container may be registered here by name)."""
+def check_name_form(kind: BackendKind, name: object) -> None:
+    """``ValueError`` unless ``name`` may become a new name of the kind in any container: an
+    identifier like 'MY_BACKEND', not a keyword, not starting with '_' and, unless the kind's
+    catalog has it already, not reserved. What a deployment checks before it builds anything."""
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) \
             or name.startswith("_"):
         raise ValueError(f"Invalid {kind.label} backend name: {name!r} (expected an "
                          f"identifier like 'MY_BACKEND', not starting with '_')")
+    if name not in kind.catalog and name in _reserved:
+        raise ValueError(f"Invalid {kind.label} backend name: {name!r} is reserved")
+
+
+def check_new_name(kind: BackendKind, backends: Any, name: str) -> None:
+    """``ValueError`` unless ``name`` can be registered by name in ``backends``: a valid,
+    unreserved identifier that is not a built-in and not already registered there (a name
+    added in another container may be registered here by name)."""
+    check_name_form(kind, name)
     if name in kind.catalog:
         provider = provider_of(backends, name)
         if name in kind.catalog.builtins or name == CUSTOM \
@@ -263,9 +287,6 @@ def check_new_name(kind: BackendKind, backends: Any, name: str) -> None:
                 f"{kind.label} backend {name} already exists in {kind.enum_name}. Use "
                 f"{kind.register_name}({kind.enum_name}.{name}, 'your.module.YourClass') to "
                 f"override it.")
-        return
-    if name in _reserved:
-        raise ValueError(f"Invalid {kind.label} backend name: {name!r} is reserved")
 
 
 def _overriding_provider(target: str | type[Any]) -> providers.Provider[Any]:
@@ -295,18 +316,55 @@ def register_backend(kind: BackendKind, backends: Any, name: str, target: str | 
     already (``ValueError`` listing the valid names)."""
     where = kind.register_name
     checked = check_target(kind, target, where)
+    overriding = _overriding_provider(checked)
     with kind.catalog.lock, REGISTRATION_LOCK:
+        added_name = False
         if new_name:
             check_new_name(kind, backends, name)
             if name not in kind.catalog:
                 kind.catalog.add(name)
+                added_name = True
                 logger.info("Added %s backend %s", kind.label, name)
         else:
             name = kind.catalog.resolve(name)
-        provider, _ = _provider_for(backends, name)
-        provider.override(_overriding_provider(checked))
+        held = name not in kind.catalog.builtins and name != CUSTOM
+        if held:
+            _holders[kind.name, name] = _holders.get((kind.name, name), 0) + 1
+        provider, created = _provider_for(backends, name)
+        provider.override(overriding)
+    record_undo(lambda: _unregister(kind, backends, name, provider, overriding, created=created,
+                                    held=held, added_name=added_name))
     logger.info("Registered %s backend %s -> %s", kind.label, name,
                 checked if isinstance(checked, str) else object_path(checked))
+
+
+#: ``(kind, run-time name) -> how many registrations hold it`` (in any container): a name
+#: added by a registration that is taken back leaves the catalog only when no other
+#: registration has come to hold it meanwhile.
+_holders: dict[tuple[str, str], int] = {}
+
+
+def _unregister(kind: BackendKind, backends: Any, name: str,
+                provider: providers.Provider[Any], overriding: providers.Provider[Any], *,
+                created: bool, held: bool, added_name: bool) -> None:
+    """Take back one ``register_backend``: the override it pushed, the provider it added (when
+    nothing else overrides it now) and the catalog name it added (when nothing holds it)."""
+    with kind.catalog.lock, REGISTRATION_LOCK:
+        if provider_of(backends, name) is provider:
+            _remove_overriding(provider, overriding)
+            if created and not provider.overridden:
+                delattr(backends, name)
+                CHANGES.bump()
+        if held:
+            count = _holders.get((kind.name, name), 0) - 1
+            if count > 0:
+                _holders[kind.name, name] = count
+            else:
+                _holders.pop((kind.name, name), None)
+                if added_name:
+                    kind.catalog.remove(name)
+                    logger.info("Removed %s backend %s (its registration was taken back)",
+                                kind.label, name)
 
 
 def _remove_overriding(provider: providers.Provider[Any],

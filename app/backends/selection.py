@@ -12,7 +12,8 @@ One decision, ``decide``, serves both ``select_backend`` (the class, cached) and
    Reasons: {NAME: [...], ...}.")``.
 
 A backend whose class does not import (``ImportError``), is not registered, or is not a
-concrete subclass of the kind's base is invalid, with that as its reason.
+concrete subclass of the kind's base with well-typed declarations is invalid, with that as its
+reason; so is one whose ``validate_configuration`` raises (the exception is the reason).
 
 Everything is passed in (config, platform, the container's backend providers of the kind); the
 container's providers and the seed API (``app.seed_api``) call these with a container's.
@@ -101,17 +102,20 @@ def check_backend(kind: BackendKind, backends: Any, name: str,
         return None, [f"unknown {kind.label} backend {name!r}"]
     try:
         cls = resolve_class(kind, name, provider)
-    except ImportError as exc:
-        return None, [f"ImportError: {exc}"]
-    except TypeError as exc:
-        return None, [f"TypeError: {exc}"]
     except ValueError as exc:  # not registered in this container
         return None, [str(exc)]
+    except Exception as exc:  # ImportError, TypeError, or a provider of a third party's
+        return None, [_failure(exc)]
     try:
         reasons = list(cls.validate_configuration(capability, selector_config))
-    except ImportError as exc:
-        reasons = [f"ImportError: {exc}"]
+    except Exception as exc:  # a third party's validate_configuration: a reason, not a crash
+        reasons = [_failure(exc)]
     return cls, reasons
+
+
+def _failure(exc: Exception) -> str:
+    """An exception as a reason: ``"ImportError: no module named ..."`` (on one line)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 class Decision(NamedTuple):

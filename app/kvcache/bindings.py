@@ -5,7 +5,9 @@ The container builds a ``KVCacheSpecBindings`` (provider ``kv_cache_spec_binding
 platform and config; on first use it registers the built-in specs (``BUILTIN_KV_CACHE_SPECS``),
 then runs the platform hook ``Platform.register_custom_kv_cache_specs(bindings, config)`` once.
 Lookups walk the spec's MRO (an unregistered subclass inherits its parent's binding) and are
-cached per type; any registration clears the cache. Hot paths hold the bindings and call
+cached per type; any registration clears the cache. Inside ``rollback_on_error`` (a general
+plugin runs in one) a registration is taken back when the block fails; the built-ins and the
+platform hook, set up on first use, stay. Hot paths hold the bindings and call
 ``bindings.get_manager_class(spec)``: a dict lookup on ``type(spec)``.
 
 Full, MLA, TQFull, HiddenState and SinkFull share the full-attention base (they can share a
@@ -26,6 +28,7 @@ import attrs
 
 import app.kvcache.managers as m
 import app.kvcache.specs as s
+from app._container_state import record_undo, undo_suspended
 from app.kvcache.managers import SingleTypeKVCacheManager
 from app.kvcache.specs import KVCacheSpec
 
@@ -159,18 +162,23 @@ class KVCacheSpecBindings:
                 return
             self._initializing = True
             try:
-                if not self._builtins_registered:
-                    self._builtins_registered = True
-                    for spec, manager, base in self._builtins:
-                        self.register(spec, manager, base)
-                if not self._hook_ran:
-                    platform, config = self._resolve_platform()
-                    if platform is not None:
-                        self._hook_ran = True
-                        self._run_platform_hook(platform, config)
+                with undo_suspended():
+                    self._set_up()
                 self._ready = True
             finally:
                 self._initializing = False
+
+    def _set_up(self) -> None:
+        """The built-ins, then the platform hook, each once (``ensure_ready`` holds the lock)."""
+        if not self._builtins_registered:
+            self._builtins_registered = True
+            for spec, manager, base in self._builtins:
+                self.register(spec, manager, base)
+        if not self._hook_ran:
+            platform, config = self._resolve_platform()
+            if platform is not None:
+                self._hook_ran = True
+                self._run_platform_hook(platform, config)
 
     def _run_platform_hook(self, platform: Platform, config: EngineConfig | None) -> None:
         """``platform.register_custom_kv_cache_specs(self, config)``; a hook written as vLLM's
@@ -236,12 +244,26 @@ class KVCacheSpecBindings:
                     f"{current.uniform_type_base_spec.__name__}, not manager "
                     f"{manager_class.__name__} with uniform base "
                     f"{uniform_type_base_spec.__name__}")
-            self._entries[kv_cache_spec_cls] = KVCacheSpecMetadata(
+            entry = KVCacheSpecMetadata(
                 kv_cache_spec_cls=kv_cache_spec_cls, manager_class=manager_class,
                 uniform_type_base_spec=uniform_type_base_spec)
-            self._generation += 1
-            self._manager_cache.clear()
-            self._base_cache.clear()
+            self._entries[kv_cache_spec_cls] = entry
+            self._changed()
+        record_undo(lambda: self._unbind(entry))
+
+    def _unbind(self, entry: KVCacheSpecMetadata) -> None:
+        """Take back the registration that bound ``entry`` (a failed plugin's, see the
+        module), unless something else replaced it since."""
+        with self._lock:
+            if self._entries.get(entry.kv_cache_spec_cls) is entry:
+                del self._entries[entry.kv_cache_spec_cls]
+                self._changed()
+
+    def _changed(self) -> None:
+        """After a change to the entries: a new generation, and no lookup kept."""
+        self._generation += 1
+        self._manager_cache.clear()
+        self._base_cache.clear()
 
     # -- lookups -------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import reprlib
 from collections.abc import Iterable
 
 import attrs
@@ -13,18 +14,25 @@ from app._validation import check_int_at_least, is_int
 __all__ = ["FinishReason", "Request", "RequestMetrics", "RequestOutput", "RowKind"]
 
 
-def _token_tuple(value: Iterable[int]) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"token ids must be an iterable of ints, got {type(value).__name__}")
+def _tokens(field: str, value: object) -> tuple[int, ...]:
+    """``value`` as a tuple of ints; ``TypeError`` naming ``field`` otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"Request.{field}: token ids must be an iterable of ints, got "
+                        f"{reprlib.repr(value)} ({type(value).__name__})")
     tokens = tuple(value)
     for t in tokens:
         if not is_int(t):
-            raise TypeError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
+            raise TypeError(f"Request.{field}: token ids must be ints, got {t!r} "
+                            f"({type(t).__name__})")
     return tokens
 
 
+def _token_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return _tokens("prompt_token_ids", value)
+
+
 def _token_set(value: Iterable[int] | None) -> frozenset[int]:
-    return frozenset(_token_tuple(() if value is None else value))
+    return frozenset(_tokens("stop_token_ids", () if value is None else value))
 
 
 def _request_id(instance: object, attribute: attrs.Attribute[str], value: object) -> None:

@@ -1,6 +1,6 @@
 """``BackendDeclarations.platform_reasons``: where the device already rules a backend out, its
 availability is read off the installed packages (``kernel_package``) instead of importing the
-kernel package; everywhere else the probe is asked as before."""
+kernel package; everywhere else the probe is asked as before. A probe that raises is a reason."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ import pytest
 import torch
 
 from app._types import ComputeCapabilities, DeviceCapability
+from app.backends import (
+    MLAPrefillBackendEnum,
+    explain_mla_prefill_selection,
+    get_mla_prefill_backend,
+    register_mla_prefill_backend,
+)
 from app.backends.declarations import BackendDeclarations
+from app.backends.prefill.torch_sdpa import TorchSDPABackend
+from app.config import EngineConfig
+from app.containers import create_container, use_container
+from app.platforms import CpuPlatform
 from tests._support import kernel_packages_imported_by
 
 SM75, SM90 = DeviceCapability(7, 5), DeviceCapability(9, 0)
@@ -102,3 +112,39 @@ def test_selecting_on_a_cpu_imports_no_gpu_kernel_package() -> None:
             "explain_mla_decode_selection()\n"
             "explain_mla_decode_selection(query_len=4)\n")
     assert kernel_packages_imported_by(code) == []
+
+
+def _raises(exc: BaseException) -> object:
+    raise exc
+
+
+@pytest.mark.parametrize("exc", [ZeroDivisionError("division by zero"),
+                                 OSError("libcuda.so.1: cannot open shared object file"),
+                                 RuntimeError("CUDA driver\ntoo old"),
+                                 ImportError("no flashinfer")])
+def test_a_probe_that_raises_is_a_reason_and_selection_goes_on(exc: BaseException) -> None:
+    class Crashing(TorchSDPABackend):
+        probe = staticmethod(lambda: _raises(exc))
+
+    class Fallback(TorchSDPABackend):
+        pass
+
+    class CrashingFirst(CpuPlatform):
+        def mla_prefill_backend_priorities(self, selector_config: object) -> list[str]:
+            return ["TORCH_SDPA", "CUSTOM"]
+
+    with use_container(create_container(platform=CrashingFirst())):
+        register_mla_prefill_backend(MLAPrefillBackendEnum.TORCH_SDPA, Crashing)
+        register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, Fallback)
+        explanation = explain_mla_prefill_selection()
+        message = " ".join(str(exc).split())
+        assert explanation["backends"]["TORCH_SDPA"]["reasons"] == [
+            f"availability check raised {type(exc).__name__}: {message}"]
+        assert get_mla_prefill_backend() is Fallback  # the next backend in the list
+        with pytest.raises(ValueError, match=rf"Reason: \['availability check raised "
+                                             rf"{type(exc).__name__}: "):
+            get_mla_prefill_backend(EngineConfig.from_dict(
+                {"attention": {"mla_prefill_backend": "TORCH_SDPA"}}))
+        assert Crashing.platform_reasons(None, torch.int8) == [
+            "dtype torch.int8 not supported",
+            f"availability check raised {type(exc).__name__}: {message}"]

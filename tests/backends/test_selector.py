@@ -235,6 +235,20 @@ def test_a_non_backend_class_is_a_reason_not_a_crash(stubbed: Callable[..., None
     assert reasons[0].startswith("TypeError:")
 
 
+def test_a_validate_configuration_that_raises_is_a_reason_not_a_crash(
+        stubbed: Callable[..., None]) -> None:
+    class Crashes(Stub):
+        @classmethod
+        def validate_configuration(cls, device_capability: DeviceCapability | None,
+                                   selector_config: MLAPrefillSelectorConfig) -> list[str]:
+            raise RuntimeError("kernel table\nmissing")
+
+    stubbed(cuda(9, 0), FLASH_ATTN=Crashes, FLASHINFER=Valid)
+    assert get_mla_prefill_backend(engine_config()) is Valid
+    reasons = explain_mla_prefill_selection()["backends"]["FLASH_ATTN"]["reasons"]
+    assert reasons == ["RuntimeError: kernel table missing"]
+
+
 # --- explicit backends ---------------------------------------------------------------------
 
 

@@ -190,6 +190,12 @@ def test_bad_requests_are_refused() -> None:
         Request("zero", [1], max_new_tokens=0)
     with pytest.raises(TypeError, match="token ids must be ints"):
         Request("str", [1, "2"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^Request\.prompt_token_ids: token ids must be an "
+                                        r"iterable of ints, got None \(NoneType\)$"):
+        Request("none", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^Request\.stop_token_ids: token ids must be an "
+                                        r"iterable of ints, got 7 \(int\)$"):
+        Request("stop", [1], stop_token_ids=7)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\)"):
         engine.add_request(Request("oov", [1, 97]))
     with pytest.raises(TypeError, match=r"expects an app\.mla\.Request"):

@@ -40,7 +40,12 @@ from app._validation import (
     is_int,
     tensors_overlap,
 )
-from app.backends.declarations import BackendDeclarations
+from app.backends.declarations import (
+    BackendDeclarations,
+    DeclarationRule,
+    collection_of,
+    find_declaration_problems,
+)
 from app.backends.decode._checks import (
     DecodeMetadata,
     check_decode_inputs,
@@ -55,6 +60,15 @@ __all__ = ["DecodeMetadata", "MLADecodeBackend", "MLADecodeSelectorConfig"]
 
 #: The largest uniform query length the contract allows (multi-token prediction).
 MAX_QUERY_LEN = 16
+
+#: The decode declarations' types (``BackendDeclarations.declaration_problems``).
+_DECODE_DECLARATIONS: tuple[DeclarationRule, ...] = (
+    ("supported_block_sizes", collection_of(is_int), "a tuple of ints (empty: any)"),
+    ("supported_head_dims", collection_of(
+        lambda v: isinstance(v, tuple) and len(v) == 2 and all(is_int(d) for d in v)),
+     "a tuple of (kv_lora_rank, qk_rope_head_dim) int pairs (empty: any)"),
+    ("max_query_len", is_int, "an int"),
+)
 
 
 def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -135,6 +149,14 @@ class MLADecodeBackend(BackendDeclarations):
     supported_head_dims: ClassVar[Sequence[tuple[int, int]]] = ()
     #: The largest uniform query length per request.
     max_query_len: ClassVar[int] = MAX_QUERY_LEN
+
+    @classmethod
+    def declaration_problems(cls) -> list[str]:
+        """The base's problems, then those of ``supported_block_sizes``,
+        ``supported_head_dims`` and ``max_query_len``."""
+        return (super().declaration_problems()
+                + find_declaration_problems(cls, _DECODE_DECLARATIONS))
+
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         """Whether the kernels read a cache of this block size (any, when the list is empty)."""

@@ -31,7 +31,12 @@ from app._validation import (
     check_int_at_least,
     is_int,
 )
-from app.backends.declarations import BackendDeclarations
+from app.backends.declarations import (
+    BackendDeclarations,
+    DeclarationRule,
+    collection_of,
+    find_declaration_problems,
+)
 
 if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
@@ -49,6 +54,14 @@ __all__ = [
 
 #: DeepSeek R1's (and V3's) prefill dimensions.
 R1_MLA_DIMENSIONS = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+#: The prefill declarations' types (``BackendDeclarations.declaration_problems``).
+_PREFILL_DECLARATIONS: tuple[DeclarationRule, ...] = (
+    ("supported_mla_dimensions", collection_of(lambda v: isinstance(v, MLADimensions)),
+     "a tuple of MLADimensions (empty: any)"),
+    ("requires_r1_mla_dimensions", lambda v: isinstance(v, bool), "a bool"),
+    ("supports_out", lambda v: isinstance(v, bool), "a bool"),
+)
 
 
 @attrs.frozen
@@ -168,6 +181,13 @@ class MLAPrefillBackend(BackendDeclarations):
     requires_r1_mla_dimensions: ClassVar[bool] = False
     #: Whether ``out=`` is honoured (the kernel writes in place).
     supports_out: ClassVar[bool] = False
+
+    @classmethod
+    def declaration_problems(cls) -> list[str]:
+        """The base's problems, then those of ``supported_mla_dimensions``,
+        ``requires_r1_mla_dimensions`` and ``supports_out``."""
+        return (super().declaration_problems()
+                + find_declaration_problems(cls, _PREFILL_DECLARATIONS))
 
     @classmethod
     def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
