@@ -271,6 +271,31 @@ def _token_ids() -> object:
     return KVCacheRequest("r", [1, 2]).append_token_ids([3, 2**70])
 
 
+def _kv(action: str) -> Callable[[], object]:
+    """A KV-cache manager misused: a stale hit, a shared id, progress past the slots."""
+    def run() -> object:
+        from app.kvcache import KVCacheManager, KVCacheSpecBindings
+
+        manager = KVCacheManager.from_specs(
+            {"l0": _spec(block_size=4)}, CacheConfig(block_size=4, num_blocks=5),
+            bindings=KVCacheSpecBindings())
+        first = manager.new_request("a", range(9))
+        manager.allocate_slots(first, 9)
+        manager.cache_blocks(first, 9)
+        if action == "dup":
+            return manager.allocate_slots(manager.new_request("a", range(9)), 9)
+        if action == "slots":
+            return manager.cache_blocks(manager.new_request("b", range(9)), 9)
+        manager.free(first)
+        late = manager.new_request("b", range(9))
+        hit = manager.get_computed_blocks(late)
+        other = manager.new_request("c", range(100, 116))
+        manager.allocate_slots(other, 16)
+        manager.cache_blocks(other, 16)
+        return manager.allocate_slots(late, 1, hit)
+    return run
+
+
 CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("config", "`ModelConfig(num_heads=0)`", lambda: ModelConfig(num_heads=0)),
     ("config", "`ModelConfig(num_heads=\"16\")`", lambda: ModelConfig(num_heads="16")),  # type: ignore[arg-type]
@@ -435,6 +460,10 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("model", "a checkpoint quantized with AWQ", _checkpoint("quantization")),
     ("model", "a checkpoint with a tensor missing", _checkpoint("missing")),
     ("KV cache", "a token id beyond int64 (`append_token_ids([3, 2**70])`)", _token_ids),
+    ("KV cache", "a cache hit gone stale before `allocate_slots` (its blocks re-cached with "
+     "other tokens)", _kv("stale")),
+    ("KV cache", "a second request object with a live request id", _kv("dup")),
+    ("KV cache", "`cache_blocks` for a request that holds no slots", _kv("slots")),
     ("files", "a deployment file that is `/dev/zero`", lambda: load("/dev/zero")),
     ("files", "a config file that is a FIFO (never opened)",
      lambda: _cli("kv-plan", "--config", _fifo())()),

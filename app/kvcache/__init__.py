@@ -42,15 +42,25 @@ Per request, in scheduler order::
                                                 # full blocks for prefix reuse by later requests
     # decode: req.append_token_ids(tok); manager.allocate_slots(req, 1); run;
     #         manager.cache_blocks(req, req.num_tokens) ...
-    manager.free(req)             # when finished or preempted: blocks go back, tail first;
-                                  # cached ones stay reusable until evicted
+    manager.free(req)             # when finished or preempted (or manager.free("req-1")):
+                                  # blocks go back, tail first; cached ones stay reusable
+                                  # until evicted; req.num_computed_tokens is reset to 0
 
-Rules: call ``cache_blocks`` only after the KV is really written (a hit reads those blocks);
-pass a ``CacheHit`` to ``allocate_slots`` straight away (until then it reserves nothing and
-its blocks may be evicted); requests must be hashed at ``manager.hash_block_size``
-(``new_request`` does it). ``get_block_ids`` / ``get_blocks`` give each group's table;
-``KVCacheBlocks.get_block_ids()`` the blocks just allocated. A ``KVCacheManager`` is not
-thread-safe: one scheduler thread drives it.
+Rules: call ``cache_blocks`` only after the KV is really written (a hit reads those blocks),
+and only for tokens ``allocate_slots`` gave slots to (more is a ``ValueError``, and so is a
+request that holds no blocks); pass a ``CacheHit`` to ``allocate_slots`` straight away (until
+then it reserves nothing and its blocks may be evicted: ``allocate_slots`` checks every hit
+block against the request's own block hashes and refuses a stale hit with ``ValueError``,
+changing nothing: look it up again); requests must be hashed at ``manager.hash_block_size``
+(``new_request`` does it); a request id names one request object while it holds blocks (a
+second object with that id is a ``ValueError``). ``get_block_ids`` / ``get_blocks`` give each
+group's table; ``KVCacheBlocks.get_block_ids()`` the blocks just allocated.
+
+Threads: ``KVCacheManager`` and ``BlockPool`` are thread-safe. Every public method holds the
+pool's re-entrant ``lock`` (the manager shares its pool's), so an engine may call the manager
+from several threads, each driving its own requests; a hit looked up in one thread can go stale
+when another allocates before it is attached (``allocate_slots`` then refuses it, as above).
+Hold ``manager.block_pool.lock`` to make a lookup and its allocation one atomic step.
 
 Registry
 --------

@@ -3,7 +3,9 @@ container, and the built-in bindings.
 
 The container builds a ``KVCacheSpecBindings`` (provider ``kv_cache_spec_bindings``) with its
 platform and config; on first use it registers the built-in specs (``BUILTIN_KV_CACHE_SPECS``),
-then runs the platform hook ``Platform.register_custom_kv_cache_specs(bindings, config)`` once.
+then runs the platform hook ``Platform.register_custom_kv_cache_specs(bindings, config)`` once
+(a hook that raises is rolled back: its registrations are dropped and the next use runs it
+again).
 Lookups walk the spec's MRO (an unregistered subclass inherits its parent's binding) and are
 cached per type; any registration clears the cache. Inside ``rollback_on_error`` (a general
 plugin runs in one) a registration is taken back when the block fails; the built-ins and the
@@ -153,7 +155,9 @@ class KVCacheSpecBindings:
     def ensure_ready(self) -> None:
         """Register the built-ins, then run the platform hook once (idempotent, re-entrant).
 
-        The platform and config given at construction are read here, on first use.
+        The platform and config given at construction are read here, on first use. When the
+        hook raises, its error propagates, what it registered is dropped and it is not marked
+        as run: the next call runs it again.
         """
         if self._ready:
             return
@@ -177,8 +181,22 @@ class KVCacheSpecBindings:
         if not self._hook_ran:
             platform, config = self._resolve_platform()
             if platform is not None:
-                self._hook_ran = True
-                self._run_platform_hook(platform, config)
+                self._run_hook_or_roll_back(platform, config)
+
+    def _run_hook_or_roll_back(self, platform: Platform, config: EngineConfig | None) -> None:
+        """Run the platform hook once; a hook that raises leaves the bindings as they were
+        before it ran (what it registered is dropped) and not marked as run, so the next use
+        runs it again. Called holding the lock."""
+        before = dict(self._entries)
+        self._hook_ran = True
+        try:
+            self._run_platform_hook(platform, config)
+        except BaseException:
+            self._hook_ran = False
+            self._entries.clear()
+            self._entries.update(before)
+            self._changed()
+            raise
 
     def _run_platform_hook(self, platform: Platform, config: EngineConfig | None) -> None:
         """``platform.register_custom_kv_cache_specs(self, config)``; a hook written as vLLM's

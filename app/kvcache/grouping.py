@@ -131,6 +131,9 @@ def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec],
     if not isinstance(bindings, KVCacheSpecBindings):
         raise TypeError(f"get_kv_cache_groups: bindings must be KVCacheSpecBindings (the "
                         f"container's kv_cache_spec_bindings()), got {type(bindings).__name__}")
+    if not isinstance(kv_cache_specs, Mapping):
+        raise TypeError(f"get_kv_cache_groups: kv_cache_specs must be a mapping {{layer_name: "
+                        f"spec}}, got {type(kv_cache_specs).__name__}")
     if not kv_cache_specs:
         return []
     bindings.check_kv_cache_spec_registry(kv_cache_specs)

@@ -16,6 +16,9 @@ The methods, in the order a scheduler step uses them (``KVCacheManager`` does th
 - ``allocate_new_blocks(request_id, num_tokens)``: grow the table to cover ``num_tokens``.
 - ``cache_blocks(request, num_tokens)``: publish the full blocks of the first ``num_tokens``.
 - ``free(request_id)``: release the request's blocks, tail first.
+
+A single-type manager takes no lock of its own: ``KVCacheManager`` calls it under the pool's
+``lock``. Code that drives one directly from several threads holds ``block_pool.lock``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Sequence
 from itertools import takewhile
 from typing import TYPE_CHECKING, ClassVar
 
+from app._validation import INT32_MAX, check_int
 from app.kvcache.block_pool import BlockHash, BlockPool, KVCacheBlock
 from app.kvcache.specs import (
     ChunkedLocalAttentionSpec,
@@ -57,9 +61,19 @@ class SingleTypeKVCacheManager:
 
     #: Whether this group's blocks take part in prefix caching and cache hits.
     supports_prefix_caching: ClassVar[bool] = True
+    #: Whether a cache hit of this group may hold null blocks (positions it needs nothing at).
+    hit_may_hold_null_blocks: ClassVar[bool] = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, *,
                  kv_cache_group_id: int = 0, enable_caching: bool | None = None) -> None:
+        name = type(self).__name__
+        if not isinstance(kv_cache_spec, KVCacheSpec):
+            raise TypeError(f"{name}: kv_cache_spec must be a KVCacheSpec, got "
+                            f"{type(kv_cache_spec).__name__}")
+        if not isinstance(block_pool, BlockPool):
+            raise TypeError(f"{name}: block_pool must be a BlockPool, got "
+                            f"{type(block_pool).__name__}")
+        check_int(f"{name}: kv_cache_group_id", kv_cache_group_id, 0, INT32_MAX)
         self.kv_cache_spec = kv_cache_spec
         self.block_pool = block_pool
         self.block_size = kv_cache_spec.block_size
@@ -229,6 +243,8 @@ class SinkFullAttentionManager(FullAttentionManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: blocks that left the window are freed (null in the table)."""
 
+    hit_may_hold_null_blocks = True
+
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, *,
                  kv_cache_group_id: int = 0, enable_caching: bool | None = None) -> None:
         if not isinstance(kv_cache_spec, SlidingWindowSpec):
@@ -279,6 +295,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: tokens attend within their chunk; earlier chunks are freed."""
+
+    hit_may_hold_null_blocks = True
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, *,
                  kv_cache_group_id: int = 0, enable_caching: bool | None = None) -> None:
@@ -333,6 +351,8 @@ class MambaManager(SingleTypeKVCacheManager):
     one earlier checkpoint while a step reads it; every other position is the null block.
     The state after exactly ``k * block_size`` computed tokens is a cacheable checkpoint.
     """
+
+    hit_may_hold_null_blocks = True
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Everything before the block holding the state after ``num_computed_tokens``."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from app._validation import check_int_at_least
 from app.kvcache.block_pool import BlockHash
@@ -24,7 +25,16 @@ ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"app.kvcache block hash root v1").d
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
                       extra: bytes | None = None) -> BlockHash:
-    """The chained hash of one full block: ``sha256(parent || int64 tokens || extra)``."""
+    """The chained hash of one full block: ``sha256(parent || int64 tokens || extra)``.
+
+    ``parent`` and ``extra`` are bytes or None (``TypeError`` otherwise).
+    """
+    if parent is not None and not isinstance(parent, bytes):
+        raise TypeError(f"hash_block_tokens: parent must be a block hash (bytes) or None, got "
+                        f"{parent!r} ({type(parent).__name__})")
+    if extra is not None and not isinstance(extra, bytes):
+        raise TypeError(f"hash_block_tokens: extra must be bytes or None, got {extra!r} "
+                        f"({type(extra).__name__})")
     digest = hashlib.sha256(ROOT_BLOCK_HASH if parent is None else parent)
     digest.update(_token_array("hash_block_tokens", token_ids).tobytes())
     if extra:
@@ -37,12 +47,13 @@ _INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
 
 
 def _token_array(what: str, token_ids: object) -> array[int]:
-    """``token_ids`` (an iterable of ints, not bools) as an ``array('q')``, checked whole
-    before anything uses it: ``TypeError`` for a str/bytes, a non-iterable or a non-int,
-    ``ValueError`` for an int outside int64 (bytes would be read as raw int64 words)."""
-    if isinstance(token_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
-            token_ids, Iterable):
-        raise TypeError(f"{what}: token ids must be an iterable of ints, got "
+    """``token_ids`` (an ordered iterable of ints, not bools) as an ``array('q')``, checked
+    whole before anything uses it: ``TypeError`` for a str/bytes, a mapping or a set (keys,
+    or no order), a non-iterable or a non-int, ``ValueError`` for an int outside int64 (bytes
+    would be read as raw int64 words)."""
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)) or (
+            not isinstance(token_ids, Iterable)):
+        raise TypeError(f"{what}: token ids must be an ordered iterable of ints, got "
                         f"{type(token_ids).__name__}")
     tokens = list(token_ids)
     flag = next((t for t in tokens if isinstance(t, bool)), None)

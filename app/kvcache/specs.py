@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from app._validation import is_int
+from app._validation import check_int, is_int
 from app.config import DTYPE_ALIASES
 
 __all__ = [
@@ -128,6 +128,19 @@ def _optional_positive(instance: object, attribute: attrs.Attribute[Any],
         _positive(instance, attribute, value)
 
 
+def _check_lengths(spec: KVCacheSpec, max_model_len: object,
+                   max_num_batched_tokens: object = None,
+                   max_num_encoder_tokens: object = None) -> None:
+    """``TypeError`` / ``ValueError`` unless ``max_model_len`` is an int >= 1 and the optional
+    step and encoder sizes are None or ints (>= 1 and >= 0)."""
+    what = f"{type(spec).__name__}.max_memory_usage_bytes"
+    check_int(f"{what}: max_model_len", max_model_len, 1)
+    if max_num_batched_tokens is not None:
+        check_int(f"{what}: max_num_batched_tokens", max_num_batched_tokens, 1)
+    if max_num_encoder_tokens is not None:
+        check_int(f"{what}: max_num_encoder_tokens", max_num_encoder_tokens, 0)
+
+
 def _values(specs: Mapping[str, KVCacheSpec] | Iterable[KVCacheSpec]) -> list[KVCacheSpec]:
     if isinstance(specs, Mapping):
         return list(specs.values())
@@ -203,6 +216,7 @@ class KVCacheSpec:
     def max_num_blocks_per_request(self, max_model_len: int, *,
                                    max_num_batched_tokens: int | None = None) -> int:
         """``max_memory_usage_bytes`` in blocks of this spec's page size."""
+        _check_lengths(self, max_model_len, max_num_batched_tokens)
         return cdiv(self.max_memory_usage_bytes(
             max_model_len, max_num_batched_tokens=max_num_batched_tokens), self.page_size_bytes)
 
@@ -265,6 +279,7 @@ class AttentionSpec(KVCacheSpec):
     def max_memory_usage_bytes(self, max_model_len: int, *,
                                max_num_batched_tokens: int | None = None) -> int:
         """Every token of the request keeps its slot: ``cdiv(max_model_len, bs)`` pages."""
+        _check_lengths(self, max_model_len, max_num_batched_tokens)
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
 
@@ -355,6 +370,7 @@ class SlidingWindowSpec(AttentionSpec):
         """The window (``sliding_window - 1`` tokens) plus one step's new tokens, plus one block
         because the window need not start on a block boundary; never more than the full length.
         """
+        _check_lengths(self, max_model_len, max_num_batched_tokens)
         tokens = _window_tokens(self.sliding_window - 1, max_model_len, max_num_batched_tokens)
         blocks = min(cdiv(tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
         return blocks * self.page_size_bytes
@@ -392,6 +408,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, max_model_len: int, *,
                                max_num_batched_tokens: int | None = None) -> int:
         """One chunk plus one step's new tokens (never more than the full length)."""
+        _check_lengths(self, max_model_len, max_num_batched_tokens)
         tokens = _window_tokens(self.attention_chunk_size, max_model_len,
                                 max_num_batched_tokens)
         return cdiv(tokens, self.block_size) * self.page_size_bytes
@@ -416,6 +433,8 @@ class CrossAttentionSpec(AttentionSpec):
                                max_num_batched_tokens: int | None = None,
                                max_num_encoder_tokens: int | None = None) -> int:
         """Pages for the encoder's tokens (``max_num_encoder_tokens``, default the model len)."""
+        _check_lengths(self, max_model_len, max_num_batched_tokens,
+                       max_num_encoder_tokens)
         tokens = max_model_len if max_num_encoder_tokens is None else max_num_encoder_tokens
         return cdiv(tokens, self.block_size) * self.page_size_bytes
 
@@ -457,6 +476,7 @@ class MambaSpec(KVCacheSpec):
     def max_memory_usage_bytes(self, max_model_len: int, *,
                                max_num_batched_tokens: int | None = None) -> int:
         """Two pages: the state read at the start of a step and the one written at its end."""
+        _check_lengths(self, max_model_len, max_num_batched_tokens)
         return 2 * self.page_size_bytes
 
     def is_uniform_with_collection(

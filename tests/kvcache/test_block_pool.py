@@ -173,3 +173,111 @@ def test_free_queue_operations() -> None:
     with pytest.raises(ValueError):
         queue.popleft()
     assert "ref_cnt=0" in repr(blocks[0])
+
+
+# -- refused calls change nothing (found by a fuzzing pass) -------------------------------------
+
+
+def _snapshot(pool: BlockPool) -> list[tuple[int, bytes | None]]:
+    return [(b.ref_cnt, b.block_hash) for b in pool.blocks] + [
+        (pool.fresh.num_free_blocks, None), (pool.evictable.num_free_blocks, None)]
+
+
+def test_a_refused_free_frees_nothing() -> None:
+    # [b0, b0, b1] freed b0, then raised "double free" before b1.
+    pool = BlockPool(6)
+    b0, b1 = pool.get_new_blocks(2)
+    before = _snapshot(pool)
+    with pytest.raises(ValueError, match=r"double free of KVCacheBlock\(1.*given more times"):
+        pool.free_blocks([b0, b0, b1])
+    other = BlockPool(6).get_new_blocks(1)[0]
+    with pytest.raises(ValueError, match="not a block of this pool"):
+        pool.free_blocks([b1, other])
+    with pytest.raises(TypeError, match="expected KVCacheBlock items"):
+        pool.free_blocks([b1, 3])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="iterable of KVCacheBlock"):
+        pool.free_blocks(5)  # type: ignore[arg-type]
+    assert _snapshot(pool) == before
+    assert all(b.prev_free is None and b.next_free is None for b in (b0, b1))
+    pool.check_consistency()
+    pool.touch([b0])
+    pool.free_blocks([b0, b0, b1])  # held twice: two references dropped
+    assert pool.num_free_blocks == 5
+    pool.check_consistency()
+
+
+def test_a_refused_eviction_evicts_nothing() -> None:
+    # [1, 99] evicted block 1, then raised for 99.
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [b"h1", b"h2"], 0, 2)
+    before = _snapshot(pool)
+    for ids, error in [([1, 99], ValueError), ([1, -1], ValueError), ([1, "1"], TypeError),
+                       ([1, True], TypeError), ([1, 2.0], TypeError), (7, TypeError)]:
+        with pytest.raises(error, match="evict_blocks"):
+            pool.evict_blocks(ids)  # type: ignore[arg-type]
+        assert _snapshot(pool) == before
+    pool.check_consistency()
+
+
+def test_refused_touch_and_cache_change_nothing() -> None:
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, [b"a", b"b", b"c"], 0, 1)
+    pool.free_blocks([blocks[0], blocks[2]])  # block 1 evictable cached, block 3 fresh
+    before = _snapshot(pool)
+    with pytest.raises(ValueError, match="free and not cached"):
+        pool.touch([blocks[0], blocks[2]])
+    with pytest.raises(ValueError, match="not in use"):
+        pool.cache_full_blocks(blocks, [b"a", b"b", b"c"], 1, 3)
+    with pytest.raises(TypeError, match="block hashes must be bytes"):
+        pool.cache_full_blocks(blocks, [b"a", ["b"], b"c"], 1, 2)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="not a block of this pool"):
+        pool.touch([BlockPool(6).get_new_blocks(1)[0]])
+    assert _snapshot(pool) == before
+    pool.check_consistency()
+
+
+@pytest.mark.parametrize("count, error", [(1.5, TypeError), (True, TypeError), ("2", TypeError),
+                                          (-1, ValueError)])
+def test_block_counts_must_be_ints(count: object, error: type[Exception]) -> None:
+    # get_new_blocks(True) allocated a block; 1.5 failed inside list multiplication.
+    pool = BlockPool(6)
+    with pytest.raises(error, match="get_new_blocks: num_blocks: expected an int >= 0"):
+        pool.get_new_blocks(count)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        pool.reserve_blocks(count)  # type: ignore[arg-type]
+    assert pool.num_free_blocks == 5 and pool.num_reserved_blocks == 0
+    if error is TypeError:
+        with pytest.raises(TypeError, match="popleft_n: expected an int"):
+            FreeKVCacheBlockQueue().popleft_n(count)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("group_id, error", [(-1, ValueError), ("0", TypeError),
+                                             (True, TypeError), (2**31, ValueError)])
+def test_group_ids_are_checked(group_id: object, error: type[Exception]) -> None:
+    # get_cached_block(h, group_id=-1) answered from the last group's map.
+    pool = BlockPool(4)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([block], [b"h"], 0, 1)
+    with pytest.raises(error, match=r"group_id: expected an int in \[0, 2147483647\]"):
+        pool.get_cached_block(b"h", group_id)  # type: ignore[arg-type]
+    with pytest.raises(error, match="group_id"):
+        pool.cache_full_blocks([block], [b"h"], 0, 1, group_id=group_id)  # type: ignore[arg-type]
+    with pytest.raises(error, match="group_id"):
+        pool.cached_map(group_id)  # type: ignore[arg-type]
+    assert pool.get_cached_block(b"h", 0) is block and pool.num_cached_blocks == 1
+
+
+def test_a_large_group_id_builds_one_map() -> None:
+    # Group 5_000_000 built five million empty maps (hundreds of MB).
+    pool = BlockPool(4)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([block], [b"h"], 0, 1, group_id=1_000_000)
+    assert pool.get_cached_block(b"h", 1_000_000) is block
+    assert pool.get_cached_block(b"h", 999_999) is None
+    assert len(pool._cached) == 1
+    pool.free_blocks([block])
+    pool.check_consistency()
+    assert pool.get_new_blocks(3)  # evicts it from its group's map
+    assert pool.num_cached_blocks == 0

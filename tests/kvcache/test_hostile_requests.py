@@ -95,3 +95,24 @@ def test_a_pool_beyond_int32_or_memory_is_refused_before_it_is_built(
                                          r"use at most 6710886 blocks"):
         block_pool.BlockPool(2**31 - 1)
     assert block_pool.BlockPool(1000).num_free_blocks == 999
+
+
+@pytest.mark.parametrize("tokens", [{1: 2, 3: 4}, {3, 1, 2}, frozenset({1}), {1: 2}.keys()],
+                         ids=["dict", "set", "frozenset", "keys"])
+def test_unordered_prompts_are_refused(tokens: object) -> None:
+    # A dict was taken as its keys, a set in arbitrary order: tokens the caller never meant.
+    with pytest.raises(TypeError, match=r"token ids must be an ordered iterable of ints, got"):
+        KVCacheRequest("r", tokens)  # type: ignore[arg-type]
+    req = _request()
+    with pytest.raises(TypeError, match="ordered iterable"):
+        req.append_token_ids(tokens)  # type: ignore[arg-type]
+    assert req.num_tokens == 10
+
+
+def test_hash_parent_and_extra_must_be_bytes() -> None:
+    with pytest.raises(TypeError, match=r"parent must be a block hash \(bytes\) or None, got 5"):
+        hash_block_tokens(5, [1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="extra must be bytes or None, got 's'"):
+        hash_block_tokens(None, [1], extra="s")  # type: ignore[arg-type]
+    assert hash_block_tokens(hash_block_tokens(None, [1]), [2], b"salt") != hash_block_tokens(
+        None, [2], b"salt")

@@ -223,3 +223,39 @@ def test_mamba_keeps_the_running_state_and_checkpoints() -> None:
     manager.free("a")
     pool.check_consistency()
     assert manager.find_longest_cache_hit(request("c", 3).block_hashes, 3) == []
+
+
+@pytest.mark.parametrize("group_id, error", [(-1, ValueError), ("0", TypeError),
+                                             (True, TypeError), (1.0, TypeError)])
+def test_group_ids_are_checked(group_id: object, error: type[Exception]) -> None:
+    # -1 was an IndexError, "0" a bare TypeError from a comparison. (Past INT32_MAX is refused
+    # too; the old code built a map per id up to it, so that case is the pool's test.)
+    spec = FullAttentionSpec(block_size=BS, **ATTN)
+    with pytest.raises(error, match=r"FullAttentionManager: kv_cache_group_id: expected an int"):
+        FullAttentionManager(spec, BlockPool(8), kv_cache_group_id=group_id)  # type: ignore[arg-type]
+
+
+def test_a_large_group_id_costs_no_memory() -> None:
+    # 5_000_000 built five million maps in the pool (hundreds of MB).
+    import tracemalloc
+
+    spec = FullAttentionSpec(block_size=BS, **ATTN)
+    pool = BlockPool(8)
+    tracemalloc.start()
+    try:
+        manager = FullAttentionManager(spec, pool, kv_cache_group_id=1_000_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    req = request("a", 8)
+    fill(manager, req)
+    assert manager.find_longest_cache_hit(req.block_hashes, 8) == manager.get_blocks("a")
+
+
+def test_a_manager_needs_a_spec_and_a_pool() -> None:
+    spec = FullAttentionSpec(block_size=BS, **ATTN)
+    with pytest.raises(TypeError, match="block_pool must be a BlockPool, got int"):
+        FullAttentionManager(spec, 8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="kv_cache_spec must be a KVCacheSpec, got str"):
+        FullAttentionManager("full", BlockPool(8))  # type: ignore[arg-type]

@@ -298,3 +298,42 @@ def test_hook_may_look_up_and_register_reentrantly() -> None:
     with use_container(create_container(platform=Reentrant())):
         assert KVCacheSpecRegistry.get_manager_class(
             VendorSpec(block_size=16, **ATTN)) is MyManager
+
+
+@attrs.frozen(kw_only=True)
+class HalfSpec(FullAttentionSpec):
+    """Registered by a hook that then fails."""
+
+
+class FailingPlatform(CpuPlatform):
+    """Its hook registers ``HalfSpec`` and raises on its first ``fail`` runs; later runs
+    register ``VendorSpec``."""
+
+    name = "failing"
+
+    def __init__(self, fail: int) -> None:
+        self.fail = fail
+        self.runs = 0
+
+    def register_custom_kv_cache_specs(self, registry: Any, config: EngineConfig | None) -> None:
+        self.runs += 1
+        if self.runs <= self.fail:
+            registry.register(HalfSpec, FullAttentionManager, FullAttentionSpec)
+            raise ValueError("hook failed half-way")
+        registry.register(VendorSpec, MyManager, FullAttentionSpec)
+
+
+def test_a_failing_hook_is_rolled_back_and_runs_again() -> None:
+    # It left HalfSpec registered and counted as run: the second lookup returned normally,
+    # without what the hook would have registered after, and the hook never ran again.
+    platform = FailingPlatform(fail=2)
+    bindings = create_container(EngineConfig(), platform=platform).kv_cache_spec_bindings()
+    for runs in (1, 2):
+        with pytest.raises(ValueError, match="hook failed half-way"):
+            bindings.get_metadata(FullAttentionSpec)
+        assert platform.runs == runs and not bindings.hook_ran
+    meta = bindings.get_metadata(HalfSpec)
+    assert meta is not None and meta.kv_cache_spec_cls is FullAttentionSpec  # not registered
+    assert HalfSpec not in bindings and VendorSpec in bindings
+    assert bindings.hook_ran and platform.runs == 3
+    assert bindings.get_manager_class(VendorSpec(block_size=16, **ATTN)) is MyManager

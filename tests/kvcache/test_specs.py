@@ -193,3 +193,24 @@ def test_unregistered_spec_uniformity_raises_value_error() -> None:
 
     with pytest.raises(ValueError, match="Unsupported KV cache spec type"):
         Orphan(block_size=16).is_uniform_with_collection([], BINDINGS)
+
+
+@pytest.mark.parametrize("spec", [
+    full(), MLAAttentionSpec.from_dims(block_size=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                                       dtype=torch.bfloat16),
+    SlidingWindowSpec(block_size=16, sliding_window=64, **ATTN),
+    ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=64, **ATTN),
+    CrossAttentionSpec(block_size=16, **ATTN),
+    MambaSpec(block_size=16, shapes=[(4,)], dtypes=["fp16"]),
+], ids=lambda spec: type(spec).__name__)
+def test_memory_bounds_need_positive_int_lengths(spec: KVCacheSpec) -> None:
+    # SlidingWindowSpec.max_memory_usage_bytes(-5) was -128; "x" a bare TypeError.
+    for bad, error in [(-5, ValueError), (0, ValueError), ("x", TypeError), (1.5, TypeError),
+                       (True, TypeError)]:
+        with pytest.raises(error, match="max_model_len: expected an int >= 1"):
+            spec.max_memory_usage_bytes(bad)  # type: ignore[arg-type]
+        with pytest.raises(error, match="max_model_len: expected an int >= 1"):
+            spec.max_num_blocks_per_request(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_num_batched_tokens: expected an int >= 1"):
+        spec.max_memory_usage_bytes(64, max_num_batched_tokens=-1)
+    assert spec.max_memory_usage_bytes(64, max_num_batched_tokens=16) > 0

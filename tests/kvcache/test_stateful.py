@@ -115,7 +115,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     def decode(self, data: st.DataObject, steps: int) -> None:
         req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
         if req.num_computed_tokens < req.num_tokens:
-            self._compute(req)  # finish the prefill first
+            # Finish the prefill (or a decode step that found no free block) first: its
+            # tokens need slots before the engine can write their KV.
+            new = self.manager.allocate_slots(req, req.num_tokens - req.num_computed_tokens)
+            if new is None:
+                return
+            self._forget(new.blocks)
+            self._compute(req)
         for _ in range(steps):
             req.append_token_ids(7)
             new = self.manager.allocate_slots(req, 1)
