@@ -26,6 +26,7 @@ import inspect
 import keyword
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ __all__ = [
     "check_new_name",
     "check_target",
     "class_path",
+    "declaration_failure",
     "override_backend",
     "provider_of",
     "register_backend",
@@ -174,10 +176,29 @@ def check_backend_class(kind: BackendKind, cls: object, where: str) -> type[Any]
 
 
 def _check_declarations(cls: type[Any], where: str) -> None:
-    """``TypeError`` naming every declaration of ``cls`` that has the wrong type."""
+    """``TypeError`` naming every declaration of ``cls`` that has the wrong type. A class that
+    passed is not checked again (selection resolves every candidate on every uncached call,
+    and the rules cost ~2 us a class); one changed since, whose ``validate_configuration``
+    then fails, is checked again there (``declaration_failure``)."""
+    if cls in _declarations_passed:
+        return
+    error = declaration_failure(cls, where)
+    if error is not None:
+        raise error
+    _declarations_passed.add(cls)
+
+
+#: The classes whose declarations passed ``_check_declarations``.
+_declarations_passed: weakref.WeakSet[type[Any]] = weakref.WeakSet()
+
+
+def declaration_failure(cls: type[Any], where: str) -> TypeError | None:
+    """The ``TypeError`` naming every declaration of ``cls`` that has the wrong type (None:
+    none has)."""
     problems = cls.declaration_problems()
-    if problems:
-        raise TypeError(f"{where}: {object_path(cls)} declares {'; '.join(problems)}")
+    if not problems:
+        return None
+    return TypeError(f"{where}: {object_path(cls)} declares {'; '.join(problems)}")
 
 
 def check_target(kind: BackendKind, target: object, where: str) -> str | type[Any]:
@@ -245,7 +266,7 @@ def resolve_class(kind: BackendKind, name: str,
     # answer as ``inspect.isabstract``, at a fraction of its cost on this per-selection path.
     if getattr(obj, "__abstractmethods__", None):
         check_backend_class(kind, obj, f"{kind.label} backend {name}")  # raises, saying why
-    # A class path is checked only now, and a class may have changed since it was registered.
+    # A class path is checked only now (a class changed since: see _check_declarations).
     _check_declarations(obj, f"{kind.label} backend {name}")
     return obj
 

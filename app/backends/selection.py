@@ -37,7 +37,13 @@ from app._container_state import CHANGES
 from app._imports import object_path
 from app._validation import is_int
 from app.backends.decode.base import MLADecodeBackend
-from app.backends.registry import BackendKind, class_path, provider_of, resolve_class
+from app.backends.registry import (
+    BackendKind,
+    class_path,
+    declaration_failure,
+    provider_of,
+    resolve_class,
+)
 
 if TYPE_CHECKING:
     from app._types import DeviceCapability
@@ -109,7 +115,12 @@ def check_backend(kind: BackendKind, backends: Any, name: str,
     try:
         reasons = list(cls.validate_configuration(capability, selector_config))
     except Exception as exc:  # a third party's validate_configuration: a reason, not a crash
-        reasons = [_failure(exc)]
+        # a class whose declarations changed since they were checked: say which
+        try:
+            bad = declaration_failure(cls, f"{kind.label} backend {name}")
+        except Exception:  # its own declaration_problems fails: the first failure it is
+            bad = None
+        reasons = [_failure(bad if bad is not None else exc)]
     return cls, reasons
 
 
