@@ -140,7 +140,7 @@ def may_overlap_itself(t: torch.Tensor) -> bool:
     element by stride, smallest first, each stride must reach past everything the smaller
     ones span. An exotic view that interleaves its dims without overlapping fails this test
     too (safe to refuse)."""
-    if t.numel() <= 1:
+    if t.numel() <= 1 or t.is_contiguous():  # a flag torch keeps: the common out= answers here
         return False
     reach = 0  # the highest element offset the smaller dims can reach
     for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True)

@@ -204,7 +204,7 @@ class BlockPool:
         n_fresh = n_evict = 0
         bad: list[object] = []
         for block in blocks:
-            try:
+            try:  # _is_owned, inlined: this loop runs once per freed block
                 ours = owned[block.block_id] is block
             except (AttributeError, TypeError, IndexError):
                 ours = False
@@ -268,7 +268,11 @@ class BlockPool:
                 node.prev_free = node.next_free = None
                 node = following
             head.next_free = None
-        raise _free_error(bad[0], _is_owned(owned, bad[0]))
+        first = bad[0]
+        held = isinstance(first, KVCacheBlock) and first.ref_cnt
+        raise _entry_error("free_blocks", first, _is_owned(owned, first),
+                           f"double free of {first!r}"
+                           + (": given more times than it is held" if held else ""))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix-cache hit); free ones leave the queue.
@@ -333,7 +337,7 @@ class BlockPool:
         owned, null = self.blocks, self.null_block
         added: list[KVCacheBlock] = []
         for block, block_hash in zip(blocks[start:end], block_hashes[start:end], strict=True):
-            try:
+            try:  # _is_owned, inlined: this loop runs once per cached block
                 ours = owned[block.block_id] is block
             except (AttributeError, TypeError, IndexError):
                 ours = False
@@ -341,7 +345,8 @@ class BlockPool:
                 continue
             try:
                 if not ours or block.ref_cnt <= 0:
-                    raise _cache_error(block, ours)
+                    raise _entry_error("cache_full_blocks", block, ours,
+                                       f"{block!r} is not in use")
                 if block_hash in cached:
                     continue
             except (TypeError, ValueError) as exc:  # a bad block, an unhashable hash
@@ -452,27 +457,15 @@ def _is_owned(owned: list[KVCacheBlock], block: object) -> bool:
         return False
 
 
-def _free_error(block: object, ours: bool) -> Exception:
-    """Why ``free_blocks`` refuses an entry (``ours``: it is one of the pool's blocks)."""
+def _entry_error(what: str, block: object, ours: bool, problem: str) -> Exception:
+    """Why ``what`` refuses an entry: not a block (``TypeError``), not one of this pool's
+    (``ours`` False), or else ``problem``, said of a block of the pool."""
     if not isinstance(block, KVCacheBlock):
-        return TypeError(f"free_blocks: expected KVCacheBlock items, got {block!r} "
+        return TypeError(f"{what}: expected KVCacheBlock items, got {block!r} "
                          f"({type(block).__name__})")
     if not ours:
-        return ValueError(f"free_blocks: {block!r} is not a block of this pool")
-    if block.ref_cnt:
-        return ValueError(f"free_blocks: double free of {block!r}: given more times than it "
-                          f"is held")
-    return ValueError(f"free_blocks: double free of {block!r}")
-
-
-def _cache_error(block: object, ours: bool) -> Exception:
-    """Why ``cache_full_blocks`` refuses a block (``ours``: it is one of the pool's)."""
-    if not isinstance(block, KVCacheBlock):
-        return TypeError(f"cache_full_blocks: expected KVCacheBlock items, got {block!r} "
-                         f"({type(block).__name__})")
-    if not ours:
-        return ValueError(f"cache_full_blocks: {block!r} is not a block of this pool")
-    return ValueError(f"cache_full_blocks: {block!r} is not in use")
+        return ValueError(f"{what}: {block!r} is not a block of this pool")
+    return ValueError(f"{what}: {problem}")
 
 
 def _block_list(what: str, blocks: object) -> Sequence[KVCacheBlock]:

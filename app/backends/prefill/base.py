@@ -271,10 +271,14 @@ class MLAPrefillBackend(BackendDeclarations):
 
     def prepare_metadata(self, prefill_metadata: MLAPrefillMetadata) -> None:
         """Take the step's layout; backends plan their kernels here (once per step)."""
+        self._metadata = self._checked_metadata(prefill_metadata)
+
+    def _checked_metadata(self, prefill_metadata: object) -> MLAPrefillMetadata:
+        """``prefill_metadata`` if it is an ``MLAPrefillMetadata``, else ``TypeError``."""
         if not isinstance(prefill_metadata, MLAPrefillMetadata):
             raise TypeError(f"{type(self).__name__}.prepare_metadata: expected "
                             f"MLAPrefillMetadata, got {type(prefill_metadata).__name__}")
-        self._metadata = prefill_metadata
+        return prefill_metadata
 
     @property
     def metadata(self) -> MLAPrefillMetadata:

@@ -345,14 +345,13 @@ class RaggedKernelBackend(MLAPrefillBackend):
         """Check every ``cu_seqlens`` of the step once, then ``_on_prepare`` (kernel plans).
         A step refused by the checks leaves the previous one in place; one whose plans fail
         leaves no step (every run then asks for ``prepare_metadata``)."""
-        layouts = (StepLayouts.from_metadata(prefill_metadata, self.get_name())
-                   if isinstance(prefill_metadata, MLAPrefillMetadata) else None)
-        super().prepare_metadata(prefill_metadata)  # the TypeError for anything else
+        layouts = StepLayouts.from_metadata(self._checked_metadata(prefill_metadata),
+                                            self.get_name())
+        super().prepare_metadata(prefill_metadata)
         self._layouts = layouts
         self._step_cache.clear()
         try:
-            if layouts is not None:
-                self._on_prepare(layouts)
+            self._on_prepare(layouts)
         except BaseException:
             self._metadata = self._layouts = None
             raise

@@ -19,17 +19,7 @@ import pytest
 import torch
 
 from app.backends.decode.base import MLADecodeBackend
-from app.backends.decode.cpu_mla import CpuMLADecodeBackend
-from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
-
-RANK, ROPE, HEADS, BS, NUM_BLOCKS = 64, 32, 4, 16, 8
-
-BACKENDS = [
-    pytest.param(TorchSDPADecodeBackend, id="TORCH_SDPA"),
-    pytest.param(CpuMLADecodeBackend, id="CPU_MLA", marks=pytest.mark.skipif(
-        not CpuMLADecodeBackend.is_available(), reason="the native decode kernel cannot run "
-        "here")),
-]
+from tests.backends.decode._cpu_support import BACKENDS, BS, HEADS, NUM_BLOCKS, RANK, ROPE
 
 
 def _step(cls: type[MLADecodeBackend]) -> tuple[MLADecodeBackend, torch.Tensor, torch.Tensor]:
