@@ -50,16 +50,18 @@ Rules: call ``cache_blocks`` only after the KV is really written (a hit reads th
 and only for tokens ``allocate_slots`` gave slots to (more is a ``ValueError``, and so is a
 request that holds no blocks); pass a ``CacheHit`` to ``allocate_slots`` straight away (until
 then it reserves nothing and its blocks may be evicted: ``allocate_slots`` checks every hit
-block against the request's own block hashes and refuses a stale hit with ``ValueError``,
-changing nothing: look it up again); requests must be hashed at ``manager.hash_block_size``
-(``new_request`` does it); a request id names one request object while it holds blocks (a
-second object with that id is a ``ValueError``). ``get_block_ids`` / ``get_blocks`` give each
-group's table; ``KVCacheBlocks.get_block_ids()`` the blocks just allocated.
+block against the request's own block hashes and refuses a stale hit with
+``StaleCacheHitError``, a ``ValueError``, changing nothing: look it up again); requests must
+be hashed at ``manager.hash_block_size`` (``new_request`` does it); a request id names one
+request object while it holds blocks (a second object with that id is a ``ValueError``).
+``get_block_ids`` / ``get_blocks`` give each group's table; ``KVCacheBlocks.get_block_ids()``
+the blocks just allocated.
 
 Threads: ``KVCacheManager`` and ``BlockPool`` are thread-safe. Every public method holds the
 pool's re-entrant ``lock`` (the manager shares its pool's), so an engine may call the manager
 from several threads, each driving its own requests; a hit looked up in one thread can go stale
-when another allocates before it is attached (``allocate_slots`` then refuses it, as above).
+when another allocates before it is attached (``allocate_slots`` then raises
+``StaleCacheHitError``: catch it and look the request up again).
 Hold ``manager.block_pool.lock`` to make a lookup and its allocation one atomic step.
 
 Registry
@@ -86,7 +88,12 @@ from app.kvcache.grouping import (
     get_kv_cache_groups,
     unify_kv_cache_spec_page_size,
 )
-from app.kvcache.kv_cache_manager import CacheHit, KVCacheBlocks, KVCacheManager
+from app.kvcache.kv_cache_manager import (
+    CacheHit,
+    KVCacheBlocks,
+    KVCacheManager,
+    StaleCacheHitError,
+)
 from app.kvcache.managers import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
@@ -143,6 +150,7 @@ __all__ = [
     "SlidingWindowMLASpec",
     "SlidingWindowManager",
     "SlidingWindowSpec",
+    "StaleCacheHitError",
     "TQFullAttentionSpec",
     "get_kv_cache_bytes_per_block",
     "get_kv_cache_groups",

@@ -25,7 +25,16 @@ from app.kvcache.managers import SingleTypeKVCacheManager, group_block_hashes
 from app.kvcache.request import KVCacheRequest
 from app.kvcache.specs import KVCacheSpec
 
-__all__ = ["CacheHit", "KVCacheBlocks", "KVCacheManager"]
+__all__ = ["CacheHit", "KVCacheBlocks", "KVCacheManager", "StaleCacheHitError"]
+
+
+class StaleCacheHitError(ValueError):
+    """``allocate_slots`` refused a ``CacheHit`` whose blocks were evicted, or re-cached with
+    other tokens, since ``get_computed_blocks`` found it; nothing was allocated or attached.
+
+    A ``ValueError``, so existing handlers keep working; a scheduler that looks hits up in one
+    thread and attaches them in another catches just this and looks the request up again.
+    """
 
 
 @attrs.frozen(eq=False)
@@ -322,12 +331,14 @@ class KVCacheManager:
                 raise ValueError(f"allocate_slots: the cache hit is not this manager's: {where}"
                                  f" is not a block of its pool")
             if block.block_hash is None or block.hash_group != group_id:
-                raise ValueError(f"allocate_slots: the cache hit is stale: {where} was evicted "
-                                 f"from the prefix cache; call get_computed_blocks again")
+                raise StaleCacheHitError(
+                    f"allocate_slots: the cache hit is stale: {where} was evicted from the "
+                    f"prefix cache; call get_computed_blocks again")
             if block.block_hash != hashes[i]:
-                raise ValueError(f"allocate_slots: the cache hit is stale or another request's: "
-                                 f"{where} caches tokens other than those of request "
-                                 f"{request.request_id!r}; call get_computed_blocks again")
+                raise StaleCacheHitError(
+                    f"allocate_slots: the cache hit is stale or another request's: {where} "
+                    f"caches tokens other than those of request {request.request_id!r}; call "
+                    f"get_computed_blocks again")
 
     def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int | None = None
                      ) -> None:

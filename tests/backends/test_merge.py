@@ -109,6 +109,17 @@ def test_bad_inputs_raise_value_error(change: str, message: str) -> None:
         merge_attn_states(a, la, b, lb, out=out)
 
 
+@pytest.mark.parametrize("name", ["prefix_out", "suffix_lse", "out"])
+def test_an_argument_that_is_not_a_tensor_gets_a_type_error(name: str) -> None:
+    args: dict[str, object] = {"prefix_out": torch.randn(6, H, D), "prefix_lse": torch.randn(H, 6),
+                               "suffix_out": torch.randn(6, H, D), "suffix_lse": torch.randn(H, 6),
+                               "out": None}
+    args[name] = [[0.0]]
+    with pytest.raises(TypeError, match=f"merge_attn_states: {name} must be a torch.Tensor, "
+                                        "got list"):
+        merge_attn_states(**args)  # type: ignore[arg-type]
+
+
 def test_flashinfer_path_refused_on_cpu() -> None:
     a = torch.randn(2, H, 128).bfloat16()
     la = torch.randn(H, 2)

@@ -18,6 +18,7 @@ from app.kvcache import (
     KVCacheRequest,
     KVCacheSpecRegistry,
     MLAAttentionSpec,
+    StaleCacheHitError,
 )
 from tests.kvcache.conftest import assert_refs_match_tables
 
@@ -59,7 +60,7 @@ def test_a_hit_whose_block_was_evicted_is_refused_and_nothing_leaks() -> None:
     assert hit.get_block_ids() == ([1, 2],)
     manager.free(_run(manager, "c", [100 + i for i in range(11)]))  # evicts block 2
     before = _state(manager, b)
-    with pytest.raises(ValueError, match=r"stale: block 2 .* was evicted"):
+    with pytest.raises(StaleCacheHitError, match=r"stale: block 2 .* was evicted"):
         manager.allocate_slots(b, b.num_tokens - hit.num_computed_tokens, hit)
     assert _state(manager, b) == before and not manager.holds("b")
     assert_refs_match_tables(manager)
@@ -73,7 +74,7 @@ def test_a_hit_whose_blocks_hold_other_tokens_now_is_refused() -> None:
     hit = manager.get_computed_blocks(b)
     manager.free(_run(manager, "c", [100 + i for i in range(16)]))  # re-caches blocks 1..4
     before = _state(manager, b)
-    with pytest.raises(ValueError, match="caches tokens other than those of request 'b'"):
+    with pytest.raises(StaleCacheHitError, match="caches tokens other than those of request 'b'"):
         manager.allocate_slots(b, b.num_tokens - hit.num_computed_tokens, hit)
     assert _state(manager, b) == before
     assert_refs_match_tables(manager)

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from app.config import CacheConfig
-from app.kvcache import KVCacheManager, KVCacheSpecRegistry, MLAAttentionSpec
+from app.kvcache import (
+    KVCacheManager,
+    KVCacheSpecRegistry,
+    MLAAttentionSpec,
+    StaleCacheHitError,
+)
 from tests.kvcache.conftest import assert_refs_match_tables
 
 THREADS = 4
@@ -48,9 +53,8 @@ def _worker(manager: KVCacheManager, t: int, deadline: float, errors: list[str])
                     new = manager.allocate_slots(req, req.num_tokens - hit.num_computed_tokens,
                                                  hit)
                     break
-                except ValueError as exc:  # another thread evicted the hit: look up again
-                    if "stale" not in str(exc):
-                        raise
+                except StaleCacheHitError:  # another thread evicted the hit: look up again
+                    pass
             else:
                 raise AssertionError("a hit went stale 20 times in a row")
             if new is not None:

@@ -206,14 +206,15 @@ def check_attention_inputs(who: str, q: object, k: object, v: object, *, num_hea
                            out: object = None, out_dtype: torch.dtype | None = None,
                            out_contiguous: bool = False) -> None:
     """Check ``q [total_q, H, qk]``, ``k [total_kv, H, qk]``, ``v [total_kv, H, v]`` (and
-    ``out [total_q, H, v]``) before a launch; ``ValueError`` names expected vs actual.
+    ``out [total_q, H, v]``) before a launch; ``ValueError`` names expected vs actual
+    (``TypeError`` for an argument that is not a tensor).
 
     ``device``: where the kernel runs (the device of the ``cu_seqlens``), when it matters.
     """
     tensors: dict[str, torch.Tensor] = {}
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
         check_dense(f"{who}: {name}", t)
         if t.dim() != 3:
             raise ValueError(f"{who}: {name} must have rank 3 [tokens, heads, head_dim], got "
@@ -244,7 +245,7 @@ def check_attention_inputs(who: str, q: object, k: object, v: object, *, num_hea
                          f"got {qt.device}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
-            raise ValueError(f"{who}: out must be a torch.Tensor, got {type(out).__name__}")
+            raise TypeError(f"{who}: out must be a torch.Tensor, got {type(out).__name__}")
         want_shape = [total_q, num_heads, v_head_dim]
         if _shape(out) != want_shape:
             raise ValueError(f"{who}: out shape: expected {want_shape}, got {_shape(out)}")

@@ -73,7 +73,7 @@ def test_bad_arguments_get_typed_errors_before_the_kernel() -> None:
     be = _backend()
     be.prepare_metadata(MLAPrefillMetadata.build([8]))
     q, k, v = _inputs(8)
-    with pytest.raises(ValueError, match=r"q must be a torch\.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor, got list"):
         be.run_prefill_new_tokens(q.tolist(), k, v, True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"q: expected a dense \(torch.strided\) tensor"):
         be.run_prefill_new_tokens(q.to_sparse(), k, v, True)

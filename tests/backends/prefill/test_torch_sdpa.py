@@ -190,7 +190,7 @@ def test_rank_dtype_mismatch_and_out_checks(
         be.run_prefill_context_chunk(0, q, k, v)
     with pytest.raises(ValueError, match=r"context chunk index must be in \[0, 1\)"):
         be.run_prefill_context_chunk(1, q, k[:6], v[:6])
-    with pytest.raises(ValueError, match=r"must be a torch\.Tensor"):
+    with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
         be.run_prefill_new_tokens(q, "k", v, True)  # type: ignore[arg-type]
 
 
