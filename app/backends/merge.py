@@ -39,7 +39,7 @@ def _check(prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix_out: torch
                     ("suffix_out", suffix_out), ("suffix_lse", suffix_lse), ("out", out)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"merge_attn_states: {name} must be a torch.Tensor, "
-                             f"got {type(t).__name__}")
+                            f"got {type(t).__name__}")
     if prefix_out.dim() != 3:
         raise ValueError(f"merge_attn_states: prefix_out must be [T, H, D], got shape "
                          f"{list(prefix_out.shape)}")
