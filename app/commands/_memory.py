@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app._host import available_host_bytes, physical_memory_bytes
+from app._host import available_host_bytes
 from app.config import EngineConfig
+from app.model.cache import available_memory_bytes
 
 if TYPE_CHECKING:
     from app.model.config import DeepseekConfig
@@ -23,17 +24,6 @@ __all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
 
 #: Host memory one block costs beyond its latent storage (the pool's Python block object).
 _BLOCK_OVERHEAD_BYTES = 256
-
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Memory the KV cache may take on ``device``: free GPU memory, or the host's physical
-    memory; None when it cannot be told (no CUDA here, an OS without ``sysconf``)."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return physical_memory_bytes()
 
 
 def check_host_memory(what: str, needed: int) -> None:

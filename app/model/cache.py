@@ -15,9 +15,39 @@ from collections.abc import Sequence
 
 import torch
 
+from app._host import physical_memory_bytes
 from app._validation import check_int_at_least
 
-__all__ = ["PagedLatentCache", "slot_indices"]
+__all__ = ["PagedLatentCache", "available_memory_bytes", "check_latent_caches_fit",
+           "slot_indices"]
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory the KV cache may take on ``device``: free GPU memory, or the host's physical
+    memory; None when it cannot be told (no CUDA here, an OS without ``sysconf``)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return physical_memory_bytes()
+
+
+def check_latent_caches_fit(num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
+                            dtype: torch.dtype, device: torch.device) -> None:
+    """``ValueError`` when ``num_layers`` caches of ``num_blocks`` blocks cannot fit in the
+    memory of ``device`` (see ``available_memory_bytes``). Said before any is allocated: a
+    cache larger than the host is otherwise torch's ``RuntimeError`` after the block pool was
+    built, or, where the allocation is lazy, the OOM killer once the blocks are used."""
+    per_block = num_layers * block_size * latent_dim * dtype.itemsize
+    have = available_memory_bytes(device)
+    if have is not None and num_blocks * per_block > have:
+        raise ValueError(
+            f"the latent KV cache of {num_blocks} blocks needs "
+            f"{num_blocks * per_block / 2**30:.1f} GiB of {device} memory ({per_block} B per "
+            f"block: {block_size} tokens x {latent_dim} values x {dtype.itemsize} B x "
+            f"{num_layers} layer(s)); {device} has {have / 2**30:.1f} GiB: use at most "
+            f"{have // per_block} blocks (cache.num_blocks)")
 
 
 def slot_indices(block_table: torch.Tensor, start: int, end: int, block_size: int

@@ -216,6 +216,24 @@ def test_bad_requests_are_refused() -> None:
         MLAEngine(wrong, weights=weights)
 
 
+
+def test_a_latent_cache_larger_than_the_memory_is_refused_before_anything_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through the API the pool's size was only checked for its bookkeeping: a latent cache
+    # larger than the host came out as torch's RuntimeError after the pool was built (or, as
+    # calloc is lazy, as the OOM killer once its blocks were used). The host here "has" 1 MiB.
+    import app.model.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "physical_memory_bytes", lambda: 1 << 20)
+    cfg, weights = tiny_config(num_blocks=256)   # 256 x 640 B: fits
+    assert MLAEngine(tiny_container(cfg), weights=weights).kv_manager.block_pool.num_blocks == 256
+    cfg, weights = tiny_config(num_blocks=4096)  # 2.5 MiB
+    with pytest.raises(ValueError, match=r"^the latent KV cache of 4096 blocks needs 0\.0 GiB of "
+                                         r"cpu memory \(640 B per block: 4 tokens x 40 values x "
+                                         r"4 B x 1 layer\(s\)\); cpu has 0\.0 GiB: use at most "
+                                         r"1638 blocks \(cache\.num_blocks\)$"):
+        MLAEngine(tiny_container(cfg), weights=weights)
+
 def test_run_queues_nothing_when_one_request_is_refused() -> None:
     engine = _engine()
     free = engine.kv_manager.num_free_blocks
