@@ -1,8 +1,10 @@
-"""Whether a KV-cache pool fits in memory, checked before it is built (``run``, ``bench run``).
+"""Whether what a command builds fits in memory, checked before it is built: the model's
+weights, a request's blocks, and (``check_cache_fits``, from ``app.model.cache``, where
+``MLAEngine`` runs it too) the KV-cache pool.
 
 A pool of ``num_blocks`` blocks is a Python list of block objects plus one latent-cache tensor:
 with an absurd ``num_blocks`` (int32 allows 2**31 - 1) building it would take minutes and then
-fail; this says up front how much memory it needs, how much there is, and how many blocks fit.
+fail; these say up front how much memory it needs, how much there is, and how many blocks fit.
 """
 
 from __future__ import annotations
@@ -14,16 +16,13 @@ import torch
 
 from app._host import available_host_bytes
 from app.config import EngineConfig
-from app.model.cache import available_memory_bytes
+from app.model.cache import available_memory_bytes, check_cache_fits
 
 if TYPE_CHECKING:
     from app.model.config import DeepseekConfig
 
 __all__ = ["available_host_bytes", "available_memory_bytes", "check_cache_fits",
            "check_host_memory", "check_request_fits", "check_weights_fit", "weights_bytes"]
-
-#: Host memory one block costs beyond its latent storage (the pool's Python block object).
-_BLOCK_OVERHEAD_BYTES = 256
 
 
 def check_host_memory(what: str, needed: int) -> None:
@@ -59,29 +58,6 @@ def check_weights_fit(arch: DeepseekConfig, dtype: torch.dtype) -> None:
                       f"{arch.num_attention_heads}, hidden_size {arch.hidden_size}, "
                       f"kv_lora_rank {arch.kv_lora_rank} (its weights)",
                       weights_bytes(arch, dtype))
-
-
-def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1) -> None:
-    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache of
-    ``num_layers`` layers on ``device``, the pool's per-block bookkeeping on the host. Checked
-    before the pool is built (a huge ``num_blocks`` would otherwise spend minutes building it,
-    then fail)."""
-    model, cache = config.model, config.cache
-    latent = num_layers * cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
-        model.dtype.itemsize)
-    cpu = torch.device("cpu")
-    per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
-                 else {cpu: latent + _BLOCK_OVERHEAD_BYTES})
-    for where, cost in per_block.items():
-        have = available_memory_bytes(where)
-        if have is not None and cache.num_blocks * cost > have:
-            raise ValueError(
-                f"cache.num_blocks = {cache.num_blocks} needs "
-                f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
-                f"block: {latent} B of latent cache for {cache.block_size} tokens of "
-                f"{num_layers} layer(s), and the "
-                f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
-                f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
 
 
 def check_request_fits(config: EngineConfig, max_len: int) -> None:

@@ -58,7 +58,7 @@ from app.mla.requests import (
 )
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter, accept_greedy
-from app.model.cache import check_latent_caches_fit
+from app.model.cache import check_cache_fits
 from app.model.decode import plan_decode_step
 from app.model.model import DeepseekModel, default_compute_dtype, layer_names
 from app.model.prefill import PrefillSlice
@@ -189,9 +189,7 @@ class MLAEngine:
         num_layers = weights.num_layers
         spec = MLAAttentionSpec.from_model_config(config.model,
                                                   block_size=config.cache.block_size)
-        check_latent_caches_fit(num_layers, config.cache.num_blocks, config.cache.block_size,
-                                config.model.kv_lora_rank + config.model.qk_rope_head_dim,
-                                config.model.dtype, device)
+        check_cache_fits(config, device, num_layers)
         bindings = container.kv_cache_spec_bindings()
         self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
             dict.fromkeys(layer_names(num_layers), spec), bindings)

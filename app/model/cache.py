@@ -12,14 +12,20 @@ A *slot* is ``block_id * block_size + offset``; token ``i`` of a request lives i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from app._host import physical_memory_bytes
 from app._validation import check_int_at_least
 
-__all__ = ["PagedLatentCache", "available_memory_bytes", "check_latent_caches_fit",
-           "slot_indices"]
+if TYPE_CHECKING:
+    from app.config import EngineConfig
+
+__all__ = ["PagedLatentCache", "available_memory_bytes", "check_cache_fits", "slot_indices"]
+
+#: Host memory one block costs beyond its latent storage (the pool's Python block object).
+_BLOCK_OVERHEAD_BYTES = 256
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
@@ -33,21 +39,28 @@ def available_memory_bytes(device: torch.device) -> int | None:
     return physical_memory_bytes()
 
 
-def check_latent_caches_fit(num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
-                            dtype: torch.dtype, device: torch.device) -> None:
-    """``ValueError`` when ``num_layers`` caches of ``num_blocks`` blocks cannot fit in the
-    memory of ``device`` (see ``available_memory_bytes``). Said before any is allocated: a
-    cache larger than the host is otherwise torch's ``RuntimeError`` after the block pool was
-    built, or, where the allocation is lazy, the OOM killer once the blocks are used."""
-    per_block = num_layers * block_size * latent_dim * dtype.itemsize
-    have = available_memory_bytes(device)
-    if have is not None and num_blocks * per_block > have:
-        raise ValueError(
-            f"the latent KV cache of {num_blocks} blocks needs "
-            f"{num_blocks * per_block / 2**30:.1f} GiB of {device} memory ({per_block} B per "
-            f"block: {block_size} tokens x {latent_dim} values x {dtype.itemsize} B x "
-            f"{num_layers} layer(s)); {device} has {have / 2**30:.1f} GiB: use at most "
-            f"{have // per_block} blocks (cache.num_blocks)")
+def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1) -> None:
+    """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache of
+    ``num_layers`` layers on ``device``, the pool's per-block bookkeeping on the host. Checked
+    before the pool is built (a huge ``num_blocks`` would otherwise spend minutes building it,
+    then fail, or, as the cache's allocation is lazy, bring the OOM killer once its blocks are
+    used); ``MLAEngine`` runs it before it builds anything."""
+    model, cache = config.model, config.cache
+    latent = num_layers * cache.block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * (
+        model.dtype.itemsize)
+    cpu = torch.device("cpu")
+    per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
+                 else {cpu: latent + _BLOCK_OVERHEAD_BYTES})
+    for where, cost in per_block.items():
+        have = available_memory_bytes(where)
+        if have is not None and cache.num_blocks * cost > have:
+            raise ValueError(
+                f"cache.num_blocks = {cache.num_blocks} needs "
+                f"{cache.num_blocks * cost / 2**30:.1f} GiB of {where} memory ({cost} B per "
+                f"block: {latent} B of latent cache for {cache.block_size} tokens of "
+                f"{num_layers} layer(s), and the "
+                f"pool's bookkeeping); {where} has {have / 2**30:.1f} GiB: use at most "
+                f"{have // cost} blocks (--num-blocks or [cache] num_blocks)")
 
 
 def slot_indices(block_table: torch.Tensor, start: int, end: int, block_size: int

@@ -225,13 +225,13 @@ def test_a_latent_cache_larger_than_the_memory_is_refused_before_anything_is_bui
     import app.model.cache as cache_module
 
     monkeypatch.setattr(cache_module, "physical_memory_bytes", lambda: 1 << 20)
-    cfg, weights = tiny_config(num_blocks=256)   # 256 x 640 B: fits
+    cfg, weights = tiny_config(num_blocks=256)   # 256 x (640 + 256) B: fits
     assert MLAEngine(tiny_container(cfg), weights=weights).kv_manager.block_pool.num_blocks == 256
-    cfg, weights = tiny_config(num_blocks=4096)  # 2.5 MiB
-    with pytest.raises(ValueError, match=r"^the latent KV cache of 4096 blocks needs 0\.0 GiB of "
-                                         r"cpu memory \(640 B per block: 4 tokens x 40 values x "
-                                         r"4 B x 1 layer\(s\)\); cpu has 0\.0 GiB: use at most "
-                                         r"1638 blocks \(cache\.num_blocks\)$"):
+    cfg, weights = tiny_config(num_blocks=4096)  # 3.5 MiB
+    with pytest.raises(ValueError, match=r"^cache\.num_blocks = 4096 needs 0\.0 GiB of cpu memory "
+                                         r"\(896 B per block: 640 B of latent cache for 4 tokens "
+                                         r"of 1 layer\(s\), and the pool's bookkeeping\); cpu has "
+                                         r"0\.0 GiB: use at most 1170 blocks"):
         MLAEngine(tiny_container(cfg), weights=weights)
 
 def test_run_queues_nothing_when_one_request_is_refused() -> None:
