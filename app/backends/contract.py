@@ -60,9 +60,9 @@ def check_attention_scale(who: str, name: str, value: object, *,
         return number
     why = ("the kernels multiply by it, and by log2(e), in float32"
            if upper < FLOAT32_MAX else "the kernels multiply by it in float32")
-    outside_float32 = number is not None and math.isfinite(number) and number > 0
-    prefix = (f"{name} must be within float32's normal range: " if outside_float32
-              and not FLOAT32_TINY <= number <= FLOAT32_MAX else "")
+    outside_float32 = (number is not None and math.isfinite(number) and number > 0
+                       and not FLOAT32_TINY <= number <= FLOAT32_MAX)
+    prefix = f"{name} must be within float32's normal range: " if outside_float32 else ""
     shown = f"{value!r}" if number is not None else f"{value!r} ({type(value).__name__})"
     raise ValueError(f"{who}: {prefix}{name} must be a positive, finite float in "
                      f"[{FLOAT32_TINY:.4g}, {upper:.4g}] ({why}), got {shown}")
