@@ -226,7 +226,15 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("app.config",)),
     ("platforms and plugin discovery", ("app.platforms", "app.platforms.*", "app.plugins")),
     ("kv cache", ("app.kvcache.*",)),
-    ("backends", ("app.backends.*",)),
+    ("backend pieces both kinds share: declarations, the contract's checks, vendor facts, "
+     "LSE and merge, workspaces, the native CPU kernels",
+     ("app.backends.declarations", "app.backends.contract", "app.backends.vendors",
+      "app.backends.lse", "app.backends.merge", "app.backends.workspaces", "app.backends.cpu",
+      "app.backends.cpu.*")),
+    ("backend kinds, side by side (neither imports the other)",
+     ("app.backends.prefill", "app.backends.prefill.*", "app.backends.decode",
+      "app.backends.decode.*")),
+    ("backend registry and selection", ("app.backends.*",)),
     ("the model the engine serves", ("app.model", "app.model.*")),
     ("composition root", ("app.containers",)),
     ("seed API over the active container", ("app.seed_api",)),
@@ -262,6 +270,17 @@ def arrows_up(root: Path) -> list[str]:
 def test_no_import_runs_back_up_a_floor() -> None:
     """The drawing of the house: arrows only go down (or stay on their floor)."""
     assert arrows_up(APP) == []
+
+
+@pytest.mark.parametrize(("kind", "other"), [("prefill", "decode"), ("decode", "prefill")])
+def test_prefill_and_decode_never_import_each_other(kind: str, other: str) -> None:
+    """The two kinds stand on one floor with no arrow between them: what both need (vendor
+    facts, the scale check, the ``out=`` rule, the native kernels) lives on the floor below."""
+    graph = import_graph(APP)
+    arrows = sorted(f"{source} -> {target}" for source, targets in graph.items()
+                    if source.startswith(f"app.backends.{kind}")
+                    for target in targets if target.startswith(f"app.backends.{other}"))
+    assert arrows == []
 
 
 def test_the_floor_check_sees_an_arrow_up(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from app._types import DeviceCapability, MLADimensions
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.prefill.base import (
     ContextChunkMetadata,
     MLAPrefillBackend,
@@ -50,6 +51,7 @@ __all__ = [
     "DeviceCapability",
     "MLADecodeBackend",
     "MLADecodeBackendEnum",
+    "MLADecodeMetadata",
     "MLADecodeSelectorConfig",
     "MLADimensions",
     "MLAPrefillBackend",

@@ -145,11 +145,11 @@ class BackendCatalog:
 
 #: MLA prefill backends.
 PREFILL_BACKENDS = BackendCatalog("prefill", "MLA prefill", {
-    "TORCH_SDPA": "app.backends.prefill.torch_sdpa.TorchSDPABackend",
-    "FLASH_ATTN": "app.backends.prefill.flash_attn.FlashAttnBackend",
-    "FLASHINFER": "app.backends.prefill.flashinfer.FlashInferBackend",
-    "TRTLLM_RAGGED": "app.backends.prefill.trtllm_ragged.TrtllmRaggedBackend",
-    "TOKENSPEED_MLA": "app.backends.prefill.tokenspeed_mla.TokenSpeedMLABackend",
+    "TORCH_SDPA": "app.backends.prefill.torch_sdpa.TorchSDPAPrefillBackend",
+    "FLASH_ATTN": "app.backends.prefill.flash_attn.FlashAttnPrefillBackend",
+    "FLASHINFER": "app.backends.prefill.flashinfer.FlashInferPrefillBackend",
+    "TRTLLM_RAGGED": "app.backends.prefill.trtllm_ragged.TrtllmRaggedPrefillBackend",
+    "TOKENSPEED_MLA": "app.backends.prefill.tokenspeed_mla.TokenSpeedMLAPrefillBackend",
 })
 
 #: MLA decode backends.

@@ -5,7 +5,8 @@ single-type manager. All groups share one block pool, so every block id means th
 of memory in every group.
 
 ``get_kv_cache_groups({layer: spec}, bindings)`` (``bindings``: the container's
-``KVCacheSpecBindings``, ``container.kv_cache_spec_bindings()``):
+``KVCacheSpecBindings``, ``container.kv_cache_spec_bindings()``; ``get_kv_cache_groups(specs)``,
+vLLM's one-argument form, uses the default bindings: see ``get_kv_cache_groups``):
 
 1. Every spec type must be registered (``ValueError`` naming every unregistered layer).
 2. *Uniform*: when all layers have one block size and the first spec's
@@ -22,16 +23,24 @@ of memory in every group.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from app.kvcache.bindings import KVCacheSpecBindings
-from app.kvcache.specs import KVCacheSpec, MambaSpec, cdiv, spec_summary, uniformity_bindings
+from app.kvcache.specs import (
+    KVCacheSpec,
+    MambaSpec,
+    cdiv,
+    default_uniformity_lookup,
+    spec_summary,
+    uniformity_bindings,
+)
 
-__all__ = ["KVCacheGroupSpec", "get_kv_cache_bytes_per_block", "get_kv_cache_groups",
-           "unify_kv_cache_spec_page_size"]
+__all__ = ["KVCacheGroupSpec", "default_kv_cache_spec_bindings", "get_kv_cache_bytes_per_block",
+           "get_kv_cache_groups", "unify_kv_cache_spec_page_size"]
 
 
 @attrs.frozen
@@ -121,13 +130,20 @@ def _uniform(a: tuple[str, KVCacheSpec], b: tuple[str, KVCacheSpec]) -> bool:
 
 
 def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec],
-                        bindings: KVCacheSpecBindings) -> list[KVCacheGroupSpec]:
+                        bindings: KVCacheSpecBindings | None = None) -> list[KVCacheGroupSpec]:
     """Split ``{layer_name: spec}`` into KV-cache groups (see the module docstring).
 
     ``bindings``: the container's ``KVCacheSpecBindings`` (an engine passes
-    ``container.kv_cache_spec_bindings()``). ``ValueError`` for unregistered spec types and for
-    page sizes that cannot be unified.
+    ``container.kv_cache_spec_bindings()``). Omitted (vLLM's ``get_kv_cache_groups(specs)``,
+    the form the KV-cache seed names): the default bindings, those
+    ``spec.is_uniform_with_collection(specs)`` reads without any: the bindings in effect
+    (``uniformity_bindings``), else the active container's once the seed API is loaded (it
+    installs that default; ``app.kvcache.KVCacheSpecRegistry`` and ``register_kv_cache_spec``
+    load it), else standalone bindings of the built-in specs. ``ValueError`` for unregistered
+    spec types and for page sizes that cannot be unified.
     """
+    if bindings is None:
+        bindings = default_kv_cache_spec_bindings()
     if not isinstance(bindings, KVCacheSpecBindings):
         raise TypeError(f"get_kv_cache_groups: bindings must be KVCacheSpecBindings (the "
                         f"container's kv_cache_spec_bindings()), got {type(bindings).__name__}")
@@ -139,6 +155,18 @@ def get_kv_cache_groups(kv_cache_specs: Mapping[str, KVCacheSpec],
     bindings.check_kv_cache_spec_registry(kv_cache_specs)
     with uniformity_bindings(bindings):
         return _groups(kv_cache_specs)
+
+
+def default_kv_cache_spec_bindings() -> KVCacheSpecBindings:
+    """The bindings ``get_kv_cache_groups(specs)`` uses when given none (see there)."""
+    found = default_uniformity_lookup()
+    return found if isinstance(found, KVCacheSpecBindings) else _builtin_bindings()
+
+
+@functools.cache
+def _builtin_bindings() -> KVCacheSpecBindings:
+    """Standalone bindings of the built-in specs (no platform hook), made once."""
+    return KVCacheSpecBindings()
 
 
 def _groups(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:

@@ -53,6 +53,7 @@ __all__ = [
     "TQFullAttentionSpec",
     "UniformBaseLookup",
     "cdiv",
+    "default_uniformity_lookup",
     "set_default_uniformity_lookup",
     "to_kv_dtype",
     "uniformity_bindings",
@@ -178,14 +179,21 @@ def set_default_uniformity_lookup(lookup: Callable[[], UniformBaseLookup]) -> No
     _default_lookup[:] = [lookup]
 
 
-def _uniformity_lookup() -> UniformBaseLookup:
+def default_uniformity_lookup() -> UniformBaseLookup | None:
+    """The bindings a call without any uses: those ``uniformity_bindings`` puts in effect, else
+    the default the seed API installs (the active container's), else None."""
     in_effect = _bindings_in_effect.get()
     if in_effect is not None:
         return in_effect
-    if not _default_lookup:
+    return _default_lookup[0]() if _default_lookup else None
+
+
+def _uniformity_lookup() -> UniformBaseLookup:
+    found = default_uniformity_lookup()
+    if found is None:
         raise ValueError("is_uniform_with_collection: no KV-cache spec bindings in effect; "
                          "pass bindings= or call it inside uniformity_bindings(bindings)")
-    return _default_lookup[0]()
+    return found
 
 
 @attrs.frozen(kw_only=True)

@@ -43,7 +43,14 @@ from app.model.model import (
     layer_names,
 )
 from app.model.moe import MoE, Routing, SwiGLU, route
-from app.model.prefill import MLAPrefillExecutor, PrefillSlice, StepPlan, plan_context_chunks
+from app.model.prefill import (
+    MLAPrefillExecutor,
+    PrefillPlan,
+    PrefillSlice,
+    StepPlan,
+    plan_context_chunks,
+    plan_prefill_step,
+)
 from app.model.profiling import NULL_TIMER, PHASES, PhaseTimer
 from app.model.random import random_config, random_weights
 from app.model.reference import (
@@ -94,6 +101,7 @@ __all__ = [
     "ModelWeights",
     "PagedLatentCache",
     "PhaseTimer",
+    "PrefillPlan",
     "PrefillSlice",
     "ReferenceModel",
     "ReferenceRows",
@@ -110,6 +118,7 @@ __all__ = [
     "load_checkpoint",
     "plan_context_chunks",
     "plan_decode_step",
+    "plan_prefill_step",
     "quantize_fp8_block",
     "random_config",
     "random_weights",

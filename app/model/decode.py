@@ -3,9 +3,11 @@
 For a batch of ``B`` requests, each with ``num_computed`` tokens in the cache and the same
 ``query_len`` new tokens (1, or 1 + k speculative drafts):
 
-1. ``plan_decode_step`` (host work, once per step): positions, the new tokens' cache slots, the
-   int32 block table ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` (counting the new tokens) the
-   decode backend's ``prepare_metadata`` takes; the caller hands them to the backend once;
+1. ``plan_decode_step`` (host work, once per step; the executor's ``plan`` calls it with its
+   cache's block size and device): positions, the new tokens' cache slots, the int32 block
+   table ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` (counting the new tokens), checked into
+   the ``MLADecodeMetadata`` the decode backend's ``prepare_metadata`` takes
+   (``plan.metadata``); the caller hands it to the backend once, as prefill's plan does;
 2. per layer (``MLADecodeExecutor.run_planned``): project the new tokens (``q``, latent), write
    their latent into their slots, fold ``W_UK`` into the query's nope part
    (``MLAAttention.absorb_query``: ``[T, H, kv_lora_rank + rope]``), attend over the latent cache
@@ -23,6 +25,7 @@ import attrs
 import torch
 
 from app.backends.decode.base import MLADecodeBackend
+from app.backends.decode.metadata import MLADecodeMetadata
 from app.model.attention import MLAAttention
 from app.model.cache import PagedLatentCache
 from app.model.profiling import NULL_TIMER, PhaseTimer
@@ -34,9 +37,10 @@ __all__ = ["DecodePlan", "MLADecodeExecutor", "plan_decode_step"]
 class DecodePlan:
     """A decode step's layout, shared by every layer.
 
-    ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` (what the decode
-    backend's ``prepare_metadata`` takes), ``positions`` and ``slots`` int64 ``[B * query_len]``
-    (request-major), ``max_position`` their host-side maximum.
+    ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]``, checked into
+    ``metadata`` (what the decode backend's ``prepare_metadata`` takes), ``positions`` and
+    ``slots`` int64 ``[B * query_len]`` (request-major), ``max_position`` their host-side
+    maximum.
     """
 
     block_table: torch.Tensor
@@ -45,6 +49,11 @@ class DecodePlan:
     slots: torch.Tensor
     max_position: int
     query_len: int
+    metadata: MLADecodeMetadata = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "metadata", MLADecodeMetadata.build(
+            self.block_table, self.seq_lens, self.query_len, what="plan_decode_step"))
 
     @property
     def batch(self) -> int:
@@ -105,6 +114,12 @@ class MLADecodeExecutor:
         self.cache = cache
         self.backend = backend
         self.timer = timer if timer is not None else NULL_TIMER
+
+    def plan(self, block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
+             query_len: int) -> DecodePlan:
+        """The step's plan (``plan_decode_step`` with this layer's cache)."""
+        return plan_decode_step(block_tables, num_computed, query_len, self.cache.block_size,
+                                self.cache.device)
 
     def run_planned(self, x: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """One layer of a planned step: ``x [B * query_len, hidden]`` (request-major) ->

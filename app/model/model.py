@@ -7,10 +7,12 @@ block table (the layers form one KV-cache group), so block ``b`` of a request is
 every layer's cache.
 
 Prefill runs the non-absorbed form through the prefill backend (``MLAPrefillExecutor``, one
-per layer, one plan per step); decode the absorbed form through the decode backend
-(``MLADecodeExecutor``). Both backend instances come from the caller (the engine gets them
-from its container) and are shared by the layers. The residual stream is held in the model
-dtype, as transformers holds it.
+per layer); decode the absorbed form through the decode backend (``MLADecodeExecutor``). Both
+are planned the same way, once per step: ``plan_prefill(batch)`` / ``plan_decode(block_tables,
+num_computed, query_len)`` give a plan whose ``metadata`` the step hands its backend's
+``prepare_metadata`` once, then every layer runs the plan. Both backend instances come from
+the caller (the engine gets them from its container) and are shared by the layers. The
+residual stream is held in the model dtype, as transformers holds it.
 
 The LM head runs in the compute dtype; when that is not float32, the best candidates of each
 row (``GREEDY_CANDIDATES``) are rescored in float32, so the greedy choice and its top-1 minus
@@ -30,10 +32,10 @@ from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.model.attention import MLAAttention, rms_norm
 from app.model.cache import PagedLatentCache
-from app.model.decode import DecodePlan, MLADecodeExecutor
+from app.model.decode import DecodePlan, MLADecodeExecutor, plan_decode_step
 from app.model.linear import Linear
 from app.model.moe import MoE, SwiGLU
-from app.model.prefill import MLAPrefillExecutor, PrefillSlice
+from app.model.prefill import MLAPrefillExecutor, PrefillPlan, PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.rope import RotaryEmbedding
 from app.model.weights import ModelWeights, MoEWeights
@@ -182,12 +184,23 @@ class DeepseekModel:
         with self.timer.phase("mlp"):
             return rms_norm(h, self._final_norm, self.eps)
 
-    def prefill(self, token_ids: torch.Tensor, batch: Sequence[PrefillSlice]) -> torch.Tensor:
+    def plan_prefill(self, batch: Sequence[PrefillSlice]) -> PrefillPlan:
+        """The plan of a prefill step over ``batch`` (every layer shares the block table)."""
+        return self.prefill_executors[0].plan(batch)
+
+    def plan_decode(self, block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
+                    query_len: int) -> DecodePlan:
+        """The plan of a decode step (``plan_decode_step`` on this model's caches)."""
+        return plan_decode_step(block_tables, num_computed, query_len,
+                                self.caches[0].block_size, self.device)
+
+    def prefill(self, token_ids: torch.Tensor,
+                batch: Sequence[PrefillSlice] | PrefillPlan) -> torch.Tensor:
         """A chunked-prefill step of every layer: ``token_ids [T]`` are the new tokens of
-        ``batch`` (request by request). Returns the final normed hidden states ``[T, D]``."""
-        first = self.prefill_executors[0]
+        ``batch`` (request by request; or its plan, ``plan_prefill(batch)``). Returns the final
+        normed hidden states ``[T, D]``."""
         with self.timer.phase("metadata"):
-            plan = first.plan(batch)
+            plan = batch if isinstance(batch, PrefillPlan) else self.plan_prefill(batch)
             if token_ids.dim() != 1 or token_ids.shape[0] != plan.metadata.total_q:
                 raise ValueError(f"token_ids must be [{plan.metadata.total_q}], got "
                                  f"{list(token_ids.shape)}")
@@ -199,11 +212,11 @@ class DeepseekModel:
         return self._final(h)
 
     def decode(self, token_ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-        """A decode step of every layer over a planned batch: ``token_ids [B * query_len]``
-        (request-major). Returns the final normed hidden states ``[B * query_len, D]``."""
+        """A decode step of every layer over a planned batch (``plan_decode``): ``token_ids
+        [B * query_len]`` (request-major). Returns the final normed hidden states
+        ``[B * query_len, D]``."""
         with self.timer.phase("decode_metadata"):
-            self.decode_backend.prepare_metadata(plan.block_table, plan.seq_lens,
-                                                 plan.query_len)
+            self.decode_backend.prepare_metadata(plan.metadata)
             h = self.embed(token_ids)
         for i, executor in enumerate(self.decode_executors):
             h = h + executor.run_planned(self._input_norm(i, h), plan)

@@ -12,6 +12,10 @@ of a chunked prefill, or a prefix-cache hit) and ``num_new_tokens`` to compute n
 4. the final merge of context and new tokens, then ``W_o``.
 
 The backend instance is built once by the caller; it gets ``prepare_metadata`` once per step.
+Planning is the same for both kinds: a free function (``plan_prefill_step`` here,
+``plan_decode_step`` in ``app.model.decode``) makes the step's plan from the batch, the
+executor's ``plan`` calls it with its cache's block size and device, and the plan carries the
+backend's metadata (``plan.metadata``: what ``prepare_metadata`` takes).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from app.model.attention import MLAAttention
 from app.model.cache import PagedLatentCache, slot_indices
 from app.model.profiling import NULL_TIMER, PhaseTimer
 
-__all__ = ["MLAPrefillExecutor", "PrefillSlice", "StepPlan", "plan_context_chunks"]
+__all__ = ["MLAPrefillExecutor", "PrefillPlan", "PrefillSlice", "StepPlan",
+           "plan_context_chunks", "plan_prefill_step"]
 
 
 @attrs.frozen
@@ -66,8 +71,10 @@ def plan_context_chunks(context_lens: Sequence[int], chunk_tokens: int
 
 
 @attrs.frozen
-class StepPlan:
-    """Everything about a step that does not depend on the hidden states."""
+class PrefillPlan:
+    """Everything about a prefill step that does not depend on the hidden states, shared by
+    every layer: ``metadata`` (what the prefill backend's ``prepare_metadata`` takes), the new
+    tokens' positions and cache slots, each context chunk's cache slots."""
 
     metadata: MLAPrefillMetadata
     positions: torch.Tensor
@@ -75,6 +82,41 @@ class StepPlan:
     new_slots: torch.Tensor
     chunk_slots: tuple[torch.Tensor, ...]
     num_context_tokens: int
+
+
+def plan_prefill_step(batch: Sequence[PrefillSlice], *, block_size: int,
+                      context_chunk_tokens: int, device: torch.device) -> PrefillPlan:
+    """The plan of one prefill step (host work, once per step): slots, positions, context
+    chunks of at most ``context_chunk_tokens`` tokens and the backend's ``MLAPrefillMetadata``.
+    ``ValueError`` when a request has no new token or a negative context."""
+    bs = block_size
+    query_lens = [s.num_new_tokens for s in batch]
+    context_lens = [s.num_context_tokens for s in batch]
+    if any(n < 1 for n in query_lens) or any(n < 0 for n in context_lens):
+        raise ValueError(f"every request needs >= 1 new token and >= 0 context tokens, got "
+                         f"new={query_lens}, context={context_lens}")
+    positions = torch.cat([torch.arange(s.num_context_tokens,
+                                        s.num_context_tokens + s.num_new_tokens,
+                                        dtype=torch.int64, device=device) for s in batch])
+    new_slots = torch.cat([slot_indices(s.block_table, s.num_context_tokens,
+                                        s.num_context_tokens + s.num_new_tokens, bs)
+                           for s in batch])
+    spans = plan_context_chunks(context_lens, context_chunk_tokens)
+    chunk_slots = tuple(
+        torch.cat([slot_indices(s.block_table, a, e, bs)
+                   for s, (a, e) in zip(batch, chunk, strict=True)])
+        for chunk in spans)
+    metadata = MLAPrefillMetadata.build(
+        query_lens, [[e - a for a, e in chunk] for chunk in spans], device=device)
+    return PrefillPlan(metadata=metadata, positions=positions,
+                       max_position=max(c + n for c, n in zip(context_lens, query_lens,
+                                                              strict=True)) - 1,
+                       new_slots=new_slots, chunk_slots=chunk_slots,
+                       num_context_tokens=sum(context_lens))
+
+
+#: The prefill plan's old name.
+StepPlan = PrefillPlan
 
 
 class MLAPrefillExecutor:
@@ -104,33 +146,11 @@ class MLAPrefillExecutor:
         self.timer = timer if timer is not None else NULL_TIMER
         self._workspace = torch.empty(0, layer.latent_dim, dtype=layer.dtype, device=layer.device)
 
-    def plan(self, batch: Sequence[PrefillSlice]) -> StepPlan:
-        """Slots, positions, context chunks and the backend metadata of a step (host work)."""
-        bs = self.cache.block_size
-        device = self.cache.device
-        query_lens = [s.num_new_tokens for s in batch]
-        context_lens = [s.num_context_tokens for s in batch]
-        if any(n < 1 for n in query_lens) or any(n < 0 for n in context_lens):
-            raise ValueError(f"every request needs >= 1 new token and >= 0 context tokens, got "
-                             f"new={query_lens}, context={context_lens}")
-        positions = torch.cat([torch.arange(s.num_context_tokens,
-                                            s.num_context_tokens + s.num_new_tokens,
-                                            dtype=torch.int64, device=device) for s in batch])
-        new_slots = torch.cat([slot_indices(s.block_table, s.num_context_tokens,
-                                            s.num_context_tokens + s.num_new_tokens, bs)
-                               for s in batch])
-        spans = plan_context_chunks(context_lens, self.context_chunk_tokens)
-        chunk_slots = tuple(
-            torch.cat([slot_indices(s.block_table, a, e, bs)
-                       for s, (a, e) in zip(batch, chunk, strict=True)])
-            for chunk in spans)
-        metadata = MLAPrefillMetadata.build(
-            query_lens, [[e - a for a, e in chunk] for chunk in spans], device=device)
-        return StepPlan(metadata=metadata, positions=positions,
-                        max_position=max(c + n for c, n in zip(context_lens, query_lens,
-                                                               strict=True)) - 1,
-                        new_slots=new_slots, chunk_slots=chunk_slots,
-                        num_context_tokens=sum(context_lens))
+    def plan(self, batch: Sequence[PrefillSlice]) -> PrefillPlan:
+        """The step's plan (``plan_prefill_step`` with this layer's cache and chunk size)."""
+        return plan_prefill_step(batch, block_size=self.cache.block_size,
+                                 context_chunk_tokens=self.context_chunk_tokens,
+                                 device=self.cache.device)
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         n = slots.shape[0]
@@ -151,7 +171,7 @@ class MLAPrefillExecutor:
             self.backend.prepare_metadata(plan.metadata)
         return self.run_planned(x, plan)
 
-    def run_planned(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    def run_planned(self, x: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
         """``forward`` after ``plan`` and ``prepare_metadata`` (the layer part of a step; an
         engine with several layers plans once and runs this per layer)."""
         timer, layer, backend = self.timer, self.layer, self.backend

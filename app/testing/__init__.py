@@ -5,6 +5,9 @@
   ``app.testing.conformance`` for the cases and how to run it on your backend.
 - ``run_decode_conformance`` / ``assert_decode_conformance``: the same for MLA decode backends
   (paged cache, random page tables, query_len 1..16); see ``app.testing.decode_conformance``.
+  Both kits run their cases through one runner, ``run_cases``, and every one of the four
+  functions returns the ``ConformanceReport`` (``assert_*`` once it passed); a kit's case
+  raises ``CaseFailure`` to say what the backend got wrong.
 - ``SelectionOnlyBackend``: a backend to register and select in tests; it runs nothing.
 - ``reference_attention``: the float64 ragged attention the kit compares with.
 - The pytest fixtures (``app_container``, ``override_prefill_backend``, ``fake_platform``) live
@@ -15,10 +18,12 @@
 from app.testing.conformance import (
     CASES,
     DEFAULT_TOLERANCES,
+    CaseFailure,
     CaseResult,
     ConformanceReport,
     assert_conformance,
     reference_attention,
+    run_cases,
     run_conformance,
 )
 from app.testing.decode_conformance import (
@@ -33,6 +38,7 @@ __all__ = [
     "CASES",
     "DECODE_CASES",
     "DEFAULT_TOLERANCES",
+    "CaseFailure",
     "CaseResult",
     "ConformanceReport",
     "SelectionOnlyBackend",
@@ -40,6 +46,7 @@ __all__ = [
     "assert_decode_conformance",
     "reference_attention",
     "reference_decode",
+    "run_cases",
     "run_conformance",
     "run_decode_conformance",
 ]

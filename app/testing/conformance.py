@@ -26,6 +26,11 @@ Run it on your backend (any ``MLAPrefillBackend`` subclass)::
     def test_my_backend_conforms():          # in pytest
         assert_conformance(MyBackend, device="cuda", dtype=torch.bfloat16)
 
+One runner serves this kit and the decode kit (``app.testing.decode_conformance``):
+``run_cases`` runs a kit's cases and returns a ``ConformanceReport``, which both
+``run_conformance`` and ``run_decode_conformance`` return and both ``assert_*`` functions return
+once it passed.
+
 ``assert_conformance`` raises ``AssertionError`` with the readable report when a case fails or
 when the backend's ``validate_configuration`` rejects the device/dtype (pass
 ``allow_unsupported=True`` to get a skipped report instead). Tolerances are absolute, per input
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -54,11 +59,14 @@ from app.backends.prefill.base import (
 __all__ = [
     "CASES",
     "DEFAULT_TOLERANCES",
+    "CaseFailure",
     "CaseResult",
     "ConformanceReport",
     "assert_conformance",
+    "device_capability_of",
     "kit_device",
     "reference_attention",
+    "run_cases",
     "run_conformance",
 ]
 
@@ -175,8 +183,44 @@ class ConformanceReport:
         return self.format()
 
 
-class _CaseFailure(Exception):
-    pass
+class CaseFailure(Exception):
+    """A kit's case found the backend wrong (the message says how); ``run_cases`` reports it."""
+
+
+_CaseFailure = CaseFailure
+
+
+def run_cases(kit: object, names: Sequence[str], *, backend: str, device: torch.device,
+              dtype: torch.dtype, tolerances: Mapping[str, float],
+              skipped: Mapping[str, str] | None = None) -> ConformanceReport:
+    """Run each case ``name`` of ``kit`` (a method taking the dict it records its largest
+    ``"out"`` / ``"lse"`` errors in) and return the report: the runner of both kits. A case
+    in ``skipped`` is reported skipped with its reason; one that raises ``CaseFailure`` or
+    anything else fails with the message (a failing case never raises)."""
+    results = []
+    for case in names:
+        if skipped and case in skipped:
+            results.append(CaseResult(case, True, skipped=skipped[case]))
+            continue
+        errors: dict[str, float] = {}
+        runner: Callable[[dict[str, float]], None] = getattr(kit, case)
+        try:
+            runner(errors)
+        except CaseFailure as exc:
+            results.append(CaseResult(case, False, message=str(exc)))
+            continue
+        except Exception as exc:  # a crashing backend is a failed case
+            tail = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            results.append(CaseResult(case, False, message=f"raised {tail}\n"
+                                      f"{traceback.format_exc(limit=3)}"))
+            continue
+        out_err, lse_err = errors.get("out"), errors.get("lse")
+        ok = ((out_err is None or out_err <= tolerances["out"])
+              and (lse_err is None or lse_err <= tolerances["lse"]))
+        results.append(CaseResult(case, ok, out_err, lse_err, tolerances["out"],
+                                  tolerances["lse"]))
+    return ConformanceReport(backend=backend, device=str(device), dtype=str(dtype),
+                             cases=tuple(results))
 
 
 class _Kit:
@@ -379,7 +423,8 @@ def _pick_dims(backend_cls: type[MLAPrefillBackend], dims: MLADimensions | None
     return _DEEPSEEK if not supported or _DEEPSEEK in supported else supported[0]
 
 
-def _capability(device: torch.device) -> DeviceCapability | None:
+def device_capability_of(device: torch.device) -> DeviceCapability | None:
+    """The compute capability of a CUDA ``device`` (None for any other device)."""
     if device.type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability(device)
@@ -429,7 +474,8 @@ def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.devic
         raise ValueError(f"run_conformance: unknown case(s) {unknown}; known: {list(CASES)}")
     chosen = _pick_dims(backend_cls, dims)
     name = backend_cls.get_name()
-    capability = _capability(device) if device_capability is None else device_capability
+    capability = device_capability_of(device) if device_capability is None \
+        else device_capability
     reasons = backend_cls.validate_configuration(
         capability, MLAPrefillSelectorConfig(dtype=dtype, mla_dimensions=chosen))
     if reasons:
@@ -438,28 +484,9 @@ def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.devic
     tol = dict(DEFAULT_TOLERANCES.get(dtype, {}))
     tol.update(tolerances or {})
     kit = _Kit(backend_cls, device, dtype, chosen, num_heads, seed, tol, capability)
-    results = []
-    for case in names:
-        if case == "out_buffer" and not backend_cls.supports_out:
-            results.append(CaseResult(case, True, skipped="supports_out is False"))
-            continue
-        errors: dict[str, float] = {}
-        runner: Callable[[dict[str, float]], None] = getattr(kit, case)
-        try:
-            runner(errors)
-        except _CaseFailure as exc:
-            results.append(CaseResult(case, False, message=str(exc)))
-            continue
-        except Exception as exc:
-            tail = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            results.append(CaseResult(case, False, message=f"raised {tail}"))
-            continue
-        out_err, lse_err = errors.get("out"), errors.get("lse")
-        ok = ((out_err is None or out_err <= tol["out"])
-              and (lse_err is None or lse_err <= tol["lse"]))
-        results.append(CaseResult(case, ok, out_err, lse_err, tol["out"], tol["lse"]))
-    return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
-                             cases=tuple(results))
+    skipped = {} if backend_cls.supports_out else {"out_buffer": "supports_out is False"}
+    return run_cases(kit, names, backend=name, device=device, dtype=dtype, tolerances=tol,
+                     skipped=skipped)
 
 
 def assert_conformance(backend_cls: type[MLAPrefillBackend], *, allow_unsupported: bool = False,

@@ -28,26 +28,29 @@ Every case checks the LSE (``return_softmax_lse=True``) and the plain call. Run 
     from app.testing import assert_decode_conformance
     assert_decode_conformance(MyDecodeBackend, device="cuda", dtype=torch.bfloat16)
 
-``run_decode_conformance`` returns the report instead of raising. Tolerances are absolute, per
-dtype (``DEFAULT_TOLERANCES`` of the prefill kit).
+``run_decode_conformance`` returns the report instead of raising (``assert_decode_conformance``
+returns it once it passed); both kits run their cases through one runner (``run_cases`` of
+``app.testing.conformance``). Tolerances are absolute, per dtype (``DEFAULT_TOLERANCES`` of the
+prefill kit).
 """
 
 from __future__ import annotations
 
 import math
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from app._types import DeviceCapability
 from app._validation import check_seed
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.metadata import MLADecodeMetadata
 from app.testing.conformance import (
     DEFAULT_TOLERANCES,
-    CaseResult,
+    CaseFailure,
     ConformanceReport,
+    device_capability_of,
     kit_device,
+    run_cases,
 )
 
 __all__ = [
@@ -92,8 +95,7 @@ def reference_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     return out, lse.permute(2, 0, 1).contiguous()
 
 
-class _CaseFailure(Exception):
-    pass
+_CaseFailure = CaseFailure
 
 
 class _DecodeKit:
@@ -111,7 +113,7 @@ class _DecodeKit:
     def backend(self) -> MLADecodeBackend:
         return self.cls(num_heads=self.heads, scale=self.scale, kv_lora_rank=self.rank,
                         qk_rope_head_dim=self.rope, kv_cache_dtype=self.dtype,
-                        device_capability=_capability(self.device))
+                        device_capability=device_capability_of(self.device))
 
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.device, self.dtype)
@@ -145,8 +147,8 @@ class _DecodeKit:
         bs = self.bs if bs is None else bs
         cache, table = self.layout(seq_lens, bs)
         be = self.backend()
-        be.prepare_metadata(table, torch.tensor(seq_lens, dtype=torch.int32,
-                                                device=self.device), qlen)
+        be.prepare_metadata(MLADecodeMetadata.build(
+            table, torch.tensor(seq_lens, dtype=torch.int32, device=self.device), qlen))
         shape = (len(seq_lens), qlen, self.heads, self.dim)
         q = self.randn(shape[2], shape[0], shape[1], shape[3] + 8)[..., 3:3 + self.dim] \
             .permute(1, 2, 0, 3) if strided_q else self.randn(*shape)
@@ -304,13 +306,6 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max().item()) if a.numel() else 0.0
 
 
-def _capability(device: torch.device) -> DeviceCapability | None:
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return DeviceCapability(major, minor)
-
-
 def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
                            device: torch.device | str = "cpu",
                            dtype: torch.dtype = torch.bfloat16, num_heads: int = 16,
@@ -337,9 +332,10 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
                          f"{list(DECODE_CASES)}")
     sizes = list(backend_cls.supported_block_sizes)
     bs = block_size if block_size is not None else (sizes[0] if sizes else 16)
-    reasons = backend_cls.validate_configuration(_capability(device), MLADecodeSelectorConfig(
-        dtype=dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-        num_heads=num_heads, block_size=bs, query_len=1))
+    reasons = backend_cls.validate_configuration(
+        device_capability_of(device), MLADecodeSelectorConfig(
+            dtype=dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+            num_heads=num_heads, block_size=bs, query_len=1))
     name = backend_cls.get_name()
     if reasons:
         return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
@@ -348,37 +344,20 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
     tol.update(tolerances or {})
     kit = _DecodeKit(backend_cls, device, dtype, num_heads, kv_lora_rank, qk_rope_head_dim,
                      bs, seed, tol)
-    results = []
-    for case in names:
-        if case == "other_block_size" and len(sizes) == 1:
-            results.append(CaseResult(case, True, skipped="one block size supported"))
-            continue
-        errors: dict[str, float] = {}
-        runner: Callable[[dict[str, float]], None] = getattr(kit, case)
-        try:
-            runner(errors)
-        except _CaseFailure as exc:
-            results.append(CaseResult(case, False, message=str(exc)))
-            continue
-        except Exception as exc:  # a crashing backend is a failed case
-            results.append(CaseResult(case, False, message=f"raised {type(exc).__name__}: "
-                                      f"{exc}\n{traceback.format_exc(limit=3)}"))
-            continue
-        out_err, lse_err = errors.get("out"), errors.get("lse")
-        passed = (out_err is None or out_err <= tol["out"]) and \
-                 (lse_err is None or lse_err <= tol["lse"])
-        results.append(CaseResult(case, passed, out_error=out_err, lse_error=lse_err,
-                                  out_tolerance=tol["out"], lse_tolerance=tol["lse"]))
-    return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
-                             cases=tuple(results))
+    skipped = {"other_block_size": "one block size supported"} if len(sizes) == 1 else {}
+    return run_cases(kit, names, backend=name, device=device, dtype=dtype, tolerances=tol,
+                     skipped=skipped)
 
 
 def assert_decode_conformance(backend_cls: type[MLADecodeBackend], *,
                               device: torch.device | str = "cpu",
-                              dtype: torch.dtype = torch.bfloat16, **kwargs: object) -> None:
+                              dtype: torch.dtype = torch.bfloat16, **kwargs: object
+                              ) -> ConformanceReport:
     """``run_decode_conformance`` that raises ``AssertionError`` with the report when a case
-    fails or the backend cannot run on this device/dtype (keyword arguments are passed on)."""
+    fails or the backend cannot run on this device/dtype (keyword arguments are passed on);
+    returns the report otherwise, as ``assert_conformance`` does."""
     report = run_decode_conformance(backend_cls, device=device, dtype=dtype,
                                     **kwargs)  # type: ignore[arg-type]
     if not report.passed:
         raise AssertionError(report.format())
+    return report

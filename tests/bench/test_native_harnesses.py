@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from app.backends.cpu import decode_kernel as cpu_mla_decode
 from app.backends.cpu import loader as loader
-from app.backends.decode import cpu_mla as cpu_mla_decode
 from tests._support import native_compiler_or_skip
 
 NATIVE = Path(__file__).resolve().parents[2] / "benchmarks" / "native"

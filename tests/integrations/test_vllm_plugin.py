@@ -204,7 +204,7 @@ def test_registering_twice_is_harmless_and_one_line_says_what_was_replaced(
     assert AttentionBackendEnum.CPU_MLA.get_class() is AppCPUMLABackend
     lines = [r.getMessage() for r in plugin_log.records]
     assert len(lines) == 2 and lines[0] == lines[1]
-    assert ("running app.backends.prefill.torch_sdpa.TorchSDPABackend (TORCH_SDPA"
+    assert ("running app.backends.prefill.torch_sdpa.TorchSDPAPrefillBackend (TORCH_SDPA"
             in lines[0])
     assert ("its CPU MLA decode (AttentionBackendEnum.CPU_MLA) is now "
             "app.integrations.vllm_decode.AppCPUMLABackend, running "

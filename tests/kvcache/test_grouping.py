@@ -8,6 +8,7 @@ import attrs
 import pytest
 import torch
 
+from app.containers import Application
 from app.kvcache import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -106,3 +107,41 @@ def test_unregistered_layers_are_rejected_before_grouping() -> None:
 
     with pytest.raises(ValueError, match="Unsupported KV cache spec type for layer x"):
         get_kv_cache_groups({"a": FULL, "x": Orphan(block_size=16)}, bindings())
+
+
+# -- vLLM's one-argument form, get_kv_cache_groups(specs) (the KV-cache seed's) ------------------
+
+def test_the_one_argument_form_groups_as_the_active_containers_bindings_do(
+        kv_container: Application) -> None:
+    specs = {"full.0": FULL, "sw.0": SW, "full.1": FULL, "sw.1": SW}
+    groups = get_kv_cache_groups(specs)
+    assert groups == get_kv_cache_groups(specs, bindings()) and len(groups) == 2
+
+    @attrs.frozen(kw_only=True)
+    class Registered(KVCacheSpec):
+        """A spec only the active container knows."""
+
+        @property
+        def page_size_bytes(self) -> int:
+            return 64
+
+    manager = kv_container.kv_cache_spec_bindings().get_manager_class(FULL)
+    KVCacheSpecRegistry.register(Registered, manager)
+    custom = {"a": Registered(block_size=16), "b": Registered(block_size=16)}
+    (group,) = get_kv_cache_groups(custom)               # found through the active container
+    assert group.layer_names == ("a", "b")
+    with pytest.raises(ValueError, match="Unsupported KV cache spec type for layer b"):
+        get_kv_cache_groups(custom, KVCacheSpecBindings())   # standalone: built-ins only
+
+
+def test_the_one_argument_form_uses_the_bindings_in_effect() -> None:
+    from app.kvcache.grouping import default_kv_cache_spec_bindings
+    from app.kvcache.specs import uniformity_bindings
+
+    own = KVCacheSpecBindings()
+    with uniformity_bindings(own):
+        assert default_kv_cache_spec_bindings() is own
+        assert get_kv_cache_groups({"a": FULL, "b": FULL}) == get_kv_cache_groups(
+            {"a": FULL, "b": FULL}, own)
+    with pytest.raises(TypeError, match="bindings must be KVCacheSpecBindings"):
+        get_kv_cache_groups({"a": FULL}, "bindings")  # type: ignore[arg-type]

@@ -150,3 +150,41 @@ def test_kit_on_cuda_without_cuda_says_so() -> None:
     # It was an AssertionError from torch ("Torch not compiled with CUDA enabled").
     with pytest.raises(ValueError, match="device 'cuda': CUDA is not available here"):
         run_decode_conformance(TorchSDPADecodeBackend, device="cuda")
+
+
+def test_both_kits_return_their_report_from_one_runner() -> None:
+    from app.backends.prefill.torch_sdpa import TorchSDPAPrefillBackend
+    from app.testing import (
+        CaseFailure,
+        ConformanceReport,
+        assert_conformance,
+        assert_decode_conformance,
+        run_cases,
+    )
+
+    decode = assert_decode_conformance(TorchSDPADecodeBackend, dtype=torch.float32,
+                                       num_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+                                       cases=["paged"])
+    prefill = assert_conformance(TorchSDPAPrefillBackend, dtype=torch.float32,
+                                 cases=["causal_new_tokens"])
+    for report in (decode, prefill):
+        assert isinstance(report, ConformanceReport) and report.passed
+
+    class Kit:
+        def good(self, errors: dict[str, float]) -> None:
+            errors["out"] = 1e-6
+
+        def wrong(self, errors: dict[str, float]) -> None:
+            raise CaseFailure("LSE in base 2")
+
+        def crashes(self, errors: dict[str, float]) -> None:
+            raise RuntimeError("kernel died")
+
+    report = run_cases(Kit(), ["good", "wrong", "crashes", "skipped"], backend="KIT",
+                       device=torch.device("cpu"), dtype=torch.float32,
+                       tolerances={"out": 1e-3, "lse": 1e-3}, skipped={"skipped": "why not"})
+    assert [(c.name, c.passed) for c in report.cases] == [
+        ("good", True), ("wrong", False), ("crashes", False), ("skipped", True)]
+    assert report.cases[1].message == "LSE in base 2"
+    assert (report.cases[2].message or "").startswith("raised RuntimeError: kernel died")
+    assert report.cases[3].skipped == "why not" and not report.passed

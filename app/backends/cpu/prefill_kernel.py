@@ -42,6 +42,7 @@ from app.backends.cpu.loader import (
     reset_native_libraries,
 )
 from app.backends.cpu.pool import run_shares
+from app.backends.cpu.scratch import thread_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -234,18 +235,11 @@ class NativePlan:
 
 #: Largest per-thread scratch buffer kept between calls (fresh pages cost page faults).
 SCRATCH_KEEP_BYTES = 256 << 20
-_thread_scratch = threading.local()
 
 
 def _scratch(floats: int) -> torch.Tensor:
-    """This thread's scratch of at least ``floats`` float32s, reused between calls."""
-    buf: torch.Tensor | None = getattr(_thread_scratch, "buf", None)
-    if buf is not None and buf.numel() >= floats:
-        return buf
-    buf = torch.empty(floats, dtype=torch.float32)
-    _thread_scratch.buf = buf if floats * 4 <= SCRATCH_KEEP_BYTES else None
-    return buf
-
+    """This thread's scratch of at least ``floats`` float32s (``cpu.scratch``)."""
+    return thread_scratch(floats, SCRATCH_KEEP_BYTES)
 
 
 # -- building and loading -----------------------------------------------------------------

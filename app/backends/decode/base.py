@@ -8,7 +8,8 @@ Decode attention runs in MLA's *absorbed* form over the paged latent cache (one 
   ``kv_cache_dtype``: row ``r`` of block ``b`` is one token's latent ``c_kv`` (first
   ``kv_lora_rank`` values, which are also the value) followed by its rope key,
 - ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` (given once per step
-  to ``prepare_metadata``): token ``t`` of request ``b`` is row ``t % block_size`` of block
+  to ``prepare_metadata``, as an ``MLADecodeMetadata`` or the three tensors themselves): token
+  ``t`` of request ``b`` is row ``t % block_size`` of block
   ``block_table[b, t // block_size]``; ``seq_lens[b]`` counts this step's ``query_len`` new
   tokens, which are already written to the cache,
 - output ``out [B, query_len, H, kv_lora_rank]`` in ``q``'s dtype, and with
@@ -21,10 +22,18 @@ logits are ``softmax_scale * k_scale * (q . k)`` and the output is
 ``k_scale * sum(p * c_kv)``: ``k_scale`` dequantises the cache (FP8), 1 when omitted. Every scale
 is an argument of every call; nothing is cached from an earlier call (a profiling run's
 placeholder scales must never leak into later calls).
+
+The base is the template, as the prefill base is for prefill: ``prepare_metadata(metadata)``
+checks the step once and calls the step hook ``_prepare_step``; ``run_decode`` checks every
+tensor and scale, takes ``out=`` (written after the kernel when it shares memory with an
+input), lays out the LSE and calls the kernel hook ``_run_decode``. ``forward_decode`` is the
+verb's old form (``return_lse=``, LSE ``[B, query_len, H]``), kept for callers written
+against it.
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,38 +43,40 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import (
+    FLOAT32_MAX,
     FLOAT32_TINY,
     MAX_ATTENTION_SCALE,
     check_int_at_least,
     is_int,
-    tensors_overlap,
 )
+from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
 from app.backends.declarations import (
     BackendDeclarations,
     DeclarationRule,
     collection_of,
     find_declaration_problems,
 )
-from app.backends.decode._checks import (
-    DecodeMetadata,
-    check_decode_inputs,
-    check_positive_scale,
-)
+from app.backends.decode.checks import check_decode_inputs
+from app.backends.decode.metadata import MAX_QUERY_LEN, DecodeMetadata, MLADecodeMetadata
 
 if TYPE_CHECKING:
     from app.backends.workspaces import WorkspaceSource
     from app.config import EngineConfig
 
-__all__ = ["DecodeMetadata", "MLADecodeBackend", "MLADecodeSelectorConfig"]
+__all__ = ["MAX_QUERY_LEN", "DecodeMetadata", "MLADecodeBackend", "MLADecodeMetadata",
+           "MLADecodeSelectorConfig"]
 
-#: The largest uniform query length the contract allows (multi-token prediction).
-MAX_QUERY_LEN = 16
+
+def _latent_pairs(value: object) -> bool:
+    return collection_of(lambda v: isinstance(v, tuple) and len(v) == 2
+                         and all(is_int(d) for d in v))(value)
 
 #: The decode declarations' types (``BackendDeclarations.declaration_problems``).
 _DECODE_DECLARATIONS: tuple[DeclarationRule, ...] = (
     ("supported_block_sizes", collection_of(is_int), "a tuple of ints (empty: any)"),
-    ("supported_head_dims", collection_of(
-        lambda v: isinstance(v, tuple) and len(v) == 2 and all(is_int(d) for d in v)),
+    ("supported_mla_dimensions", collection_of(lambda v: isinstance(v, MLADimensions)),
+     "a tuple of MLADimensions (kv_lora_rank, qk_rope_head_dim; empty: any)"),
+    ("supported_head_dims", _latent_pairs,
      "a tuple of (kv_lora_rank, qk_rope_head_dim) int pairs (empty: any)"),
     ("max_query_len", is_int, "an int"),
 )
@@ -118,21 +129,27 @@ class MLADecodeBackend(BackendDeclarations):
 
     **Class declarations** (what the selector reads): those of ``BackendDeclarations`` (name,
     ``supported_dtypes`` (cache dtypes), ``compute_capabilities``, ``probe``,
-    ``install_hint``); ``supported_block_sizes`` (empty = any); ``supported_head_dims``
-    (``(kv_lora_rank, qk_rope_head_dim)`` pairs, empty = any; ``supports_mla_dimensions(dims)``
-    reads them); ``max_query_len``; ``validate_configuration`` lists every reason it cannot
-    run.
+    ``install_hint``); ``supported_block_sizes`` (empty = any); ``supported_mla_dimensions``
+    (``MLADimensions(kv_lora_rank=..., qk_rope_head_dim=...)``, empty = any, as prefill declares
+    its own; ``supports_mla_dimensions(dims)`` reads them; the old ``supported_head_dims``
+    pairs still work, deprecated); ``max_query_len``; ``validate_configuration`` lists every
+    reason it cannot run.
 
     **Instance API**: ``__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim,
     kv_cache_dtype, *, device_capability=None, workspaces=None)``;
-    ``prepare_metadata(block_table, seq_lens, query_len)`` once per step (``block_table`` int32
+    ``prepare_metadata(metadata)`` once per step (an ``MLADecodeMetadata``:
+    ``MLADecodeMetadata.build(block_table, seq_lens, query_len)``, ``block_table`` int32
     ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` counting the step's new tokens,
-    ``query_len`` an int 1..16 or one equal length per request); ``run_decode(q, kv_cache, *,
+    ``query_len`` an int 1..16 or one equal length per request; or, as a convenience, those
+    three themselves: ``prepare_metadata(block_table, seq_lens, query_len)``), then the step
+    hook ``_prepare_step(metadata)`` (plan kernels; the old name ``_plan`` still works,
+    deprecated); ``run_decode(q, kv_cache, *,
     return_softmax_lse=False, out=None, k_scale=None, softmax_scale=None)`` per layer:
     ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]``,
     ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` -> ``out [B,
     query_len, H, kv_lora_rank]`` (q's dtype), or ``(out, lse)`` with ``lse [H, B, query_len]``
-    float32 natural log. Semantics are in the module docstring.
+    float32 natural log (``forward_decode(q, kv_cache, out=None, return_lse=False)``: the same
+    with the old LSE layout ``[B, query_len, H]``). Semantics are in the module docstring.
 
     The base checks everything before a subclass's ``_run_decode`` sees it: a non-uniform
     batch, a block table narrower than ``seq_lens`` needs, a block id out of range, a cache of
@@ -145,15 +162,42 @@ class MLADecodeBackend(BackendDeclarations):
     supported_dtypes: ClassVar[Sequence[torch.dtype]] = (torch.float16, torch.bfloat16)
     #: Cache block sizes the kernels accept; empty means any.
     supported_block_sizes: ClassVar[Sequence[int]] = ()
-    #: ``(kv_lora_rank, qk_rope_head_dim)`` pairs the kernels accept; empty means any.
+    #: MLA dimensions the kernels accept (``kv_lora_rank`` and ``qk_rope_head_dim`` are
+    #: read); empty means any.
+    supported_mla_dimensions: ClassVar[Sequence[MLADimensions]] = ()
+    #: The same as ``(kv_lora_rank, qk_rope_head_dim)`` pairs: kept in step with
+    #: ``supported_mla_dimensions`` (declaring it instead is deprecated).
     supported_head_dims: ClassVar[Sequence[tuple[int, int]]] = ()
     #: The largest uniform query length per request.
     max_query_len: ClassVar[int] = MAX_QUERY_LEN
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "_plan" in own:
+            warnings.warn(f"{cls.__qualname__}._plan: the step hook is named _prepare_step "
+                          f"now, for decode and prefill alike; _plan is still called, for now",
+                          DeprecationWarning, stacklevel=3)
+        if "supported_head_dims" in own and "supported_mla_dimensions" not in own:
+            warnings.warn(f"{cls.__qualname__}.supported_head_dims: declare "
+                          f"supported_mla_dimensions = (MLADimensions(kv_lora_rank=..., "
+                          f"qk_rope_head_dim=...), ...) instead, as prefill does; "
+                          f"supported_head_dims still works, for now", DeprecationWarning,
+                          stacklevel=3)
+            if _latent_pairs(own["supported_head_dims"]):  # else declaration_problems says so
+                cls.supported_mla_dimensions = tuple(
+                    MLADimensions(kv_lora_rank=rank, qk_rope_head_dim=rope)
+                    for rank, rope in own["supported_head_dims"])
+        elif "supported_mla_dimensions" in own and collection_of(
+                lambda v: isinstance(v, MLADimensions))(own["supported_mla_dimensions"]):
+            cls.supported_head_dims = tuple(d.latent_head_dims
+                                            for d in own["supported_mla_dimensions"])
+
     @classmethod
     def declaration_problems(cls) -> list[str]:
         """The base's problems, then those of ``supported_block_sizes``,
-        ``supported_head_dims`` and ``max_query_len``."""
+        ``supported_mla_dimensions`` (or the old ``supported_head_dims``) and
+        ``max_query_len``."""
         return (super().declaration_problems()
                 + find_declaration_problems(cls, _DECODE_DECLARATIONS))
 
@@ -165,9 +209,10 @@ class MLADecodeBackend(BackendDeclarations):
 
     @classmethod
     def supports_mla_dimensions(cls, dims: MLADimensions) -> bool:
-        """Whether ``dims.latent_head_dims`` (``(kv_lora_rank, qk_rope_head_dim)``) is in
-        ``supported_head_dims`` (always, when that is empty)."""
-        return not cls.supported_head_dims or dims.latent_head_dims in cls.supported_head_dims
+        """Whether ``dims.latent_head_dims`` (``(kv_lora_rank, qk_rope_head_dim)``, what decode
+        reads) is one of ``supported_mla_dimensions``' (always, when that is empty)."""
+        return not cls.supported_mla_dimensions or dims.latent_head_dims in {
+            d.latent_head_dims for d in cls.supported_mla_dimensions}
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
@@ -189,7 +234,8 @@ class MLADecodeBackend(BackendDeclarations):
         rank, rope = selector_config.kv_lora_rank, selector_config.qk_rope_head_dim
         dimensions: list[str] = []
         if not cls.supports_mla_dimensions(selector_config.mla_dimensions):
-            supported = ", ".join(f"({r}, {p})" for r, p in cls.supported_head_dims)
+            supported = ", ".join(f"({d.kv_lora_rank}, {d.qk_rope_head_dim})"
+                                  for d in cls.supported_mla_dimensions)
             dimensions.append(f"MLA dimensions (kv_lora_rank, qk_rope_head_dim) = ({rank}, "
                               f"{rope}) not supported (supported: {supported})")
         block_size: list[str] = []
@@ -226,14 +272,14 @@ class MLADecodeBackend(BackendDeclarations):
             raise TypeError(f"{name}: device_capability must be a DeviceCapability or None, "
                             f"got {device_capability!r}")
         self.num_heads = num_heads
-        self.scale = check_positive_scale(f"{name}: scale", scale)
+        self.scale = check_attention_scale(name, "scale", scale)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_cache_dtype = kv_cache_dtype
         self.device_capability = device_capability
         self.workspaces = workspaces
-        self._metadata: DecodeMetadata | None = None
+        self._metadata: MLADecodeMetadata | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -251,23 +297,49 @@ class MLADecodeBackend(BackendDeclarations):
         return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
                    qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype, **extra)
 
-    def prepare_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                         query_len: int | Sequence[int] | torch.Tensor) -> None:
-        """Take the step's layout (checked here, once per step, reused by every layer).
+    def prepare_metadata(self, metadata: MLADecodeMetadata | torch.Tensor | None = None,
+                         seq_lens: torch.Tensor | None = None,
+                         query_len: int | Sequence[int] | torch.Tensor | None = None, *,
+                         block_table: torch.Tensor | None = None) -> None:
+        """Take the step's layout (checked here, once per step, reused by every layer), then
+        ``_prepare_step`` (kernel plans).
 
-        ``block_table`` int32 ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` (including the
-        step's new tokens, ``>= query_len``), ``query_len`` uniform in 1..``max_query_len``.
-        Subclasses that plan kernels override ``_plan`` (called with the checked metadata)."""
-        meta = DecodeMetadata.build(f"{type(self).__name__}.prepare_metadata", block_table,
-                                    seq_lens, query_len, self.max_query_len)
-        self._plan(meta)
-        self._metadata = meta
+        ``metadata``: an ``MLADecodeMetadata`` (``MLADecodeMetadata.build(block_table,
+        seq_lens, query_len)``); its ``query_len`` must be at most this backend's
+        ``max_query_len``. Or, as before, the three themselves: ``prepare_metadata(block_table,
+        seq_lens, query_len)`` (``block_table`` int32 ``[B, max_blocks]``, ``seq_lens`` int32
+        ``[B]`` including the step's new tokens, ``query_len`` uniform in
+        1..``max_query_len``). A step refused by the checks leaves the previous one in place;
+        one whose plans fail leaves no step."""
+        what = f"{type(self).__name__}.prepare_metadata"
+        if isinstance(metadata, MLADecodeMetadata):
+            if seq_lens is not None or query_len is not None or block_table is not None:
+                raise TypeError(f"{what}: pass an MLADecodeMetadata alone, or block_table, "
+                                f"seq_lens and query_len (not both)")
+            step = metadata.check_step(what, self.max_query_len)
+        else:
+            if block_table is not None and metadata is not None:
+                raise TypeError(f"{what}: block_table given twice (positionally and by name)")
+            step = MLADecodeMetadata.build(
+                metadata if block_table is None else block_table, seq_lens, query_len,
+                max_query_len=self.max_query_len, what=what)
+        self._metadata = step
+        try:
+            self._prepare_step(step)
+        except BaseException:
+            self._metadata = None
+            raise
 
-    def _plan(self, metadata: DecodeMetadata) -> None:
-        """Hook: plan kernels for the step (default: nothing)."""
+    def _prepare_step(self, metadata: MLADecodeMetadata) -> None:
+        """Hook: plan kernels for the step, from its checked metadata (default: the
+        deprecated ``_plan``, which does nothing)."""
+        self._plan(metadata)
+
+    def _plan(self, metadata: MLADecodeMetadata) -> None:
+        """The step hook's old name (deprecated: override ``_prepare_step``)."""
 
     @property
-    def metadata(self) -> DecodeMetadata:
+    def metadata(self) -> MLADecodeMetadata:
         """The metadata of the current step (``ValueError`` before ``prepare_metadata``)."""
         if self._metadata is None:
             raise ValueError(f"{type(self).__name__}: call prepare_metadata() before "
@@ -290,17 +362,41 @@ class MLADecodeBackend(BackendDeclarations):
         ``merge_attn_states`` takes it as is. ``softmax_scale`` defaults to the constructor's
         ``scale``; ``k_scale`` (cache dequantisation) to 1. Both are read on every call."""
         what = f"{type(self).__name__}.run_decode"
+        check_return_flag(what, "return_softmax_lse", return_softmax_lse)
+        target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale,
+                                   return_softmax_lse)
+        if lse is None:
+            return target
+        return target, lse.permute(2, 0, 1).contiguous()
+
+    def forward_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                       out: torch.Tensor | None = None, return_lse: bool = False, *,
+                       k_scale: float | torch.Tensor | None = None,
+                       softmax_scale: float | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``run_decode`` in its old form (the verb TokenSpeed's vLLM backend names): the same
+        checks and result, ``return_lse`` for ``return_softmax_lse``, and the LSE token-major,
+        ``[B, query_len, H]`` float32 natural log (contiguous)."""
+        what = f"{type(self).__name__}.forward_decode"
+        check_return_flag(what, "return_lse", return_lse)
+        target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale, return_lse)
+        return target if lse is None else (target, lse)
+
+    def _decode(self, what: str, q: torch.Tensor, kv_cache: torch.Tensor,
+                out: torch.Tensor | None, softmax_scale: object, k_scale: object,
+                want_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template of both verbs: checks, scales, ``out=``, the kernel hook. Returns
+        ``(out, lse [B, query_len, H] or None)``."""
         meta = self.metadata
-        scale = check_positive_scale(f"{what}: softmax_scale",
-                                     self.scale if softmax_scale is None else softmax_scale)
-        kscale = 1.0 if k_scale is None else check_positive_scale(f"{what}: k_scale", k_scale)
+        scale = check_attention_scale(
+            what, "softmax_scale", self.scale if softmax_scale is None else softmax_scale,
+            upper=FLOAT32_MAX, tensor_ok=True)
+        kscale = 1.0 if k_scale is None else check_attention_scale(
+            what, "k_scale", k_scale, upper=FLOAT32_MAX, tensor_ok=True)
         if not FLOAT32_TINY <= scale * kscale <= MAX_ATTENTION_SCALE:
             raise ValueError(f"{what}: softmax_scale * k_scale must be in [{FLOAT32_TINY:.4g}, "
                              f"{MAX_ATTENTION_SCALE:.4g}] (the kernels multiply q by it, and by "
                              f"log2(e), in float32), got {scale * kscale!r}")
-        if not isinstance(return_softmax_lse, bool):
-            raise TypeError(f"{what}: return_softmax_lse must be a bool, got "
-                            f"{return_softmax_lse!r}")
         check_decode_inputs(what, meta, q, kv_cache, out, num_heads=self.num_heads,
                             kv_lora_rank=self.kv_lora_rank,
                             qk_rope_head_dim=self.qk_rope_head_dim,
@@ -310,24 +406,19 @@ class MLADecodeBackend(BackendDeclarations):
         q, kv_cache = q.resolve_neg(), kv_cache.resolve_neg()
         # An out= that shares memory with q or the cache is written after the kernel, never
         # during it (the kernel would read its own output).
-        target = out if out is not None and out.is_contiguous() and not out.is_neg() and not \
-            tensors_overlap(out, q) and not tensors_overlap(out, kv_cache) else torch.empty(
-            shape, dtype=q.dtype, device=q.device)
-        # Kernels write the LSE token-major (next to their output rows); it is handed out
-        # head-major.
-        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device) \
-            if return_softmax_lse else None
+        target = out if out is not None and writes_in_place(out, (q, kv_cache)) else \
+            torch.empty(shape, dtype=q.dtype, device=q.device)
+        # Kernels write the LSE token-major (next to their output rows).
+        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device) if want_lse else None
         if meta.batch:
             self._run_decode(meta, q, kv_cache, target, lse, scale, kscale)
         if out is not None and target is not out:
             out.copy_(target)
             target = out
-        if lse is None:
-            return target
-        return target, lse.permute(2, 0, 1).contiguous()
+        return target, lse
 
     @abstractmethod
-    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:
         """Run the kernel on checked inputs (B >= 1): write ``out [B, query_len, H,

@@ -39,9 +39,7 @@ a GPU in this project's CI; see docs/gpu-results.md.
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -49,7 +47,6 @@ import torch
 
 from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
-from app.backends.decode._checks import DecodeMetadata
 from app.backends.decode._gpu import (
     check_query_dtype,
     check_workspaces,
@@ -57,7 +54,15 @@ from app.backends.decode._gpu import (
     quantize_query_fp8,
 )
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.backends.prefill.flashinfer import INSTALL_HINT
+from app.backends.decode.metadata import MLADecodeMetadata
+from app.backends.vendors import (
+    FLASHINFER_CAPABILITIES,
+    FLASHINFER_INSTALL_HINT,
+    FLASHINFER_PACKAGE,
+    TRTLLM_GEN_MLA_CAPABILITIES,
+    FlashInferMLAKernels,
+    probe_flashinfer_mla,
+)
 from app.backends.workspaces import WorkspaceSource
 
 if TYPE_CHECKING:
@@ -77,8 +82,6 @@ __all__ = [
 ]
 
 TRTLLM_GEN, FA3, FA2 = "trtllm-gen", "fa3", "fa2"
-#: The Blackwell GPUs trtllm-gen ships MLA cubins for (fmhaKernels.cuh:67 isSMCompatible).
-_TRTLLM_GEN_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 #: Cache block sizes trtllm-gen MLA decode accepts (flashinfer/mla/_core.py:4409).
 TRTLLM_GEN_BLOCK_SIZES = (32, 64)
 #: Head counts trtllm-gen MLA decode refuses (flashinfer/mla/_core.py:4402).
@@ -98,29 +101,8 @@ WORKSPACE_TRTLLM_GEN, WORKSPACE_WRAPPER = "flashinfer_mla.trtllm_gen", "flashinf
 _QK_NOPE_HEAD_DIM = 128
 
 
-@attrs.frozen
-class FlashInferMLAKernels:
-    """The flashinfer entry points this backend calls (tests pass stand-ins)."""
-
-    #: ``flashinfer.mla.BatchMLAPagedAttentionWrapper``.
-    wrapper_cls: Any
-    #: ``flashinfer.mla.MLAPlanMetadata`` (its ``csr`` constructor).
-    plan_metadata: Any
-    #: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla``.
-    trtllm_decode: Callable[..., Any]
-
-
-@functools.cache
-def _probe() -> FlashInferMLAKernels | None:
-    """flashinfer's MLA decode entry points, or None when they do not import."""
-    try:
-        from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-    except Exception:  # any import-time failure means "not available"
-        return None
-    return FlashInferMLAKernels(wrapper_cls=BatchMLAPagedAttentionWrapper,
-                                plan_metadata=MLAPlanMetadata,
-                                trtllm_decode=trtllm_batch_decode_with_kv_cache_mla)
+#: flashinfer's MLA decode entry points, or None (``app.backends.vendors``; tests swap it here).
+_probe = probe_flashinfer_mla
 
 
 def trtllm_gen_workspace_bytes(batch: int, query_len: int, num_heads: int,
@@ -151,8 +133,7 @@ def causal_tiles_fit(num_heads: int, query_len: int) -> bool:
 def decode_kernel_for(capability: DeviceCapability, num_heads: int) -> str:
     """The flashinfer kernel for a GPU and head count: trtllm-gen (Blackwell, unless 65..127
     heads), fa3 (SM90), fa2 (everything else from SM80)."""
-    cap = (capability.major, capability.minor)
-    if cap in _TRTLLM_GEN_CAPABILITIES and num_heads not in _TRTLLM_GEN_HEAD_GAP:
+    if capability in TRTLLM_GEN_MLA_CAPABILITIES and num_heads not in _TRTLLM_GEN_HEAD_GAP:
         return TRTLLM_GEN
     return FA3 if capability.major == 9 else FA2
 
@@ -173,18 +154,18 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         torch.float16, torch.bfloat16, torch.float8_e4m3fn)
     #: Any block size for fa2/fa3; trtllm-gen narrows it (``block_sizes_for``).
     supported_block_sizes: ClassVar[tuple[int, ...]] = ()
-    supported_head_dims: ClassVar[tuple[tuple[int, int], ...]] = ((512, 64),)
+    supported_mla_dimensions: ClassVar[tuple[MLADimensions, ...]] = (
+        MLADimensions(kv_lora_rank=512, qk_rope_head_dim=64),)
     requires_device_capability: ClassVar[bool] = True
     #: Whether the kernels need CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
 
     #: SM80 and newer (fa2); SM90 runs fa3, Blackwell trtllm-gen.
-    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
-        minimum=DeviceCapability(8, 0))
+    compute_capabilities: ClassVar[ComputeCapabilities] = FLASHINFER_CAPABILITIES
     #: flashinfer's MLA decode entry points (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
-    kernel_package: ClassVar[str | None] = "flashinfer"
-    install_hint: ClassVar[str] = INSTALL_HINT
+    kernel_package: ClassVar[str | None] = FLASHINFER_PACKAGE
+    install_hint: ClassVar[str] = FLASHINFER_INSTALL_HINT
 
     @classmethod
     def block_sizes_for(cls, device_capability: DeviceCapability, num_heads: int
@@ -298,7 +279,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
 
     # -- the plan (fa2 / fa3) ------------------------------------------------------------
 
-    def _plan(self, metadata: DecodeMetadata) -> None:
+    def _prepare_step(self, metadata: MLADecodeMetadata) -> None:
         """A new step: drop the previous plan, and plan now when block size and device are
         known (the first layer's call plans otherwise)."""
         with self._lock:
@@ -309,7 +290,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             self._ensure_plan(metadata, device, self.block_size, self.query_dtypes()[0],
                               self.scale)
 
-    def csr_metadata(self, metadata: DecodeMetadata, page_size: int
+    def csr_metadata(self, metadata: MLADecodeMetadata, page_size: int
                      ) -> dict[str, torch.Tensor]:
         """The step as host int32 CSR page metadata: ``qo_indptr [B+1]`` (query_len rows per
         request), ``kv_indptr [B+1]`` (pages), ``kv_indices`` (each request's live pages, in
@@ -326,7 +307,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             "kv_len_arr": metadata.seq_lens_cpu.to(torch.int32).contiguous(),
         }
 
-    def plan_kwargs(self, metadata: DecodeMetadata, page_size: int, q_dtype: torch.dtype,
+    def plan_kwargs(self, metadata: MLADecodeMetadata, page_size: int, q_dtype: torch.dtype,
                     sm_scale: float, kernels: FlashInferMLAKernels) -> dict[str, Any]:
         """The keyword arguments of ``BatchMLAPagedAttentionWrapper.plan`` for the step."""
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
@@ -342,7 +323,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             "scale_mode": "kv-per-tensor" if fp8 else "default",
         }
 
-    def _ensure_plan(self, metadata: DecodeMetadata, device: torch.device, page_size: int,
+    def _ensure_plan(self, metadata: MLADecodeMetadata, device: torch.device, page_size: int,
                      q_dtype: torch.dtype, sm_scale: float) -> Any:
         key = _PlanKey(device, page_size, q_dtype, sm_scale)
         with self._lock:
@@ -375,7 +356,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             kwargs.update(ckv_scale=k_scale, kpe_scale=k_scale)
         return kwargs
 
-    def trtllm_kwargs(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def trtllm_kwargs(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor | None,
                       bmm1_scale: float | torch.Tensor, bmm2_scale: float | torch.Tensor
                       ) -> dict[str, Any]:
@@ -395,7 +376,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             "return_lse": lse is not None, "return_lse_base": "basee",
         }
 
-    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:
         what = f"{type(self).__name__}.run_decode"
@@ -410,7 +391,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         else:
             self._run_wrapper(metadata, q, kv_cache, out, lse, softmax_scale, k_scale)
 
-    def _run_trtllm(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_trtllm(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:
         bmm1: float | torch.Tensor = softmax_scale * k_scale
@@ -428,7 +409,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         self._kernels().trtllm_decode(**self.trtllm_kwargs(metadata, q, kv_cache, out, lse,
                                                            bmm1, bmm2))
 
-    def _run_wrapper(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_wrapper(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                      k_scale: float) -> None:
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn

@@ -37,15 +37,13 @@ docs/gpu-results.md.
 
 from __future__ import annotations
 
-import functools
 import threading
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
-from app.backends.decode._checks import DecodeMetadata
 from app.backends.decode._gpu import (
     base2_to_natural,
     check_query_dtype,
@@ -54,11 +52,14 @@ from app.backends.decode._gpu import (
     quantize_query_fp8,
 )
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
-from app.backends.prefill.tokenspeed_mla import INSTALL_HINT, SUPPORTED_CAPABILITIES
+from app.backends.decode.metadata import MLADecodeMetadata
+from app.backends.vendors import (
+    TOKENSPEED_CAPABILITIES,
+    TOKENSPEED_INSTALL_HINT,
+    TOKENSPEED_PACKAGE,
+    probe_tokenspeed_mla,
+)
 from app.backends.workspaces import WorkspaceSource
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "MAX_HEADS",
@@ -75,15 +76,8 @@ _M_TILE, _MAX_SPLIT_KV = 128, 64
 WORKSPACE_NAME = "tokenspeed_mla.decode"
 
 
-@functools.cache
-def _probe() -> ModuleType | None:
-    """The tokenspeed_mla module, or None when it (or its CUDA/CuTe stack) does not import."""
-    try:
-        import tokenspeed_mla
-    except Exception:  # any import-time failure means "not available"
-        return None
-    module: ModuleType = tokenspeed_mla
-    return None if hasattr(module, "_IMPORT_ERROR") else module
+#: The tokenspeed_mla module, or None (``app.backends.vendors``; tests swap it here).
+_probe = probe_tokenspeed_mla
 
 
 def tokenspeed_workspace_bytes(batch: int, query_len: int, num_heads: int, kv_lora_rank: int,
@@ -109,17 +103,18 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         torch.float16, torch.bfloat16, torch.float8_e4m3fn)
     #: Divisors of the kernel's 128-key tile, except 1 (mla_decode_fp16.py:3990).
     supported_block_sizes: ClassVar[tuple[int, ...]] = (2, 4, 8, 16, 32, 64, 128)
-    supported_head_dims: ClassVar[tuple[tuple[int, int], ...]] = ((512, 64),)
+    supported_mla_dimensions: ClassVar[tuple[MLADimensions, ...]] = (
+        MLADimensions(kv_lora_rank=512, qk_rope_head_dim=64),)
     requires_device_capability: ClassVar[bool] = True
     #: Whether the kernel needs CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
 
     #: SM100, SM103 and SM107, as prefill (mla_helpers.get_mla_decode_arch).
-    compute_capabilities: ClassVar[ComputeCapabilities] = SUPPORTED_CAPABILITIES
+    compute_capabilities: ClassVar[ComputeCapabilities] = TOKENSPEED_CAPABILITIES
     #: tokenspeed-mla and its CuTe-DSL runtime (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
-    kernel_package: ClassVar[str | None] = "tokenspeed_mla"
-    install_hint: ClassVar[str] = INSTALL_HINT
+    kernel_package: ClassVar[str | None] = TOKENSPEED_PACKAGE
+    install_hint: ClassVar[str] = TOKENSPEED_INSTALL_HINT
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
@@ -174,7 +169,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
                 self._num_sms[device] = count
             return count
 
-    def workspace_bytes(self, metadata: DecodeMetadata, device: torch.device) -> int:
+    def workspace_bytes(self, metadata: MLADecodeMetadata, device: torch.device) -> int:
         """What the step's batch and query_len need (``tokenspeed_workspace_bytes``)."""
         if metadata.batch == 0:
             return 0
@@ -186,14 +181,14 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         asserts (``mla_decode.py:1019``)."""
         return self.workspaces.get(WORKSPACE_NAME, nbytes, device).view(torch.int8)
 
-    def _plan(self, metadata: DecodeMetadata) -> None:
+    def _prepare_step(self, metadata: MLADecodeMetadata) -> None:
         """Grow the workspace for the step now when its device is known (else at the first
         layer's call; either way once per step, before any launch)."""
         device = metadata.block_table.device
         if metadata.batch and (device.type == "cuda" or not self.requires_cuda):
             self.workspace(device, self.workspace_bytes(metadata, device))
 
-    def decode_kwargs(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def decode_kwargs(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                       out: torch.Tensor, workspace: torch.Tensor, softmax_scale: float,
                       output_scale: float) -> dict[str, Any]:
         """The keyword arguments of ``tokenspeed_mla_decode`` for one call: ``q [B,
@@ -209,7 +204,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
             "enable_pdl": False, "return_lse": True,
         }
 
-    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:
         what = f"{type(self).__name__}.run_decode"

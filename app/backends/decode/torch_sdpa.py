@@ -14,7 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from app.backends.decode.base import DecodeMetadata, MLADecodeBackend
+from app.backends.decode.base import MLADecodeBackend
+from app.backends.decode.metadata import MLADecodeMetadata
 
 __all__ = ["TorchSDPADecodeBackend", "decode_one_request"]
 
@@ -63,7 +64,7 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
 
-    def _run_decode(self, metadata: DecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:
         block_size = int(kv_cache.shape[1])

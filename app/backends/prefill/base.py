@@ -1,4 +1,5 @@
-"""The MLA prefill backend contract: ``MLAPrefillBackend`` and its metadata.
+"""The MLA prefill backend contract: ``MLAPrefillBackend``, the template every prefill backend
+runs through.
 
 Prefill attention after MLA's latent up-projection is ragged multi-head attention:
 
@@ -11,31 +12,45 @@ Prefill attention after MLA's latent up-projection is ragged multi-head attentio
 
 New tokens attend causally (bottom-right aligned when ``q_len != kv_len``); each chunk of cached
 context is attended without a mask, and the partial results are merged by LSE.
+
+The base is the template, as the decode base is for decode: ``prepare_metadata(metadata)`` checks
+the step's ``cu_seqlens`` once (``StepLayouts``) and calls the step hook ``_prepare_step``;
+``run_prefill_new_tokens`` / ``run_prefill_context_chunk`` check every tensor against the step
+(``check_attention_inputs``), take ``out=`` (written after the kernel when it shares memory with
+an input), allocate the ``[H, T]`` LSE, handle empty batches, call the kernel hook
+``_run_prefill`` and give rows that see no key out 0 and LSE ``-inf``. A subclass implements
+``_run_prefill``. One that implements the run verbs themselves instead (how the README showed
+it before) still works and is checked the same way: its verbs are wrapped when the class is
+made, so the checks and the ``out=`` and LSE rules run around them.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+import threading
+import warnings
 from abc import abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import (
-    FLOAT32_TINY,
-    INT32_MAX,
-    MAX_ATTENTION_SCALE,
-    check_int_at_least,
-    is_int,
-)
+from app._validation import check_int_at_least, is_int
+from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
 from app.backends.declarations import (
     BackendDeclarations,
     DeclarationRule,
     collection_of,
     find_declaration_problems,
+)
+from app.backends.prefill.checks import check_attention_inputs, empty_rows_mask, zero_empty_rows
+from app.backends.prefill.metadata import (
+    ContextChunkMetadata,
+    MLAPrefillMetadata,
+    RaggedLayout,
+    StepLayouts,
 )
 
 if TYPE_CHECKING:
@@ -48,9 +63,8 @@ __all__ = [
     "MLAPrefillBackend",
     "MLAPrefillMetadata",
     "MLAPrefillSelectorConfig",
+    "StepCache",
 ]
-
-
 
 #: DeepSeek R1's (and V3's) prefill dimensions.
 R1_MLA_DIMENSIONS = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
@@ -78,92 +92,34 @@ class MLAPrefillSelectorConfig:
         return cls(dtype=config.model.dtype, mla_dimensions=config.model.mla_dimensions)
 
 
-def _cu_seqlens(lengths: Sequence[int], what: str) -> torch.Tensor:
-    for i, n in enumerate(lengths):
-        check_int_at_least(f"{what}[{i}]", n, 0)
-    # The prefix sums are int32 (the kernels' layout): refuse what would wrap around.
-    if sum(lengths) > INT32_MAX:
-        raise ValueError(f"{what}: {sum(lengths)} tokens in all; the int32 prefix sums hold at "
-                         f"most {INT32_MAX} (2**31 - 1)")
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
-    return cu
+_T = TypeVar("_T")
 
 
-@attrs.frozen
-class ContextChunkMetadata:
-    """One chunk of cached context, per request: ``cu_seqlens_kv [B+1]`` int32 prefix sums."""
+class StepCache:
+    """What a backend derives from one step's layouts and reuses in every layer: device copies
+    of lengths, masks, index tensors, kernel plans. Emptied by ``prepare_metadata``;
+    thread-safe (layers of one step may run on several threads)."""
 
-    cu_seqlens_kv: torch.Tensor
-    cu_seqlens_kv_cpu: torch.Tensor
-    max_seq_len_kv: int
-    total_kv: int
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, str], Any] = {}
+        self._lock = threading.Lock()
 
+    def get(self, layout: RaggedLayout, what: str, make: Callable[[], _T]) -> _T:
+        """The ``what`` of ``layout`` (one of this step's layouts), made on first use."""
+        key = (id(layout), what)
+        with self._lock:
+            if key in self._entries:
+                found: _T = self._entries[key]
+                return found
+        value = make()
+        with self._lock:
+            kept: _T = self._entries.setdefault(key, value)
+            return kept
 
-@attrs.frozen
-class MLAPrefillMetadata:
-    """The ragged layout of one prefill step, shared by every layer of the step.
-
-    ``cu_seqlens_q [B+1]`` int32: new tokens per request. ``cu_seqlens_kv_new [B+1]``: keys
-    each request's new tokens attend causally (equal to ``cu_seqlens_q`` unless built with
-    ``new_kv_lens``). ``context_chunks``: the chunks of cached context. Each tensor exists on
-    the device (for kernels) and on the host (``*_cpu``, read without a device sync).
-    """
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_q_cpu: torch.Tensor
-    max_query_len: int
-    total_q: int
-    cu_seqlens_kv_new: torch.Tensor
-    cu_seqlens_kv_new_cpu: torch.Tensor
-    max_new_kv_len: int
-    total_new_kv: int
-    context_chunks: tuple[ContextChunkMetadata, ...] = ()
-
-    @property
-    def num_requests(self) -> int:
-        """The batch size B."""
-        return int(self.cu_seqlens_q_cpu.numel()) - 1
-
-    @classmethod
-    def build(cls, query_lens: Sequence[int],
-              context_chunk_lens: Sequence[Sequence[int]] = (),
-              device: torch.device | str = "cpu",
-              new_kv_lens: Sequence[int] | None = None) -> MLAPrefillMetadata:
-        """Build from host lengths: ``query_lens[b]`` new tokens of request b, and for each
-        context chunk ``c``, ``context_chunk_lens[c][b]`` cached tokens of request b in it.
-
-        ``new_kv_lens[b]`` (default ``query_lens[b]``) lets the causal call see more keys than
-        queries (bottom-right aligned). Raises ``ValueError`` on negative or mismatched lengths.
-        """
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:   # torch's "Invalid device string"
-            raise ValueError(f"MLAPrefillMetadata.build: device must be a torch.device or a "
-                             f"device string ('cpu', 'cuda:0'), got {device!r}") from exc
-        cu_q_cpu = _cu_seqlens(query_lens, "query_lens")
-        batch = len(query_lens)
-        if new_kv_lens is None:
-            new_kv_lens = query_lens
-        if len(new_kv_lens) != batch:
-            raise ValueError(f"new_kv_lens has {len(new_kv_lens)} entries, expected {batch}")
-        cu_kv_cpu = _cu_seqlens(new_kv_lens, "new_kv_lens")
-        chunks = []
-        for c, lens in enumerate(context_chunk_lens):
-            if len(lens) != batch:
-                raise ValueError(f"context_chunk_lens[{c}] has {len(lens)} entries, "
-                                 f"expected {batch} (one per request)")
-            cu = _cu_seqlens(lens, f"context_chunk_lens[{c}]")
-            chunks.append(ContextChunkMetadata(
-                cu_seqlens_kv=cu.to(device), cu_seqlens_kv_cpu=cu,
-                max_seq_len_kv=max(lens, default=0), total_kv=int(cu[-1])))
-        return cls(
-            cu_seqlens_q=cu_q_cpu.to(device), cu_seqlens_q_cpu=cu_q_cpu,
-            max_query_len=max(query_lens, default=0), total_q=int(cu_q_cpu[-1]),
-            cu_seqlens_kv_new=cu_kv_cpu.to(device), cu_seqlens_kv_new_cpu=cu_kv_cpu,
-            max_new_kv_len=max(new_kv_lens, default=0), total_new_kv=int(cu_kv_cpu[-1]),
-            context_chunks=tuple(chunks))
+    def clear(self) -> None:
+        """Forget the previous step."""
+        with self._lock:
+            self._entries.clear()
 
 
 class MLAPrefillBackend(BackendDeclarations):
@@ -172,7 +128,9 @@ class MLAPrefillBackend(BackendDeclarations):
     A subclass declares what it supports with class attributes and classmethods; the selector
     asks ``validate_configuration`` for the reasons it cannot run (empty = valid). An instance
     is built once per layer shape, gets ``prepare_metadata`` once per step, and then runs the
-    causal new-token attention and one non-causal call per context chunk.
+    causal new-token attention and one non-causal call per context chunk. A subclass
+    implements ``_run_prefill`` (the kernel on checked inputs) and, to plan its kernels once per
+    step, ``_prepare_step``; see the module docstring for what the base does around them.
     """
 
     #: MLA dimensions the kernels accept; empty means any.
@@ -181,6 +139,14 @@ class MLAPrefillBackend(BackendDeclarations):
     requires_r1_mla_dimensions: ClassVar[bool] = False
     #: Whether ``out=`` is honoured (the kernel writes in place).
     supports_out: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_on_prepare" in vars(cls):
+            warnings.warn(f"{cls.__qualname__}._on_prepare: the step hook is named "
+                          f"_prepare_step now, for prefill and decode alike; _on_prepare is "
+                          f"still called, for now", DeprecationWarning, stacklevel=3)
+        _check_own_verbs(cls)
 
     @classmethod
     def declaration_problems(cls) -> list[str]:
@@ -220,28 +186,20 @@ class MLAPrefillBackend(BackendDeclarations):
         backend (the container, from its platform; None on a CPU): a backend never asks
         ``torch.cuda`` for it at launch. ``workspaces``: the container's kernel workspaces
         (None: the backend makes its own when a kernel needs one)."""
+        name = type(self).__name__
         if device_capability is not None and not isinstance(device_capability, DeviceCapability):
-            raise TypeError(f"{type(self).__name__}: device_capability must be a "
-                            f"DeviceCapability or None, got {device_capability!r}")
-        for name, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
+            raise TypeError(f"{name}: device_capability must be a DeviceCapability or None, "
+                            f"got {device_capability!r}")
+        for what, value in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_nope_head_dim", qk_nope_head_dim),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim)):
-            check_int_at_least(f"{type(self).__name__}: {name}", value, 0)
+            check_int_at_least(f"{name}: {what}", value, 0)
         if num_heads < 1 or v_head_dim < 1 or qk_nope_head_dim + qk_rope_head_dim < 1:
-            raise ValueError(f"{type(self).__name__}: num_heads, v_head_dim and the qk head dim "
-                             f"must be >= 1, got {num_heads}, {v_head_dim}, "
+            raise ValueError(f"{name}: num_heads, v_head_dim and the qk head dim must be >= 1, "
+                             f"got {num_heads}, {v_head_dim}, "
                              f"{qk_nope_head_dim + qk_rope_head_dim}")
-        try:  # nan, inf, a bool, a huge int and a non-number all fail
-            scale_value = (math.nan if isinstance(scale, bool) or not isinstance(
-                scale, (int, float)) else float(scale))
-        except OverflowError:
-            scale_value = math.nan
-        if not FLOAT32_TINY <= scale_value <= MAX_ATTENTION_SCALE:
-            raise ValueError(f"{type(self).__name__}: scale must be a positive, finite float in "
-                             f"[{FLOAT32_TINY:.4g}, {MAX_ATTENTION_SCALE:.4g}] (the kernels "
-                             f"multiply by it, and by log2(e), in float32), got {scale!r}")
+        self.scale = check_attention_scale(name, "scale", scale)
         self.num_heads = num_heads
-        self.scale = scale_value
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -251,6 +209,9 @@ class MLAPrefillBackend(BackendDeclarations):
         self.device_capability = device_capability
         self.workspaces = workspaces
         self._metadata: MLAPrefillMetadata | None = None
+        self._layouts: StepLayouts | None = None
+        #: Derived from the current step's layouts, shared by every layer of the step.
+        self._step_cache = StepCache()
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -269,9 +230,35 @@ class MLAPrefillBackend(BackendDeclarations):
                    qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                    v_head_dim=m.v_head_dim, config=config, **extra)
 
+    # -- the step ----------------------------------------------------------------------------
+
     def prepare_metadata(self, prefill_metadata: MLAPrefillMetadata) -> None:
-        """Take the step's layout; backends plan their kernels here (once per step)."""
-        self._metadata = self._checked_metadata(prefill_metadata)
+        """Take the step's layout: check every ``cu_seqlens`` once, then ``_prepare_step``
+        (kernel plans, once per step). A step refused by the checks leaves the previous one in
+        place; one whose plans fail leaves no step (every run then asks for
+        ``prepare_metadata``)."""
+        layouts = self._take_step(prefill_metadata)
+        try:
+            self._prepare_step(layouts)
+        except BaseException:
+            self._metadata = self._layouts = None
+            raise
+
+    def _take_step(self, prefill_metadata: object) -> StepLayouts:
+        """Check the step's metadata and make it this backend's current step."""
+        metadata = self._checked_metadata(prefill_metadata)
+        layouts = StepLayouts.from_metadata(metadata, self._label())
+        self._metadata, self._layouts = metadata, layouts
+        self._step_cache.clear()
+        return layouts
+
+    def _prepare_step(self, layouts: StepLayouts) -> None:
+        """Hook: plan kernels for the step, from its checked layouts (default: the
+        deprecated ``_on_prepare``, which does nothing)."""
+        self._on_prepare(layouts)
+
+    def _on_prepare(self, layouts: StepLayouts) -> None:
+        """The step hook's old name (deprecated: override ``_prepare_step``)."""
 
     def _checked_metadata(self, prefill_metadata: object) -> MLAPrefillMetadata:
         """``prefill_metadata`` if it is an ``MLAPrefillMetadata``, else ``TypeError``."""
@@ -295,18 +282,41 @@ class MLAPrefillBackend(BackendDeclarations):
                              f"[0, {len(chunks)}), got {chunk!r}")
         return chunks[chunk]
 
-    @abstractmethod
+    def _step(self) -> StepLayouts:
+        """The current step's checked layouts (``ValueError`` before ``prepare_metadata``)."""
+        if self._layouts is None or self._metadata is None:
+            raise ValueError(f"{type(self).__name__}: call prepare_metadata() before running")
+        return self._layouts
+
+    def _label(self) -> str:
+        """The backend's name for messages (its class name when it declares none)."""
+        try:
+            return self.get_name()
+        except TypeError:
+            return type(self).__name__
+
+    # -- the run verbs (vLLM's) ----------------------------------------------------------------
+
     def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                return_softmax_lse: bool, out: torch.Tensor | None = None
                                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention of the new tokens.
+        """Causal attention of the new tokens (bottom-right aligned).
 
         ``q: [total_q, H, qk_head_dim]``, ``k: [total_new_kv, H, qk_head_dim]``,
-        ``v: [total_new_kv, H, v_head_dim]``. Returns ``out [total_q, H, v_head_dim]``, and
-        with ``return_softmax_lse`` also ``lse [H, total_q]`` float32, natural log.
+        ``v: [total_new_kv, H, v_head_dim]``. Returns ``out [total_q, H, v_head_dim]`` (written
+        into ``out=`` when given), and with ``return_softmax_lse`` also ``lse [H, total_q]``
+        float32, natural log.
         """
+        check_return_flag(f"{self._label()}.run_prefill_new_tokens", "return_softmax_lse",
+                          return_softmax_lse)
+        result, lse = self._run(-1, self._step().new_tokens, q, k, v, True, out,
+                                return_softmax_lse)
+        if not return_softmax_lse:
+            return result
+        if lse is None:  # pragma: no cover - _run allocates it when asked
+            raise RuntimeError("no LSE computed")
+        return result, lse
 
-    @abstractmethod
     def run_prefill_context_chunk(self, chunk: int, q: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, out: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +326,66 @@ class MLAPrefillBackend(BackendDeclarations):
         ``v: [chunk.total_kv, H, v_head_dim]``. Returns ``(out [total_q, H, v_head_dim],
         lse [H, total_q] float32 natural log)``; a request with an empty chunk gets LSE -inf.
         """
+        self.context_chunk(chunk)
+        result, lse = self._run(chunk, self._step().chunks[chunk], q, k, v, False, out, True)
+        if lse is None:  # pragma: no cover - _run allocates it when asked
+            raise RuntimeError("no LSE computed")
+        return result, lse
+
+    def _check_inputs(self, layout: RaggedLayout, q: object, k: object, v: object,
+                      out: object) -> None:
+        """Every check of one call's tensors against the step (``check_attention_inputs``)."""
+        check_attention_inputs(
+            self._label(), q, k, v, num_heads=self.num_heads, qk_head_dim=self.qk_head_dim,
+            v_head_dim=self.v_head_dim, total_q=layout.total_q, total_kv=layout.total_kv,
+            dtypes=self.supported_dtypes, device=layout.cu_q.device, out=out,
+            out_dtype=self._out_dtype(q.dtype) if isinstance(q, torch.Tensor) else None)
+
+    def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The output dtype for inputs of ``dtype`` (default: the same)."""
+        return dtype
+
+    def _run(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, causal: bool, out: torch.Tensor | None, want_lse: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template of both verbs: checks, ``out=``, the LSE, empty batches, the kernel
+        hook, rows that see no key. Returns ``(out, lse or None)``."""
+        self._check_inputs(layout, q, k, v, out)
+        # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
+        # An out= sharing memory with an input is written after the kernel, never during it.
+        result = out if out is not None and writes_in_place(out, (q, k, v)) else torch.empty(
+            layout.total_q, self.num_heads, self.v_head_dim, dtype=self._out_dtype(q.dtype),
+            device=q.device)
+        lse = (torch.empty(self.num_heads, layout.total_q, dtype=torch.float32, device=q.device)
+               if want_lse else None)
+        if layout.total_q == 0:
+            pass
+        elif layout.total_kv == 0:
+            result.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+        else:
+            self._run_prefill(call, layout, q, k, v, causal, result, lse)
+            zero_empty_rows(result, lse, self._empty_mask(layout, causal, q.device))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return result, lse
+
+    @abstractmethod
+    def _run_prefill(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
+                     ) -> None:
+        """Run the kernel on checked inputs (at least one query and one key): write ``out
+        [T, H, Dv]`` (contiguous, ``_out_dtype``) and, when given, ``lse [H, T]`` (contiguous
+        float32, natural log). ``call`` is -1 for the new tokens, else the context chunk index;
+        ``layout`` its checked lengths. Rows that see no key are fixed up after."""
+
+    def _empty_mask(self, layout: RaggedLayout, causal: bool,
+                    device: torch.device) -> torch.Tensor | None:
+        return self._step_cache.get(layout, f"empty-{causal}", lambda: empty_rows_mask(
+            layout.empty_rows(causal), layout.total_q, device))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_heads={self.num_heads}, "
@@ -326,3 +396,111 @@ class MLAPrefillBackend(BackendDeclarations):
         return {"name": self.get_name(), "class": f"{type(self).__module__}."
                 f"{type(self).__qualname__}", "num_heads": self.num_heads,
                 "qk_head_dim": self.qk_head_dim, "v_head_dim": self.v_head_dim}
+
+
+# -- a subclass that defines the verbs itself (the README's old way) ------------------------------
+
+def _check_own_verbs(cls: type[MLAPrefillBackend]) -> None:
+    """Wrap ``prepare_metadata`` and the run verbs that ``cls`` defines itself in the base's
+    checks (see the module docstring), and make a class whose run verbs are all its own
+    concrete (its ``_run_prefill`` is never called)."""
+    for name, wrap in (("prepare_metadata", _checked_prepare),
+                       ("run_prefill_new_tokens", _checked_new_tokens),
+                       ("run_prefill_context_chunk", _checked_context_chunk)):
+        own = vars(cls).get(name)
+        if callable(own) and not getattr(own, "_app_checked", False):
+            checked = wrap(own)
+            checked._app_checked = True  # type: ignore[attr-defined]
+            type.__setattr__(cls, name, checked)
+    base = MLAPrefillBackend
+    if (getattr(cls._run_prefill, "__isabstractmethod__", False)
+            and cls.run_prefill_new_tokens is not base.run_prefill_new_tokens
+            and cls.run_prefill_context_chunk is not base.run_prefill_context_chunk):
+        type.__setattr__(cls, "_run_prefill", _runs_its_own_verbs)
+
+
+def _runs_its_own_verbs(self: MLAPrefillBackend, *args: Any) -> None:
+    """``_run_prefill`` of a class whose run verbs are its own: never called by them."""
+    raise NotImplementedError(f"{type(self).__name__} defines run_prefill_new_tokens and "
+                              f"run_prefill_context_chunk itself: its _run_prefill is unused")
+
+
+_Verb = Callable[..., Any]
+
+
+def _checked_prepare(own: _Verb) -> _Verb:
+    @functools.wraps(own)
+    def prepare_metadata(self: MLAPrefillBackend, prefill_metadata: MLAPrefillMetadata,
+                         *args: Any, **kwargs: Any) -> Any:
+        self._take_step(prefill_metadata)
+        try:
+            return own(self, prefill_metadata, *args, **kwargs)
+        except BaseException:
+            self._metadata = self._layouts = None
+            raise
+    return prepare_metadata
+
+
+def _checked_new_tokens(own: _Verb) -> _Verb:
+    @functools.wraps(own)
+    def run_prefill_new_tokens(self: MLAPrefillBackend, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor, return_softmax_lse: bool,
+                               out: torch.Tensor | None = None, *args: Any, **kwargs: Any
+                               ) -> Any:
+        verb = "run_prefill_new_tokens"
+        want = check_return_flag(f"{self._label()}.{verb}", "return_softmax_lse",
+                                 return_softmax_lse)
+        layout = self._step().new_tokens
+        self._check_inputs(layout, q, k, v, out)
+        given = out if writes_in_place(out, (q, k, v)) else None
+        result = own(self, q, k, v, return_softmax_lse, given, *args, **kwargs)
+        return _own_result(self, verb, layout, True, result, want, out)
+    return run_prefill_new_tokens
+
+
+def _checked_context_chunk(own: _Verb) -> _Verb:
+    @functools.wraps(own)
+    def run_prefill_context_chunk(self: MLAPrefillBackend, chunk: int, q: torch.Tensor,
+                                  k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor | None = None, *args: Any, **kwargs: Any
+                                  ) -> Any:
+        self.context_chunk(chunk)
+        layout = self._step().chunks[chunk]
+        self._check_inputs(layout, q, k, v, out)
+        given = out if writes_in_place(out, (q, k, v)) else None
+        result = own(self, chunk, q, k, v, given, *args, **kwargs)
+        return _own_result(self, "run_prefill_context_chunk", layout, False, result, True, out)
+    return run_prefill_context_chunk
+
+
+def _own_result(backend: MLAPrefillBackend, verb: str, layout: RaggedLayout, causal: bool,
+                result: object, want_lse: bool, out: torch.Tensor | None) -> Any:
+    """What a subclass's own verb returned, held to the contract: ``out [T, H, Dv]`` (copied
+    into the caller's ``out=``), the LSE ``[H, T]`` float32 (contiguous), rows that see no key
+    out 0 and LSE ``-inf``; ``TypeError`` / ``ValueError`` naming the verb otherwise."""
+    who = f"{backend._label()}.{verb}"
+    got, lse = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+    want_out = [layout.total_q, backend.num_heads, backend.v_head_dim]
+    if not isinstance(got, torch.Tensor) or list(got.shape) != want_out:
+        raise TypeError(f"{who} returned {_describe(result)}; expected out {want_out}"
+                        f"{' and lse [H, T]' if want_lse else ''}")
+    if want_lse:
+        want_lse_shape = [backend.num_heads, layout.total_q]
+        if not isinstance(lse, torch.Tensor) or list(lse.shape) != want_lse_shape \
+                or lse.dtype != torch.float32:
+            raise TypeError(f"{who} returned {_describe(result)}; expected (out, lse) with "
+                            f"lse {want_lse_shape} float32 (natural log, head-major)")
+        lse = lse.contiguous()
+    if out is not None and got is not out:
+        out.copy_(got)
+        got = out
+    zero_empty_rows(got, lse, backend._empty_mask(layout, causal, got.device))
+    return (got, lse) if want_lse else got
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor {list(value.shape)}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__

@@ -19,8 +19,6 @@ this project's CI; see docs/gpu-results.md.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -28,31 +26,22 @@ import torch
 from app._types import ComputeCapabilities, DeviceCapability
 from app.backends.prefill.base import MLAPrefillSelectorConfig
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.vendors import (
+    FLASH_ATTN_4_MAJORS,
+    FLASH_ATTN_CAPABILITIES,
+    FLASH_ATTN_INSTALL_HINT,
+    FLASH_ATTN_PACKAGE,
+    probe_flash_attn_2,
+    probe_flash_attn_4,
+)
 
-__all__ = ["FlashAttnBackend", "flash_attn_variant_for"]
+__all__ = ["FlashAttnBackend", "FlashAttnPrefillBackend", "flash_attn_variant_for"]
 
 #: GPU major versions FA4's forward kernels cover for MLA shapes.
-_FA4_MAJORS = (9, 10, 11)
-
-
-@functools.cache
-def _probe_fa4() -> Callable[..., Any] | None:
-    """FA4's ``flash_attn.cute.flash_attn_varlen_func``, or None (monkeypatched in tests)."""
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except Exception:  # any import-time failure means "not available"
-        return None
-    return flash_attn_varlen_func  # type: ignore[no-any-return]
-
-
-@functools.cache
-def _probe_fa2() -> Callable[..., Any] | None:
-    """FA2's ``flash_attn.flash_attn_varlen_func``, or None (monkeypatched in tests)."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception:  # any import-time failure means "not available"
-        return None
-    return flash_attn_varlen_func  # type: ignore[no-any-return]
+_FA4_MAJORS = FLASH_ATTN_4_MAJORS
+#: FA4's and FA2's varlen functions, or None (``app.backends.vendors``; tests swap them here).
+_probe_fa4 = probe_flash_attn_4
+_probe_fa2 = probe_flash_attn_2
 
 
 def flash_attn_variant_for(capability: DeviceCapability) -> str | None:
@@ -64,7 +53,7 @@ def flash_attn_variant_for(capability: DeviceCapability) -> str | None:
     return None
 
 
-class FlashAttnBackend(RaggedKernelBackend):
+class FlashAttnPrefillBackend(RaggedKernelBackend):
     """FlashAttention varlen prefill (FA4 on SM90/SM100, FA2 with padded v on SM80+)."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
@@ -72,15 +61,12 @@ class FlashAttnBackend(RaggedKernelBackend):
     requires_device_capability: ClassVar[bool] = True
 
     #: SM80 (Ampere) and newer.
-    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
-        minimum=DeviceCapability(8, 0))
+    compute_capabilities: ClassVar[ComputeCapabilities] = FLASH_ATTN_CAPABILITIES
     #: flash-attn-4 (``flash_attn.cute``) or flash-attn 2 (late-bound: tests swap the
     #: module's probes).
     probe = staticmethod(lambda: _probe_fa4() or _probe_fa2())
-    kernel_package: ClassVar[str | None] = "flash_attn"
-    install_hint: ClassVar[str] = (
-        "neither flash-attn-4 (pip install --pre flash-attn-4, plus triton) nor flash-attn 2 "
-        "(pip install flash-attn, builds against CUDA) is installed")
+    kernel_package: ClassVar[str | None] = FLASH_ATTN_PACKAGE
+    install_hint: ClassVar[str] = FLASH_ATTN_INSTALL_HINT
 
     @classmethod
     def validate_configuration(cls, device_capability: DeviceCapability | None,
@@ -147,3 +133,7 @@ class FlashAttnBackend(RaggedKernelBackend):
             if lg is None:
                 raise RuntimeError(f"{self.get_name()}: the kernel returned no LSE")
             self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
+
+
+#: The class's old name (deprecated alias: its name now says its kind).
+FlashAttnBackend = FlashAttnPrefillBackend

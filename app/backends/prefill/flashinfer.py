@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -33,30 +32,26 @@ from app.backends.prefill.kernel_base import (
     StepLayouts,
     unit_stride,
 )
+from app.backends.vendors import (
+    FLASHINFER_CAPABILITIES,
+    FLASHINFER_INSTALL_HINT,
+    FLASHINFER_PACKAGE,
+    probe_flashinfer,
+)
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
 
-__all__ = ["INSTALL_HINT", "FlashInferBackend", "wrapper_backend_for"]
+__all__ = ["INSTALL_HINT", "FlashInferBackend", "FlashInferPrefillBackend", "wrapper_backend_for"]
 
 #: The float workspace every wrapper of a container shares, per device.
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
-#: Why FLASHINFER (and TRTLLM_RAGGED, whose kernel is flashinfer's) cannot run without it.
-INSTALL_HINT = "flashinfer-python is not installed (pip install 'app[flashinfer]')"
-
-
-@functools.cache
-def _probe() -> ModuleType | None:
-    """The flashinfer module, or None when it does not import (monkeypatched in tests)."""
-    try:
-        import flashinfer
-        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper  # noqa: F401
-    except Exception:  # any import-time failure means "not available"
-        return None
-    return flashinfer
-
+#: Why FLASHINFER cannot run without flashinfer-python (``app.backends.vendors``).
+INSTALL_HINT = FLASHINFER_INSTALL_HINT
+#: The flashinfer module, or None (``app.backends.vendors``; tests swap it here).
+_probe = probe_flashinfer
 
 
 def wrapper_backend_for(capability: DeviceCapability, qk_head_dim: int, v_head_dim: int) -> str:
@@ -70,7 +65,7 @@ def wrapper_backend_for(capability: DeviceCapability, qk_head_dim: int, v_head_d
     return "fa2"
 
 
-class FlashInferBackend(RaggedKernelBackend):
+class FlashInferPrefillBackend(RaggedKernelBackend):
     """flashinfer's ragged prefill wrapper (fa2 / fa3 / cutlass), SM80 and newer."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
@@ -78,12 +73,11 @@ class FlashInferBackend(RaggedKernelBackend):
     requires_device_capability: ClassVar[bool] = True
 
     #: SM80 (Ampere) and newer.
-    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
-        minimum=DeviceCapability(8, 0))
+    compute_capabilities: ClassVar[ComputeCapabilities] = FLASHINFER_CAPABILITIES
     #: flashinfer-python (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
-    kernel_package: ClassVar[str | None] = "flashinfer"
-    install_hint: ClassVar[str] = INSTALL_HINT
+    kernel_package: ClassVar[str | None] = FLASHINFER_PACKAGE
+    install_hint: ClassVar[str] = FLASHINFER_INSTALL_HINT
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
@@ -95,14 +89,16 @@ class FlashInferBackend(RaggedKernelBackend):
         self._wrappers: dict[int, Any] = {}
         self._planned: dict[int, torch.dtype] = {}
 
-    def _on_prepare(self, layouts: StepLayouts) -> None:
+    def _prepare_step(self, layouts: StepLayouts) -> None:
+        """Plan every call of the step now when the inputs' dtype is known (the engine
+        config's), else at each call's first run."""
         self._planned = {}
         if layouts.new_tokens.cu_q.device.type != "cuda" or self.config is None:
             return  # planned at the first run, once the dtype is known
         dtype = self.config.model.dtype
         if dtype in self.supported_dtypes:
             for call, layout in self._calls(layouts):
-                self._plan(call, layout, dtype)
+                self._plan_call(call, layout, dtype)
 
     @staticmethod
     def _calls(layouts: StepLayouts) -> list[tuple[int, RaggedLayout]]:
@@ -145,7 +141,8 @@ class FlashInferBackend(RaggedKernelBackend):
             self._wrappers[call] = wrapper
         return wrapper
 
-    def _plan(self, call: int, layout: RaggedLayout, dtype: torch.dtype) -> None:
+    def _plan_call(self, call: int, layout: RaggedLayout, dtype: torch.dtype) -> None:
+        """Plan one call's wrapper (the new tokens: -1, or a context chunk) for ``dtype``."""
         if layout.total_q == 0 or layout.total_kv == 0:
             return
         self._wrapper(call, layout.cu_q.device).plan(**self.plan_kwargs(layout, call == -1,
@@ -156,7 +153,7 @@ class FlashInferBackend(RaggedKernelBackend):
                 v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
                 ) -> None:
         if self._planned.get(call) != q.dtype:
-            self._plan(call, layout, q.dtype)
+            self._plan_call(call, layout, q.dtype)
         wrapper = self._wrapper(call, q.device)
         natural = _takes_lse_base(wrapper.__class__)
         result = wrapper.run(**self.run_kwargs(q, k, unit_stride(v), out, lse, natural))
@@ -168,3 +165,7 @@ class FlashInferBackend(RaggedKernelBackend):
 def _takes_lse_base(wrapper_cls: Any) -> bool:
     params = inspect.signature(wrapper_cls.run).parameters
     return "lse_base" in params and "lse_layout" in params
+
+
+#: The class's old name (deprecated alias: its name now says its kind).
+FlashInferBackend = FlashInferPrefillBackend

@@ -17,7 +17,6 @@ in this project's CI; see docs/gpu-results.md.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from types import ModuleType
@@ -25,31 +24,28 @@ from typing import Any, ClassVar
 
 import torch
 
-from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
+from app._types import ComputeCapabilities, MLADimensions
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.vendors import (
+    TOKENSPEED_CAPABILITIES,
+    TOKENSPEED_INSTALL_HINT,
+    TOKENSPEED_PACKAGE,
+    probe_tokenspeed_mla,
+)
 
-__all__ = ["INSTALL_HINT", "SUPPORTED_CAPABILITIES", "TokenSpeedMLABackend"]
+__all__ = ["INSTALL_HINT", "SUPPORTED_CAPABILITIES", "TokenSpeedMLABackend",
+           "TokenSpeedMLAPrefillBackend"]
 
 logger = logging.getLogger(__name__)
 
-#: What to install for TOKENSPEED_MLA (prefill and decode).
-INSTALL_HINT = "tokenspeed-mla is not installed (pip install 'app[tokenspeed]')"
-#: The GPUs tokenspeed-mla's kernels (prefill and decode) support: SM100, SM103 and SM107.
-SUPPORTED_CAPABILITIES = ComputeCapabilities(only=(
-    DeviceCapability(10, 0), DeviceCapability(10, 3), DeviceCapability(10, 7)))
+#: What to install for TOKENSPEED_MLA (``app.backends.vendors``, where decode reads it too).
+INSTALL_HINT = TOKENSPEED_INSTALL_HINT
+#: The GPUs tokenspeed-mla's kernels support (``app.backends.vendors``).
+SUPPORTED_CAPABILITIES = TOKENSPEED_CAPABILITIES
+#: The tokenspeed_mla module, or None (``app.backends.vendors``; tests swap it here).
+_probe = probe_tokenspeed_mla
 _warmed: set[tuple[torch.dtype, int, int]] = set()
 _warm_lock = threading.Lock()
-
-
-@functools.cache
-def _probe() -> ModuleType | None:
-    """The tokenspeed_mla module, or None when it (or its CUDA/CuTe stack) does not import."""
-    try:
-        import tokenspeed_mla
-    except Exception:  # any import-time failure means "not available"
-        return None
-    module: ModuleType = tokenspeed_mla
-    return None if hasattr(module, "_IMPORT_ERROR") else module
 
 
 def warmup(module: ModuleType, dtype: torch.dtype, qk_head_dim: int, v_head_dim: int) -> None:
@@ -64,7 +60,7 @@ def warmup(module: ModuleType, dtype: torch.dtype, qk_head_dim: int, v_head_dim:
         _warmed.add(key)
 
 
-class TokenSpeedMLABackend(RaggedKernelBackend):
+class TokenSpeedMLAPrefillBackend(RaggedKernelBackend):
     """TokenSpeed MLA prefill (CuTe DSL) for Blackwell, DeepSeek R1 dimensions, bf16."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
@@ -74,11 +70,11 @@ class TokenSpeedMLABackend(RaggedKernelBackend):
     requires_device_capability: ClassVar[bool] = True
 
     #: SM100, SM103 and SM107 only (the kernels raise for any other architecture).
-    compute_capabilities: ClassVar[ComputeCapabilities] = SUPPORTED_CAPABILITIES
+    compute_capabilities: ClassVar[ComputeCapabilities] = TOKENSPEED_CAPABILITIES
     #: tokenspeed-mla and its CuTe-DSL runtime (late-bound: tests swap the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
-    kernel_package: ClassVar[str | None] = "tokenspeed_mla"
-    install_hint: ClassVar[str] = INSTALL_HINT
+    kernel_package: ClassVar[str | None] = TOKENSPEED_PACKAGE
+    install_hint: ClassVar[str] = TOKENSPEED_INSTALL_HINT
 
     def _out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The kernel always writes bf16."""
@@ -108,3 +104,7 @@ class TokenSpeedMLABackend(RaggedKernelBackend):
             self._kv_lens(layout, q.device)))
         if lse is not None:
             self._copy_kernel_lse(result[1], layout, lse, tokens_first=True)
+
+
+#: The class's old name (deprecated alias: its name now says its kind).
+TokenSpeedMLABackend = TokenSpeedMLAPrefillBackend

@@ -58,14 +58,14 @@ if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
     from app.config import EngineConfig
 
-__all__ = ["TorchSDPABackend", "cpu_compute_dtype"]
+__all__ = ["TorchSDPABackend", "TorchSDPAPrefillBackend", "cpu_compute_dtype"]
 
 logger = logging.getLogger(__name__)
 
 _NEG_INF = float("-inf")
 
 
-class TorchSDPABackend(RaggedKernelBackend):
+class TorchSDPAPrefillBackend(RaggedKernelBackend):
     """Torch's fused attention kernels: the CPU default and the GPU fallback."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
@@ -225,3 +225,7 @@ class TorchSDPABackend(RaggedKernelBackend):
             self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
         else:
             self._run_dense(layout, q, k, v, causal, result, lse)
+
+
+#: The class's old name (deprecated alias: its name now says its kind).
+TorchSDPABackend = TorchSDPAPrefillBackend

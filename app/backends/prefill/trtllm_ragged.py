@@ -16,34 +16,31 @@ signature). Not run on a GPU in this project's CI; see docs/gpu-results.md.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
-from app.backends.prefill.flashinfer import INSTALL_HINT
+from app._types import ComputeCapabilities, MLADimensions
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.vendors import (
+    FLASHINFER_INSTALL_HINT,
+    FLASHINFER_PACKAGE,
+    SM100_FAMILY,
+    probe_trtllm_ragged,
+)
 
-__all__ = ["TrtllmRaggedBackend"]
+__all__ = ["TrtllmRaggedBackend", "TrtllmRaggedPrefillBackend"]
 
 #: The zeroed workspace the kernel needs, one per device in each container.
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
-@functools.cache
-def _probe() -> Callable[..., Any] | None:
-    """``trtllm_ragged_attention_deepseek``, or None when flashinfer does not import."""
-    try:
-        from flashinfer.prefill import trtllm_ragged_attention_deepseek
-    except Exception:  # any import-time failure means "not available"
-        return None
-    return trtllm_ragged_attention_deepseek  # type: ignore[no-any-return]
+#: ``flashinfer.prefill.trtllm_ragged_attention_deepseek``, or None (``app.backends.vendors``;
+#: tests swap it here).
+_probe = probe_trtllm_ragged
 
 
-
-class TrtllmRaggedBackend(RaggedKernelBackend):
+class TrtllmRaggedPrefillBackend(RaggedKernelBackend):
     """TensorRT-LLM ragged prefill through flashinfer: Blackwell (SM100/103/107) only."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
@@ -55,13 +52,12 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
     requires_device_capability: ClassVar[bool] = True
 
     #: The SM100 family (10.x) only: the cubins have no other architecture.
-    compute_capabilities: ClassVar[ComputeCapabilities] = ComputeCapabilities(
-        minimum=DeviceCapability(10, 0), below=DeviceCapability(11, 0))
+    compute_capabilities: ClassVar[ComputeCapabilities] = SM100_FAMILY
     #: ``flashinfer.prefill.trtllm_ragged_attention_deepseek`` (late-bound: tests swap
     #: the module's ``_probe``).
     probe = staticmethod(lambda: _probe())
-    kernel_package: ClassVar[str | None] = "flashinfer"
-    install_hint: ClassVar[str] = INSTALL_HINT
+    kernel_package: ClassVar[str | None] = FLASHINFER_PACKAGE
+    install_hint: ClassVar[str] = FLASHINFER_INSTALL_HINT
 
     def run_kwargs(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, causal: bool, out: torch.Tensor, lse_nh: torch.Tensor,
@@ -96,3 +92,7 @@ class TrtllmRaggedBackend(RaggedKernelBackend):
                                  self._kv_lens(layout, q.device)))
         if lse is not None:
             self._copy_kernel_lse(lse_nh, layout, lse, tokens_first=True, base2=True)
+
+
+#: The class's old name (deprecated alias: its name now says its kind).
+TrtllmRaggedBackend = TrtllmRaggedPrefillBackend

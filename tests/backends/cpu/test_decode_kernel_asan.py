@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from app.backends.cpu import decode_kernel as cpu_mla_decode
 from app.backends.cpu import loader as loader
-from app.backends.decode import cpu_mla as cpu_mla_decode
 from tests._support import native_compiler_or_skip
 
 DRIVER = Path(__file__).with_name("native") / "asan_decode_driver.c"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app._types import MLADimensions
+from app.backends.cpu import decode_kernel
 from app.backends.cpu.loader import load_native_library, reset_native_libraries
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend, plan_decode
@@ -178,5 +179,5 @@ def test_a_backend_looks_its_kernel_up_once(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == [1]
     for out in (kept, fresh):
         assert float((out.double() - ref[0]).abs().max()) < 4e-2
-    if cpu_mla_decode._cpu_has_bf16_dot():            # the two paths round differently
+    if decode_kernel._cpu_has_bf16_dot():            # the two paths round differently
         assert not torch.equal(kept, fresh)

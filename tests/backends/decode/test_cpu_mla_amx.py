@@ -12,6 +12,7 @@ import torch
 
 from app import _cpu as cpu_features_module
 from app.backends import explain_mla_decode_selection, get_mla_decode_backend
+from app.backends.cpu import decode_kernel
 from app.backends.cpu.loader import cpu_flags
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend
@@ -47,13 +48,13 @@ def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         path = tmp_path / "cpuinfo"
         path.write_text(f"processor\t: 0\nmodel name\t: Fake Xeon\nflags\t\t: {flags}\n")
         monkeypatch.setattr(cpu_features_module, "CPUINFO_PATH", path)
-        monkeypatch.setattr(cpu_mla_decode, "cpu_flags", lambda: frozenset(flags.split()))
+        monkeypatch.setattr(decode_kernel, "cpu_flags", lambda: frozenset(flags.split()))
         cpu_features_module._reset_for_tests()
-        cpu_mla_decode._cpu_has_bf16_dot.cache_clear()
+        decode_kernel._cpu_has_bf16_dot.cache_clear()
 
     yield install
     cpu_features_module._reset_for_tests()
-    cpu_mla_decode._cpu_has_bf16_dot.cache_clear()
+    decode_kernel._cpu_has_bf16_dot.cache_clear()
 
 
 def test_an_amx_cpu_selects_cpu_mla_on_its_bf16_dot_products(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.backends.cpu import openmp
+from app.backends.cpu import decode_kernel, openmp
 from app.backends.cpu.loader import load_native_library, reset_native_libraries
 from app.backends.decode import cpu_mla
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend, plan_decode
@@ -76,7 +76,7 @@ def test_the_openmp_build_runs_on_torchs_libgomp() -> None:
     assert kernel is not None and kernel.openmp
     runtime, _ = openmp.torch_libgomp()
     assert runtime is not None
-    ours = kernel.library.function("mla_decode_cpu_openmp_runtime", cpu_mla._ptr)()
+    ours = kernel.library.function("mla_decode_cpu_openmp_runtime", decode_kernel._ptr)()
     assert ours == openmp.runtime_function_address(runtime, "omp_get_max_threads")
     gomps = {p for p in openmp._loaded_openmp_runtimes() if p.name.startswith("libgomp")}
     assert gomps == {runtime}                  # no second runtime came in with our library

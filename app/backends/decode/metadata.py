@@ -1,70 +1,38 @@
-"""Input checks of the MLA decode contract, shared by every decode backend.
+"""The decode step's layout: ``MLADecodeMetadata``, what a caller gives ``prepare_metadata``
+once per step and every layer of the step reads.
 
 A decode kernel reads the paged cache through the block table, so a block table too narrow for
 ``seq_lens``, a block id out of range or a query whose batch does not match the table would be
-an out-of-bounds read. ``DecodeMetadata.build`` checks the step's layout once and keeps its own
-int32 host snapshots: never the caller's tensors, so a caller that reuses (rewrites) its
+an out-of-bounds read. ``MLADecodeMetadata.build`` checks the step's layout once and keeps its
+own int32 host snapshots: never the caller's tensors, so a caller that reuses (rewrites) its
 buffers between two layers of a step cannot change what was checked; int64 values that do not
-fit int32 are refused, never narrowed (``2**32 + 3`` would otherwise read block 3).
-``check_decode_inputs`` checks each call's tensors against it, before any kernel runs. Every
-failure is a ``ValueError`` (``TypeError`` for a non-tensor) naming the expected and actual value.
+fit int32 are refused, never narrowed (``2**32 + 3`` would otherwise read block 3). Every
+failure is a ``ValueError`` (``TypeError`` for a non-tensor) naming the expected and actual
+value.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from app._validation import (
-    FLOAT32_MAX,
-    FLOAT32_TINY,
-    INT32_MAX,
-    check_dense,
-    check_writable_out,
-    is_int,
-)
+from app._validation import INT32_MAX, check_dense, is_int
 
 __all__ = [
+    "MAX_QUERY_LEN",
     "DecodeMetadata",
-    "check_decode_inputs",
-    "check_positive_scale",
+    "MLADecodeMetadata",
     "check_query_len",
     "host_int32_snapshot",
 ]
 
+#: The largest uniform query length the contract allows (multi-token prediction).
+MAX_QUERY_LEN = 16
+
 _INT_DTYPES = (torch.int32, torch.int64)
-_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_positive_scale(what: str, value: object) -> float:
-    """``value`` as a float if it is a real number > 0 within float32's normal range, else
-    ``ValueError``.
-
-    A one-element floating tensor is accepted (its value is read on the host)."""
-    if isinstance(value, torch.Tensor):
-        check_dense(what, value)
-        if value.numel() != 1 or not value.dtype.is_floating_point:
-            raise ValueError(f"{what} must be a finite float > 0 or a one-element float "
-                             f"tensor, got a tensor of shape {list(value.shape)} "
-                             f"dtype {value.dtype}")
-        value = float(value.detach().reshape(()).cpu())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a finite float > 0, got {value!r} "
-                         f"({type(value).__name__})")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond any float
-        number = math.inf
-    if not math.isfinite(number) or not number > 0:
-        raise ValueError(f"{what} must be a finite float > 0, got {value!r}")
-    if not FLOAT32_TINY <= number <= FLOAT32_MAX:
-        raise ValueError(f"{what} must be within float32's normal range [{FLOAT32_TINY:.4g}, "
-                         f"{FLOAT32_MAX:.4g}] (the kernels multiply in float32), got {value!r}")
-    return number
 
 
 def check_query_len(what: str, query_len: object, batch: int, max_query_len: int) -> int:
@@ -128,14 +96,16 @@ def host_int32_snapshot(what: str, t: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.define(eq=False)
-class DecodeMetadata:
-    """One decode step's layout, shared by every layer of the step.
+class MLADecodeMetadata:
+    """One decode step's layout, shared by every layer of the step: what
+    ``MLADecodeBackend.prepare_metadata`` takes (make it with :meth:`build`).
 
     ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` as given (any
     device; read for their device only) with int32 contiguous host snapshots (``*_cpu``,
     copies taken and checked at ``build``: what every kernel reads); ``query_len`` the uniform
     number of new tokens per request. ``seq_lens`` counts those new tokens (already in the
-    cache).
+    cache). Token ``t`` of request ``b`` is row ``t % block_size`` of block
+    ``block_table[b, t // block_size]``.
     """
 
     block_table: torch.Tensor
@@ -156,9 +126,15 @@ class DecodeMetadata:
         return len(self.seq_lens_list)
 
     @classmethod
-    def build(cls, what: str, block_table: object, seq_lens: object, query_len: object,
-              max_query_len: int) -> DecodeMetadata:
-        """Check the step's layout (``ValueError``/``TypeError``) and keep host copies."""
+    def build(cls, block_table: object, seq_lens: object, query_len: object = 1, *,
+              max_query_len: int = MAX_QUERY_LEN, what: str = "MLADecodeMetadata.build"
+              ) -> MLADecodeMetadata:
+        """Check the step's layout and keep host copies of it.
+
+        ``block_table`` int32 (or int64 within int32) ``[B, max_blocks]``, ``seq_lens`` ``[B]``
+        (each ``>= query_len``: they count the step's new tokens), ``query_len`` an int in
+        1..``max_query_len`` or one equal length per request (a sequence or a 1-D int tensor).
+        ``ValueError`` / ``TypeError`` naming ``what`` and the bad value otherwise."""
         bt = _check_int_tensor(f"{what}: block_table", block_table, 2)
         sl = _check_int_tensor(f"{what}: seq_lens", seq_lens, 1)
         if bt.shape[0] != sl.shape[0]:
@@ -176,6 +152,28 @@ class DecodeMetadata:
                    block_table_cpu=host_int32_snapshot(f"{what}: block_table", bt),
                    seq_lens_cpu=sl_cpu, query_len=qlen, seq_lens_list=lens,
                    max_seq_len=max(lens, default=0))
+
+    def check_step(self, what: str, max_query_len: int) -> MLADecodeMetadata:
+        """``self`` if its ``query_len`` is in 1..``max_query_len`` (a backend's own limit) and
+        its host snapshots are what :meth:`build` makes; ``ValueError`` otherwise (one made
+        field by field may not be trusted: the kernels read those snapshots unchecked)."""
+        if not is_int(self.query_len) or not 1 <= self.query_len <= max_query_len:
+            raise ValueError(f"{what}: query_len must be an int in [1, {max_query_len}], "
+                             f"got {self.query_len!r}")
+        table, lens = self.block_table_cpu, self.seq_lens_cpu
+        consistent = (
+            isinstance(table, torch.Tensor) and isinstance(lens, torch.Tensor)
+            and table.dtype == lens.dtype == torch.int32 and table.dim() == 2
+            and lens.dim() == 1 and table.device.type == lens.device.type == "cpu"
+            and table.is_contiguous() and lens.is_contiguous()
+            and table.shape[0] == lens.shape[0] == len(self.seq_lens_list)
+            and tuple(lens.tolist()) == self.seq_lens_list
+            and all(n >= self.query_len for n in self.seq_lens_list)
+            and self.max_seq_len == max(self.seq_lens_list, default=0))
+        if not consistent:
+            raise ValueError(f"{what}: this MLADecodeMetadata's host snapshots do not match its "
+                             f"seq_lens_list / query_len; make it with MLADecodeMetadata.build()")
+        return self
 
     def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table, seq_lens)`` int32 contiguous on ``device`` (copied once per step)."""
@@ -218,49 +216,5 @@ class DecodeMetadata:
             self._checked_caches.add(key)
 
 
-def _check_out(what: str, out: object, shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{what}: out must be a torch.Tensor, got {type(out).__name__}")
-    check_writable_out(f"{what}: out", out)
-    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
-        raise ValueError(f"{what}: out must have shape {list(shape)} dtype {dtype} on "
-                         f"{device}, got shape {list(out.shape)} dtype {out.dtype} on "
-                         f"{out.device}")
-
-
-def check_decode_inputs(what: str, meta: DecodeMetadata, q: object, kv_cache: object,
-                        out: object, *, num_heads: int, kv_lora_rank: int,
-                        qk_rope_head_dim: int, kv_cache_dtype: torch.dtype) -> None:
-    """Check one ``run_decode`` call's tensors against the step (``ValueError``)."""
-    head = kv_lora_rank + qk_rope_head_dim
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"{what}: q must be a torch.Tensor, got {type(q).__name__}")
-    if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"{what}: kv_cache must be a torch.Tensor, got "
-                        f"{type(kv_cache).__name__}")
-    check_dense(f"{what}: q", q)
-    check_dense(f"{what}: kv_cache", kv_cache)
-    expected_q = (meta.batch, meta.query_len, num_heads, head)
-    if tuple(q.shape) != expected_q:
-        raise ValueError(f"{what}: q must be [B, query_len, H, kv_lora_rank + "
-                         f"qk_rope_head_dim] = {list(expected_q)} (B and query_len from "
-                         f"prepare_metadata), got {list(q.shape)}")
-    if q.dtype not in _Q_DTYPES:
-        raise ValueError(f"{what}: q dtype must be one of {list(_Q_DTYPES)}, got {q.dtype}")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != head or kv_cache.shape[1] < 1:
-        raise ValueError(f"{what}: kv_cache must be [num_blocks, block_size, "
-                         f"{head}] (one latent KV head, kv_lora_rank + qk_rope_head_dim), "
-                         f"got {list(kv_cache.shape)}")
-    if kv_cache.dtype != kv_cache_dtype:
-        raise ValueError(f"{what}: kv_cache dtype must be {kv_cache_dtype} (the backend's "
-                         f"kv_cache_dtype), got {kv_cache.dtype}")
-    if kv_cache.device != q.device:
-        raise ValueError(f"{what}: kv_cache is on {kv_cache.device} but q is on {q.device}")
-    if kv_cache.stride(2) != 1:
-        raise ValueError(f"{what}: kv_cache rows must have unit stride in the last dim, got "
-                         f"strides {list(kv_cache.stride())}")
-    if out is not None:
-        _check_out(what, out, (meta.batch, meta.query_len, num_heads, kv_lora_rank),
-                   q.dtype, q.device)
-    meta.check_cache_geometry(what, int(kv_cache.shape[1]), int(kv_cache.shape[0]))
+#: The decode metadata's old name (it was the private checked form; it is the public type now).
+DecodeMetadata = MLADecodeMetadata
