@@ -35,9 +35,9 @@ from dependency_injector import containers, providers
 
 from app._container_state import CHANGES, CountedObject, record_undo
 from app._imports import import_object, object_path
-from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillSelectorConfig
+from app.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 
 if TYPE_CHECKING:
     from app.config import EngineConfig
