@@ -70,12 +70,12 @@ def _is_literal(value: Any) -> bool:
 def _default(value: Any, written: str | None) -> str:
     """A literal as its repr, an enum member by name, an attrs factory as ``<factory>``,
     anything else as the source wrote it (``BUILTIN_KV_CACHE_SPECS``, not its contents)."""
-    if _is_literal(value):
-        return repr(value)
     if isinstance(value, enum.Enum) and type(value).__name__ == "_Nothing":
         return "<factory>"  # attrs' NOTHING: the field has a default factory
-    if isinstance(value, enum.Enum):
+    if isinstance(value, enum.Enum):  # before literals: an IntEnum member is an int too
         return f"{type(value).__name__}.{value.name}"
+    if _is_literal(value):
+        return repr(value)
     if written is not None:
         return written
     return f"<{type(value).__name__}>"
@@ -177,8 +177,10 @@ def _class_entries(prefix: str, cls: type) -> Iterator[tuple[str, str]]:
     if issubclass(cls, enum.Enum):
         yield f"{prefix}.<members>", ", ".join(cls.__members__)
     init_owner = next((c for c in cls.__mro__ if "__init__" in vars(c)), object)
-    if init_owner is not object and _is_ours(init_owner) and not issubclass(cls, enum.Enum):
-        yield f"{prefix}.__init__", f"constructor{render_signature(vars(init_owner)['__init__'])}"
+    init = vars(init_owner).get("__init__")
+    # Ours: written in a class of ours, or generated for it (attrs); not typing's Protocol stub.
+    if _is_ours(init_owner) and _is_ours(init) and not issubclass(cls, enum.Enum):
+        yield f"{prefix}.__init__", f"constructor{render_signature(init)}"
     seen: dict[str, str] = {}
     for owner in ours:
         names = [*vars(owner), *getattr(owner, "__annotations__", {})]

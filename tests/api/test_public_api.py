@@ -8,7 +8,7 @@ what to do, whenever the package's surface differs from it.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -63,14 +63,21 @@ class Color(enum.Enum):
     BLUE = 2
 
 
+class Level(enum.IntEnum):
+    """A sample int enum (its members are ints too)."""
+
+    LOW = 0
+
+
 def _sample(a: int, /, b: str = "x", *args: Any, c: float, d: Color = Color.RED,
-            **kw: object) -> list[int]:
+            e: Level = Level.LOW, **kw: object) -> list[int]:
     return []
 
 
 def test_a_signature_renders_kinds_annotations_as_written_and_defaults() -> None:
     assert render_signature(_sample) == (
-        "(a: int, /, b: str = 'x', *args: Any, c: float, d: Color = Color.RED, **kw: object)"
+        "(a: int, /, b: str = 'x', *args: Any, c: float, d: Color = Color.RED, "
+        "e: Level = Level.LOW, **kw: object)"
         " -> list[int]")
 
     def keyword_only(*, flag: bool = True) -> None: ...
@@ -84,6 +91,12 @@ def test_a_signature_renders_kinds_annotations_as_written_and_defaults() -> None
 
 
 SENTINELS = (object(),)
+
+
+class _Reader(Protocol):
+    size: int
+
+    def read(self, n: int = -1) -> bytes: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -104,9 +117,11 @@ def test_classes_enums_and_attrs_fields_are_recorded_without_external_bases() ->
     import types
 
     module = types.ModuleType("app._surface_sample")
-    module.__all__ = ["Color", "Point"]  # type: ignore[attr-defined]
-    _Point.__module__ = Color.__module__ = module.__name__
+    module.__all__ = ["Color", "Point", "Reader"]  # type: ignore[attr-defined]
+    _Point.__module__ = Color.__module__ = _Reader.__module__ = module.__name__
+    _Point.__init__.__module__ = module.__name__  # as attrs names it for a class made there
     module.Color, module.Point = Color, _Point  # type: ignore[attr-defined]
+    module.Reader = _Reader  # type: ignore[attr-defined]
     sys.modules[module.__name__] = module
     try:
         surface = collect([module.__name__])
@@ -122,4 +137,8 @@ def test_classes_enums_and_attrs_fields_are_recorded_without_external_bases() ->
         "app._surface_sample.Point.norm": "method(self, p: int = 2) -> float",
         "app._surface_sample.Point.tags": "attribute",
         "app._surface_sample.Point.x": "attribute",
+        # typing's stand-in constructor of a Protocol is not ours: left out.
+        "app._surface_sample.Reader": "class(Protocol)",
+        "app._surface_sample.Reader.read": "method(self, n: int = -1) -> bytes",
+        "app._surface_sample.Reader.size": "attribute",
     }
