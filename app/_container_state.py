@@ -20,7 +20,7 @@ when it adds or removes a backend provider, and so does replacing the process-de
 A reader takes ``CHANGES.count`` *before* it resolves anything and keeps the result with that
 count; the result is current while the count is the same. (A change racing with the reader only
 makes the kept result unusable, never wrong.) ``app.backends.selection.SelectionCache`` keys its
-entries by the count; ``app.seed_api`` keeps its last answers per active container with
+entries by the count; the seed API keeps its last answers per active container with
 ``keep_if_unchanged`` and drops them on every change (``on_change``), so its hot path compares
 nothing but the active container.
 

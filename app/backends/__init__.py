@@ -2,7 +2,8 @@
 
 Where to look:
 
-- ``catalog.py``: every backend's name, and where the built-in ones live (one line each).
+- ``app/catalog.py`` (a leaf below the config; ``catalog.py`` here re-exports it): every
+  backend's name, and where the built-in ones live (one line each).
 - ``declarations.py``: what a backend declares (name, dtypes, GPUs, probe, install hint);
   ``prefill/base.py`` and ``decode/base.py``: the two contracts built on it.
 - ``prefill/``, ``decode/``: one module per kernel backend (``prefill/kernel_base.py`` is the

@@ -3,7 +3,8 @@
 A container holds one provider per backend name and kind (``container.mla_prefill_backends``,
 ``container.mla_decode_backends``); calling a provider gives the backend *class*. Everything
 here takes the kind and those providers (``backends``) explicitly and never looks up a
-container: the seed API (``app.seed_api``) passes the active container's, a deployment its own.
+container: the seed API (``app.backends.seed_api``) passes the active container's, a
+deployment its own.
 
 - ``BackendKind``: what differs between prefill and decode (base class, catalog, the config
   field that forces one, the platform's priority list, the selector config). ``PREFILL`` and
