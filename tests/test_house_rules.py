@@ -496,6 +496,26 @@ def test_a_moved_module_keeps_its_old_import_path_as_a_shim(old: str, new: str) 
         assert getattr(old_module, name) is getattr(new_module, name), name
 
 
+def test_the_seed_api_is_one_set_of_objects_under_every_path() -> None:
+    """``app.seed_api`` gathers what ``app.backends.seed_api`` and ``app.kvcache.seed_api``
+    define; the package faces and ``app`` re-export the very same objects."""
+    import app
+    import app.backends
+    import app.backends.seed_api
+    import app.kvcache
+    import app.kvcache.seed_api
+    import app.seed_api
+
+    homes = {**{n: app.backends.seed_api for n in app.backends.seed_api.__all__},
+             **{n: app.kvcache.seed_api for n in app.kvcache.seed_api.__all__}}
+    assert sorted(homes) == sorted(app.seed_api.__all__)
+    for name, home in homes.items():
+        assert getattr(app.seed_api, name) is getattr(home, name), name
+        for face in (app, app.backends, app.kvcache):
+            if name in face.__all__:
+                assert getattr(face, name) is getattr(home, name), (face.__name__, name)
+
+
 def test_a_module_with_code_is_not_a_shim(tmp_path: Path) -> None:
     shim = tmp_path / "shim.py"
     shim.write_text('"""Compatibility: moved."""\n\nfrom x import y\n\n__all__ = ["y"]\n')
