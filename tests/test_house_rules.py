@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import re
@@ -150,8 +151,10 @@ def _imports_of(name: str, path: Path, modules: dict[str, Path],
     return targets
 
 
+@functools.lru_cache(maxsize=8)
 def import_graph(root: Path, type_checking: bool = True) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (see ``_imports_of``)."""
+    """Module -> the package modules it imports (see ``_imports_of``); read once per root
+    (callers do not change it)."""
     modules = _module_names(root)
     return {name: _imports_of(name, path, modules, type_checking)
             for name, path in modules.items()}
