@@ -349,7 +349,9 @@ def get_mla_prefill_backend(config: EngineConfig | None = None, *,
                             container: Container | None = None
                             ) -> type[MLAPrefillBackend]:
     """The MLA prefill backend class for ``config`` (default: the container's config) on the
-    platform of ``container`` (default: the active container). ``ValueError`` when a forced
+    platform of ``container`` (an ``app.containers.Application``, annotated as the
+    dependency-injector ``Container`` it is because the composition root sits above this
+    module; default: the active container). ``ValueError`` when a forced
     backend is invalid here, or when no backend in the platform's priority list is valid;
     ``TypeError`` for a config that is not an ``EngineConfig`` (or None) or a container that is
     not an ``Application``."""
