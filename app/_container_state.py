@@ -3,8 +3,12 @@ every change to any container's providers.
 
 **Which container is active**: a ``ContextVar`` per thread and asyncio task, set by
 ``activate`` (``app.containers.use_container``; the plugin loader makes a container active while
-a plugin runs). The process-default container and ``get_container`` live in
-``app.containers``.
+a plugin runs), else the process default. ``active_container()`` answers; the composition root
+(``app.containers``, which ``import app`` always loads) installs the factory that builds the
+default on first use (``install_default_factory``) and wraps all of this as ``get_container`` /
+``set_default_container`` / ``reset_default_container``. Held here, below everything, so that
+the seed API's modules (``app.backends.seed_api``, ``app.kvcache.seed_api``) can ask for the
+active container from inside their own packages without an import running up to the root.
 
 **What changed**: every provider the containers are built from is one of the ``Counted*``
 types below. Their ``override``, ``reset_override`` and ``reset_last_overriding`` (and a
@@ -16,7 +20,7 @@ when it adds or removes a backend provider, and so does replacing the process-de
 A reader takes ``CHANGES.count`` *before* it resolves anything and keeps the result with that
 count; the result is current while the count is the same. (A change racing with the reader only
 makes the kept result unusable, never wrong.) ``app.backends.selection.SelectionCache`` keys its
-entries by the count; ``app.seed_api`` keeps its last answers per active container with
+entries by the count; the seed API keeps its last answers per active container with
 ``keep_if_unchanged`` and drops them on every change (``on_change``), so its hot path compares
 nothing but the active container.
 
@@ -39,7 +43,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from dependency_injector import providers
+from dependency_injector import containers, providers
 
 __all__ = [
     "ACTIVE_CONTAINER",
@@ -52,8 +56,13 @@ __all__ = [
     "CountedSingleton",
     "activate",
     "active",
+    "active_container",
+    "check_container",
+    "install_default_factory",
     "record_undo",
+    "reset_default",
     "rollback_on_error",
+    "set_default",
     "undo_suspended",
 ]
 
@@ -78,6 +87,18 @@ def activate(container: Any) -> Iterator[Any]:
         yield container
     finally:
         ACTIVE_CONTAINER.reset(token)
+
+
+def check_container(container: object, where: str) -> Any:
+    """``container`` if it is an application container (a dependency-injector container with
+    the backend providers); ``TypeError`` naming ``where`` (the caller), what is expected and
+    what was given otherwise."""
+    if not (containers.is_container(container)
+            and isinstance(getattr(container, "mla_prefill_backends", None),
+                           providers.Container)):
+        raise TypeError(f"{where}: expected an app.containers.Application instance, "
+                        f"got {container!r} ({type(container).__name__})")
+    return container
 
 
 class ChangeCounter:
@@ -121,6 +142,53 @@ class ChangeCounter:
 
 #: The one counter of this process.
 CHANGES = ChangeCounter()
+
+
+# -- the process-default container ------------------------------------------------------------
+
+_default_lock = threading.Lock()
+_default: Any = None
+_default_factory: Callable[[], Any] | None = None
+
+
+def install_default_factory(factory: Callable[[], Any]) -> None:
+    """Build the process default with ``factory()`` when it is first asked for (the composition
+    root installs ``create_container`` when it is imported)."""
+    global _default_factory
+    _default_factory = factory
+
+
+def active_container() -> Any:
+    """The active container: the innermost ``activate`` block's, else the process default
+    (built on first use)."""
+    current = ACTIVE_CONTAINER.get()
+    if current is not None:
+        return current
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                if _default_factory is None:
+                    raise RuntimeError("no default container can be built: the composition "
+                                       "root (app.containers) was not imported")
+                _default = _default_factory()
+    return _default
+
+
+def set_default(container: Any) -> None:
+    """Make ``container`` (checked by the caller) the process default; counted."""
+    global _default
+    with _default_lock:
+        _default = container
+    CHANGES.bump()
+
+
+def reset_default() -> None:
+    """Drop the process default (the next ``active_container()`` builds a fresh one); counted."""
+    global _default
+    with _default_lock:
+        _default = None
+    CHANGES.bump()
 
 
 T = TypeVar("T")

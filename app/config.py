@@ -24,7 +24,7 @@ import torch
 from app._files import load_toml
 from app._types import MLADimensions
 from app._validation import INT32_MAX, check_int, check_positive_finite
-from app.backends.catalog import CATALOGS
+from app.catalog import CATALOGS
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -153,7 +153,7 @@ def _backend_name(kind: str, field: str, value: object) -> str | None:
     """``AttentionConfig.<field>`` as a backend's name (a string) or None.
 
     The config sits below the registry: it checks the name against the kind's catalog
-    (``app.backends.catalog``: the built-ins, ``CUSTOM`` and every name registered so far in
+    (``app.catalog``: the built-ins, ``CUSTOM`` and every name registered so far in
     this process; an enum member gives its name; ``"auto"``, ``""`` and None mean automatic
     selection), with vLLM's message listing the valid names. Selection checks that the name has
     a valid class in the container.

@@ -3,13 +3,15 @@
 Data flows one way: config -> container -> (platform, backend classes, spec bindings,
 workspaces) -> selector -> backend instance -> executor. This is the one module that wires
 concrete classes: the backend providers come from the kinds' catalogs
-(``app.backends.catalog``), and every service gets what it needs passed in by a provider (the
+(``app.catalog``), and every service gets what it needs passed in by a provider (the
 spec bindings their platform and config, the selection its config, platform, backends and
 cache, a backend its device capability and workspaces). No state is kept on a container
 instance: it lives in providers, so overriding any provider at any time takes effect.
 
 A process has one default container (``get_container()``); ``use_container(c)`` makes another
-one active for a ``with`` block, per thread and per asyncio task (a ``ContextVar``). A
+one active for a ``with`` block, per thread and per asyncio task (a ``ContextVar``). Both are
+held in the leaf ``app._container_state`` (so the seed API's modules can ask for the active
+container from below this module); this module installs the factory that builds the default. A
 deployment is config plus overrides on a fresh container (``create_container``), never a
 subclass of ``Application``: dependents of a subclassed provider are not rewired.
 
@@ -21,32 +23,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dependency_injector import containers, providers
 
+from app import _container_state
 from app._container_state import (
-    CHANGES,
     CountedCallable,
     CountedContainer,
     CountedFactory,
     CountedObject,
     CountedSingleton,
     activate,
-    active,
 )
 from app._imports import import_object
-from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.backends.registry import DECODE, PREFILL
 from app.backends.selection import SelectionCache, select_backend
 from app.backends.workspaces import KernelWorkspaces
+from app.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.config import EngineConfig
 from app.kvcache.bindings import BUILTIN_KV_CACHE_SPECS, KVCacheSpecBindings
 from app.platforms.base import Platform
 from app.platforms.detect import detect_platform
-from app.plugins import apply_general_plugins
+from app.platforms.plugins import apply_general_plugins
 
 __all__ = [
     "Application",
@@ -174,49 +174,31 @@ def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
     return container
 
 
-_default_lock = threading.Lock()
-_default_container: Application | None = None
-
-
 def check_container(container: object, where: str) -> Application:
     """``container`` if it is an ``Application`` container; ``TypeError`` naming ``where``
     (the caller), what is expected and what was given otherwise."""
-    if not (containers.is_container(container)
-            and isinstance(getattr(container, "mla_prefill_backends", None),
-                           providers.Container)):
-        raise TypeError(f"{where}: expected an app.containers.Application instance, "
-                        f"got {container!r} ({type(container).__name__})")
-    return container  # type: ignore[return-value]
+    checked: Application = _container_state.check_container(container, where)
+    return checked
 
 
 def get_container() -> Application:
     """The active container: the innermost ``use_container``, else the process default."""
-    current: Application | None = active()
-    if current is not None:
-        return current
-    global _default_container
-    if _default_container is None:
-        with _default_lock:
-            if _default_container is None:
-                _default_container = create_container()
-    return _default_container
+    current: Application = _container_state.active_container()
+    return current
 
 
 def set_default_container(container: Application) -> None:
     """Replace the process-default container (an engine calls this once at start-up)."""
-    global _default_container
-    checked = check_container(container, "set_default_container")
-    with _default_lock:
-        _default_container = checked
-    CHANGES.bump()
+    _container_state.set_default(check_container(container, "set_default_container"))
 
 
 def reset_default_container() -> None:
     """Drop the process-default container; the next ``get_container()`` builds a fresh one."""
-    global _default_container
-    with _default_lock:
-        _default_container = None
-    CHANGES.bump()
+    _container_state.reset_default()
+
+
+# The process default is built on first use, by this module's factory.
+_container_state.install_default_factory(create_container)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import re
@@ -150,8 +151,10 @@ def _imports_of(name: str, path: Path, modules: dict[str, Path],
     return targets
 
 
+@functools.lru_cache(maxsize=8)
 def import_graph(root: Path, type_checking: bool = True) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (see ``_imports_of``)."""
+    """Module -> the package modules it imports (see ``_imports_of``); read once per root
+    (callers do not change it)."""
     modules = _module_names(root)
     return {name: _imports_of(name, path, modules, type_checking)
             for name, path in modules.items()}
@@ -159,7 +162,11 @@ def import_graph(root: Path, type_checking: bool = True) -> dict[str, set[str]]:
 
 def import_cycles(root: Path, type_checking: bool = True) -> list[list[str]]:
     """The strongly connected components (more than one module) of ``root``'s import graph."""
-    graph = import_graph(root, type_checking)
+    return strongly_connected(import_graph(root, type_checking))
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node of ``graph`` (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -218,11 +225,12 @@ def test_the_cycle_check_sees_deferred_and_type_checking_imports(tmp_path: Path)
 #: The floors of the house, bottom up. A module imports only modules on its own floor or below
 #: (deferred and TYPE_CHECKING imports included). A module sits on the floor that names it, else
 #: on the floor of its longest listed ``prefix.*``. The public faces are the package
-#: ``__init__`` modules that re-export the seed API from above the container; nothing in the
-#: library imports them (library modules import the module that defines a name).
+#: ``__init__`` modules that gather the API; nothing in the library imports them (library
+#: modules import the module that defines a name). ``FOLDER_FLOORS`` below is the same house
+#: seen by a reader, one unit per folder.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("app._types", "app._validation", "app._imports", "app._cpu",
-                "app._files", "app._host", "app._container_state", "app.backends.catalog")),
+                "app._files", "app._host", "app._container_state", "app.catalog")),
     ("config", ("app.config",)),
     ("platforms and plugin discovery", ("app.platforms", "app.platforms.*", "app.plugins")),
     ("kv cache", ("app.kvcache.*",)),
@@ -237,7 +245,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("backend registry and selection", ("app.backends.*",)),
     ("the model the engine serves", ("app.model", "app.model.*")),
     ("composition root", ("app.containers",)),
-    ("seed API over the active container", ("app.seed_api",)),
+    ("seed API, gathered", ("app.seed_api",)),
     ("engine, deployments, conformance kit, integrations",
      ("app.mla", "app.mla.*", "app.deployment", "app.testing", "app.testing.*",
       "app.integrations", "app.integrations.*")),
@@ -295,13 +303,116 @@ def test_the_floor_check_sees_an_arrow_up(tmp_path: Path) -> None:
                               "(composition root)"]
 
 
+#: The seed API's modules: below the composition root, the only ones that ask which container is
+#: active (each package face re-exports its own, so the face needs no import from above).
+SEED_API_MODULES = ("app/backends/seed_api.py", "app/kvcache/seed_api.py")
+
+
+#: The house as a reader sees it (``farm-studio look``): one unit per folder (``app/<dir>/``, its
+#: ``__init__`` and subfolders included) and one per top-level module, bottom up. No import runs
+#: from a unit to a higher floor's, and no circle joins units (deferred and TYPE_CHECKING
+#: imports included). A unit sits on the floor that names it.
+FOLDER_FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("app._types", "app._validation", "app._imports", "app._cpu", "app._files",
+                "app._host", "app._container_state", "app.catalog")),
+    ("config", ("app.config",)),
+    ("platforms and plugin discovery", ("app.platforms", "app.plugins")),
+    ("kv cache", ("app.kvcache",)),
+    ("backends", ("app.backends",)),
+    ("the model the engine serves", ("app.model",)),
+    ("composition root", ("app.containers",)),
+    ("seed API, gathered", ("app.seed_api",)),
+    ("engine, deployments, conformance kit, integrations",
+     ("app.mla", "app.deployment", "app.testing", "app.integrations")),
+    ("front door", ("app.commands", "app.bench", "app.cli", "app.__main__")),
+    ("public face", ("app",)),
+]
+
+
+def unit_of(module: str) -> str:
+    """The folder or top-level module ``module`` belongs to: ``app.backends.prefill.base`` ->
+    ``app.backends``; ``app.config`` -> ``app.config``; ``app`` -> ``app``."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_floor_of(unit: str) -> int:
+    """The index in ``FOLDER_FLOORS`` of ``unit``'s floor."""
+    for index, (_, units) in enumerate(FOLDER_FLOORS):
+        if unit in units:
+            return index
+    raise AssertionError(f"{unit} is on no floor: add it to FOLDER_FLOORS")
+
+
+def folder_graph(root: Path) -> dict[str, dict[str, list[str]]]:
+    """Unit -> the units it imports -> the module imports that make that arrow."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for source, targets in import_graph(root).items():
+        arrows = graph.setdefault(unit_of(source), {})
+        for target in sorted(targets):
+            if unit_of(target) != unit_of(source):
+                arrows.setdefault(unit_of(target), []).append(f"{source} -> {target}")
+    return graph
+
+
+def folder_arrows_up(root: Path) -> list[str]:
+    """Every arrow from a unit to a higher floor's unit, with the imports that make it."""
+    return sorted(f"{source} ({FOLDER_FLOORS[folder_floor_of(source)][0]}) -> {target} "
+                  f"({FOLDER_FLOORS[folder_floor_of(target)][0]}): {', '.join(imports)}"
+                  for source, arrows in folder_graph(root).items()
+                  for target, imports in arrows.items()
+                  if folder_floor_of(target) > folder_floor_of(source))
+
+
+def folder_cycles(root: Path) -> list[list[str]]:
+    """The circles between units."""
+    return strongly_connected({unit: set(arrows) for unit, arrows in folder_graph(root).items()})
+
+
+def test_no_folder_imports_a_folder_above_it() -> None:
+    """The folder drawing: arrows only go down (or stay on their floor)."""
+    assert folder_arrows_up(APP) == []
+
+
+def test_no_circle_between_folders() -> None:
+    assert folder_cycles(APP) == []
+
+
+def test_every_folder_floor_names_a_unit_that_exists() -> None:
+    units = {unit_of(module) for module in _module_names(APP)}
+    listed = {unit for _, names in FOLDER_FLOORS for unit in names}
+    assert sorted(listed - units) == [] and sorted(units - listed) == []
+
+
+def test_the_folder_check_sees_an_arrow_up_and_a_circle(tmp_path: Path) -> None:
+    """The shape the house had before issue 34: the config read the catalog inside
+    ``backends/``, whose face re-exported the seed API from above the composition root."""
+    app = tmp_path / "app"
+    (app / "backends").mkdir(parents=True)
+    (app / "__init__.py").write_text("")
+    (app / "config.py").write_text("from app.backends.catalog import CATALOGS\n")
+    (app / "backends" / "__init__.py").write_text(
+        "def __getattr__(name):\n    import app.seed_api\n")
+    (app / "backends" / "catalog.py").write_text("CATALOGS = {}\n")
+    (app / "backends" / "registry.py").write_text("import app.config\n")
+    (app / "seed_api.py").write_text("from app.backends import registry\n")
+    assert folder_arrows_up(app) == [
+        "app.backends (backends) -> app.seed_api (seed API, gathered): "
+        "app.backends -> app.seed_api",
+        "app.config (config) -> app.backends (backends): "
+        "app.config -> app.backends.catalog"]
+    assert folder_cycles(app) == [["app.backends", "app.config", "app.seed_api"]]
+
+
 def test_only_the_seed_api_asks_for_the_active_container() -> None:
-    """``get_container`` (the active container) is called by the seed API and by the front
-    door and engine floors above it, never below the composition root."""
+    """The active container (``get_container``, ``active_container``, ``ACTIVE_CONTAINER``) is
+    asked for by the seed API's modules and by the floors above the composition root (engine,
+    front door), never by another module below it."""
     below = [p for p in _sources() if p.name != "_container_state.py"  # where it is held
+             and str(p.relative_to(APP.parent)) not in SEED_API_MODULES
              and floor_of(_module_of(p)) < floor_of("app.containers")]
-    offenders = [str(p.relative_to(APP)) for p in below
-                 if re.search(r"\bget_container\b|\bACTIVE_CONTAINER\b", p.read_text())]
+    assert len(below) > 50
+    pattern = r"\bget_container\b|\bactive_container\b|\bACTIVE_CONTAINER\b"
+    offenders = [str(p.relative_to(APP)) for p in below if re.search(pattern, p.read_text())]
     assert offenders == []
 
 
@@ -333,13 +444,13 @@ def test_config_and_specs_sit_at_the_bottom(bottom: str) -> None:
             seen.add(name)
             todo.extend(_imports_of(name, modules[name], modules))
     assert seen - {bottom} <= {"app._files", "app._types", "app._validation",
-                               "app.backends.catalog", "app.config"}, sorted(seen)
+                               "app.catalog", "app.config"}, sorted(seen)
 
 
 def test_only_the_catalog_names_built_in_backend_classes() -> None:
     """No module but the kinds' catalog (which the container reads) names a concrete backend
     class for wiring."""
-    from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
+    from app.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 
     paths = [*PREFILL_BACKENDS.builtins.values(), *DECODE_BACKENDS.builtins.values()]
     offenders = [f"{p.relative_to(APP)}: {path}" for p in _sources()
@@ -351,7 +462,7 @@ def test_each_backend_name_is_written_once() -> None:
     """A built-in's name appears as a string literal in the catalog only: no ``get_name``
     returns it again (platforms and messages may refer to it, through the catalog's
     ``check``)."""
-    from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
+    from app.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 
     names = {*PREFILL_BACKENDS.builtins, *DECODE_BACKENDS.builtins}
     offenders = []
@@ -374,8 +485,65 @@ def test_only_the_platforms_package_builds_concrete_platforms() -> None:
     assert offenders == []
 
 
+def is_compatibility_shim(path: Path) -> bool:
+    """Whether ``path`` only keeps an old import path working: a docstring, ``from ... import``
+    of names defined elsewhere, and ``__all__``; no code of its own."""
+    body = ast.parse(path.read_text()).body
+    if not body or not (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                        and str(body[0].value.value).startswith("Compatibility:")):
+        return False
+    return all(isinstance(node, ast.ImportFrom)
+               or (isinstance(node, ast.Assign) and len(node.targets) == 1
+                   and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "__all__")
+               for node in body[1:])
+
+
 def test_no_folder_holds_more_than_15_modules() -> None:
-    """A reader finds a module by its folder: none holds more than 15 modules directly."""
+    """A reader finds a module by its folder: none holds more than 15 modules directly (a
+    compatibility shim, which holds no code, is not a module a reader looks for)."""
     crowded = {str(folder.relative_to(APP.parent)): n for folder in [APP, *APP.rglob("*")]
-               if folder.is_dir() and (n := len(list(folder.glob("*.py")))) > 15}
+               if folder.is_dir() and (n := len([p for p in folder.glob("*.py")
+                                                 if not is_compatibility_shim(p)])) > 15}
     assert crowded == {}
+
+
+@pytest.mark.parametrize(("old", "new"), [("app.plugins", "app.platforms.plugins"),
+                                          ("app.backends.catalog", "app.catalog")])
+def test_a_moved_module_keeps_its_old_import_path_as_a_shim(old: str, new: str) -> None:
+    """A module that moved leaves a shim behind: the old path names the very same objects."""
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    assert is_compatibility_shim(Path(old_module.__file__ or ""))
+    assert old_module.__all__ == new_module.__all__
+    for name in new_module.__all__:
+        assert getattr(old_module, name) is getattr(new_module, name), name
+
+
+def test_the_seed_api_is_one_set_of_objects_under_every_path() -> None:
+    """``app.seed_api`` gathers what ``app.backends.seed_api`` and ``app.kvcache.seed_api``
+    define; the package faces and ``app`` re-export the very same objects."""
+    import app
+    import app.backends
+    import app.backends.seed_api
+    import app.kvcache
+    import app.kvcache.seed_api
+    import app.seed_api
+
+    homes = {**{n: app.backends.seed_api for n in app.backends.seed_api.__all__},
+             **{n: app.kvcache.seed_api for n in app.kvcache.seed_api.__all__}}
+    assert sorted(homes) == sorted(app.seed_api.__all__)
+    for name, home in homes.items():
+        assert getattr(app.seed_api, name) is getattr(home, name), name
+        for face in (app, app.backends, app.kvcache):
+            if name in face.__all__:
+                assert getattr(face, name) is getattr(home, name), (face.__name__, name)
+
+
+def test_a_module_with_code_is_not_a_shim(tmp_path: Path) -> None:
+    shim = tmp_path / "shim.py"
+    shim.write_text('"""Compatibility: moved."""\n\nfrom x import y\n\n__all__ = ["y"]\n')
+    assert is_compatibility_shim(shim)
+    shim.write_text('"""Compatibility: moved."""\n\nfrom x import y\n\n__all__ = ["y"]\n'
+                    "z = 1\n")
+    assert not is_compatibility_shim(shim)
+    shim.write_text('"""Moved."""\n\nfrom x import y\n\n__all__ = ["y"]\n')
+    assert not is_compatibility_shim(shim)

@@ -2,7 +2,8 @@
 
 Where to look:
 
-- ``catalog.py``: every backend's name, and where the built-in ones live (one line each).
+- ``app/catalog.py`` (a leaf below the config; ``catalog.py`` here re-exports it): every
+  backend's name, and where the built-in ones live (one line each).
 - ``declarations.py``: what a backend declares (name, dtypes, GPUs, probe, install hint);
   ``prefill/base.py`` and ``decode/base.py``: the two contracts built on it.
 - ``prefill/``, ``decode/``: one module per kernel backend (``prefill/kernel_base.py`` is the
@@ -15,11 +16,9 @@ Where to look:
 The kernel backends are not imported here: the container's providers import each one the first
 time it is asked for, and a backend whose kernel package is missing says so through
 ``validate_configuration``. vLLM's API over the active container (``MLAPrefillBackendEnum``,
-``register_mla_prefill_backend``, ``get_mla_prefill_backend`` ...) lives in ``app.seed_api`` and
-is re-exported here.
+``register_mla_prefill_backend``, ``get_mla_prefill_backend`` ...) lives in ``seed_api.py``
+(gathered with the KV-cache one in ``app.seed_api``) and is re-exported here.
 """
-
-from typing import TYPE_CHECKING, Any
 
 from app._types import DeviceCapability, MLADimensions
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
@@ -30,21 +29,19 @@ from app.backends.prefill.base import (
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
 )
+from app.backends.seed_api import (
+    MLADecodeBackendEnum,
+    MLAPrefillBackendEnum,
+    explain_mla_decode_selection,
+    explain_mla_prefill_selection,
+    get_mla_decode_backend,
+    get_mla_prefill_backend,
+    override_mla_decode_backend,
+    override_mla_prefill_backend,
+    register_mla_decode_backend,
+    register_mla_prefill_backend,
+)
 from app.backends.selection import check_decode_block_size
-
-if TYPE_CHECKING:
-    from app.seed_api import (
-        MLADecodeBackendEnum,
-        MLAPrefillBackendEnum,
-        explain_mla_decode_selection,
-        explain_mla_prefill_selection,
-        get_mla_decode_backend,
-        get_mla_prefill_backend,
-        override_mla_decode_backend,
-        override_mla_prefill_backend,
-        register_mla_decode_backend,
-        register_mla_prefill_backend,
-    )
 
 __all__ = [
     "ContextChunkMetadata",
@@ -68,19 +65,3 @@ __all__ = [
     "register_mla_decode_backend",
     "register_mla_prefill_backend",
 ]
-
-#: Names this package re-exports from the seed API (``app.seed_api``, above the container):
-#: looked up on first use, since the seed API imports this package's modules.
-_SEED_API = frozenset({
-    "MLADecodeBackendEnum", "MLAPrefillBackendEnum", "explain_mla_decode_selection",
-    "explain_mla_prefill_selection", "get_mla_decode_backend", "get_mla_prefill_backend",
-    "override_mla_decode_backend", "override_mla_prefill_backend",
-    "register_mla_decode_backend", "register_mla_prefill_backend"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SEED_API:
-        import app.seed_api
-
-        return getattr(app.seed_api, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

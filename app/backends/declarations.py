@@ -2,7 +2,7 @@
 
 A backend declares, as class attributes:
 
-- ``name``: its name. A built-in takes it from its line in ``app.backends.catalog`` (where every
+- ``name``: its name. A built-in takes it from its line in ``app.catalog`` (where every
   name is written once); a third-party backend sets it, or defines vLLM's ``get_name()``.
 - ``supported_dtypes``: the input dtypes its kernels accept.
 - ``compute_capabilities``: the GPUs its kernels run on (``ComputeCapabilities``), and
@@ -46,7 +46,7 @@ import torch
 
 from app._imports import object_path
 from app._types import ANY_GPU, ComputeCapabilities, DeviceCapability
-from app.backends.catalog import CATALOGS
+from app.catalog import CATALOGS
 
 __all__ = [
     "DEFAULT_UNAVAILABLE_REASON",

@@ -3,7 +3,8 @@
 A container holds one provider per backend name and kind (``container.mla_prefill_backends``,
 ``container.mla_decode_backends``); calling a provider gives the backend *class*. Everything
 here takes the kind and those providers (``backends``) explicitly and never looks up a
-container: the seed API (``app.seed_api``) passes the active container's, a deployment its own.
+container: the seed API (``app.backends.seed_api``) passes the active container's, a
+deployment its own.
 
 - ``BackendKind``: what differs between prefill and decode (base class, catalog, the config
   field that forces one, the platform's priority list, the selector config). ``PREFILL`` and
@@ -35,9 +36,9 @@ from dependency_injector import containers, providers
 
 from app._container_state import CHANGES, CountedObject, record_undo
 from app._imports import import_object, object_path
-from app.backends.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillSelectorConfig
+from app.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 
 if TYPE_CHECKING:
     from app.config import EngineConfig

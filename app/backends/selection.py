@@ -16,7 +16,8 @@ concrete subclass of the kind's base with well-typed declarations is invalid, wi
 reason; so is one whose ``validate_configuration`` raises (the exception is the reason).
 
 Everything is passed in (config, platform, the container's backend providers of the kind); the
-container's providers and the seed API (``app.seed_api``) call these with a container's.
+container's providers and the seed API (``app.backends.seed_api``) call these with a
+container's.
 ``SelectionCache`` (one per container) keeps results keyed by the kind, the forced name, the
 selector config, the platform and the count of provider changes
 (``app._container_state.CHANGES``), so a registration, a direct ``provider.override(...)`` or

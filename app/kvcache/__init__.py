@@ -74,11 +74,10 @@ config)`` hook runs once. An engine passes its bindings in: ``get_kv_cache_group
 bindings)`` and ``KVCacheManager(groups, cache_config, bindings=bindings)``.
 ``KVCacheSpecRegistry`` (vLLM's classmethods) and ``register_kv_cache_spec`` are the seed API
 over the *active* container's bindings (``use_container`` isolates); they live in
-``app.seed_api`` and are re-exported here. ``spec.is_uniform_with_collection(specs)`` (vLLM's
-one-argument form) uses the bindings grouping puts in effect, else the active container's.
+``seed_api.py`` (gathered with the backend one in ``app.seed_api``) and are re-exported here.
+``spec.is_uniform_with_collection(specs)`` (vLLM's one-argument form) uses the bindings
+grouping puts in effect, else the active container's.
 """
-
-from typing import TYPE_CHECKING, Any
 
 from app.kvcache.bindings import KVCacheSpecBindings, KVCacheSpecMetadata
 from app.kvcache.block_pool import BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
@@ -104,6 +103,7 @@ from app.kvcache.managers import (
     SlidingWindowManager,
 )
 from app.kvcache.request import KVCacheRequest, hash_block_tokens
+from app.kvcache.seed_api import KVCacheSpecRegistry, register_kv_cache_spec
 from app.kvcache.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -158,18 +158,3 @@ __all__ = [
     "register_kv_cache_spec",
     "unify_kv_cache_spec_page_size",
 ]
-
-if TYPE_CHECKING:
-    from app.seed_api import KVCacheSpecRegistry, register_kv_cache_spec
-
-#: Names this package re-exports from the seed API (``app.seed_api``, above the container): looked
-#: up on first use, since the seed API imports this package's modules.
-_SEED_API = frozenset({"KVCacheSpecRegistry", "register_kv_cache_spec"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SEED_API:
-        import app.seed_api
-
-        return getattr(app.seed_api, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -175,7 +175,7 @@ def uniformity_bindings(bindings: UniformBaseLookup) -> Iterator[UniformBaseLook
 
 def set_default_uniformity_lookup(lookup: Callable[[], UniformBaseLookup]) -> None:
     """What ``is_uniform_with_collection(specs)`` asks outside ``uniformity_bindings``: the seed
-    API (``app.seed_api``) installs the active container's bindings here."""
+    API (``app.kvcache.seed_api``) installs the active container's bindings here."""
     _default_lookup[:] = [lookup]
 
 

@@ -6,7 +6,7 @@ import torch
 
 from app._cpu import detect_cpu_features
 from app._types import DeviceCapability
-from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
 
 # The priority lists, checked against the catalog once, when this module is imported.

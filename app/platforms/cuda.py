@@ -8,7 +8,7 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
-from app.backends.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
+from app.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
 from app.platforms.base import Platform, SupportsMLADimensions
 
 #: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.

@@ -69,6 +69,6 @@ def detect_platform() -> Platform:
 
 def _platform_from_plugins() -> Platform | None:
     # Imported here: the plugin loader imports entry points, which may import this package.
-    from app.plugins import load_platform_plugin
+    from app.platforms.plugins import load_platform_plugin
 
     return load_platform_plugin()

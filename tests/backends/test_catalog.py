@@ -76,7 +76,7 @@ def test_one_module_and_one_catalog_line_add_a_backend(tmp_path: Path) -> None:
     copy = tmp_path / "app"
     shutil.copytree(APP, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     (copy / "backends" / "fake_backend.py").write_text(FAKE_MODULE)
-    catalog_path = copy / "backends" / "catalog.py"
+    catalog_path = copy / "catalog.py"  # app/catalog.py (app.backends.catalog re-exports it)
     catalog = catalog_path.read_text()
     module = "app.backends.fake_backend"
     catalog = _add_line(catalog, "PREFILL_BACKENDS",
