@@ -115,10 +115,11 @@ class MLADecodeMetadata:
     query_len: int
     seq_lens_list: tuple[int, ...]
     max_seq_len: int
+    # Per-step caches, not part of the layout: never constructor arguments.
     _device_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = attrs.field(
-        factory=dict, repr=False)
-    _checked_caches: set[tuple[int, int]] = attrs.field(factory=set, repr=False)
-    _lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False)
+        init=False, factory=dict, repr=False)
+    _checked_caches: set[tuple[int, int]] = attrs.field(init=False, factory=set, repr=False)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
 
     @property
     def batch(self) -> int:
