@@ -17,6 +17,9 @@ AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds
 the memory bound of ``bench decode``'s roofline.
 The probe is built, cached and checked by the shared native loader
 (:mod:`app.backends.cpu.loader`: private cache directories, ABI version).
+
+On a CUDA device :class:`PeakMeter` reads the GPU's own peaks instead
+(:mod:`app.bench._gpu_peaks`: bf16 / fp16 / fp32 matmul rates, a device-to-device copy).
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from app.backends.cpu.loader import (
     NativeLibraryStatus,
     load_native_library,
 )
+from app.bench._gpu_peaks import GpuPeakProbe, matmul_kind
 
 __all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
-           "load_peak_probe", "peak_kinds", "peak_probe_status"]
+           "load_peak_probe", "peak_kinds", "peak_lines", "peak_probe_status"]
 
 #: The peak kinds: float32 FMA, bf16 pair dot product into float32.
 FP32_FMA = "fp32_fma"
@@ -232,7 +236,8 @@ def peak_kinds() -> dict[str, str]:
 
 
 class PeakMeter:
-    """The peaks of one benchmark run, for the rows it reports (CPU only; a no-op elsewhere).
+    """The peaks of one benchmark run, for the rows it reports: the CPU's probe on the CPU,
+    the GPU's matmul rates and copy bandwidth on CUDA (``GpuPeakProbe``), a no-op elsewhere.
 
     :meth:`sample` measures every kind (call it at the start and the end of a run);
     :meth:`beside` gives a function for ``time_interleaved`` that measures one kind beside
@@ -242,11 +247,26 @@ class PeakMeter:
     right after it: the figure targets read, as it shares the shared machine's slow spells).
     """
 
-    def __init__(self, device: torch.device, probe: PeakProbe | None = None) -> None:
-        self.probe = probe if probe is not None or device.type != "cpu" else load_peak_probe()
-        self.enabled = device.type == "cpu" and self.probe is not None
+    def __init__(self, device: torch.device,
+                 probe: PeakProbe | GpuPeakProbe | None = None) -> None:
+        if probe is None and device.type == "cpu":
+            probe = load_peak_probe()
+        elif probe is None and device.type == "cuda":
+            probe = GpuPeakProbe(device)
+        self.probe = probe
+        self.enabled = probe is not None
         self.runs: dict[str, list[float]] = {}
         self._paired: dict[int, list[float]] = {}
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether this run reads a GPU's peaks (``GpuPeakProbe``)."""
+        return isinstance(self.probe, GpuPeakProbe)
+
+    def bound_kind(self, dtype: torch.dtype, cpu_kind: str) -> str:
+        """The peak a row of ``dtype`` inputs is read against: on a GPU the matmul rate of
+        the dtype it multiplies in (``matmul_kind``), on the CPU ``cpu_kind``."""
+        return matmul_kind(dtype) if self.on_gpu else cpu_kind
 
     def sample(self, repeat: int = 3) -> None:
         """Measure every kind this CPU has once more (best of ``repeat``)."""
@@ -295,10 +315,37 @@ class PeakMeter:
 
     def summary(self) -> dict[str, Any]:
         """JSON: the CPU (model and flags), threads, each kind's best and samples, and why any
-        kind is not measured."""
+        kind is not measured; on a GPU, the device and each kind's best and samples."""
+        if isinstance(self.probe, GpuPeakProbe):
+            return {"device": str(self.probe.device), "matmul_n": self.probe.matmul_n,
+                    "kinds": dict.fromkeys(self.probe.kinds, "measured"),
+                    "stream": self.probe.stream_kind,
+                    **{f"{kind}_gflops": round(max(runs), 1)
+                       for kind, runs in self.runs.items()},
+                    "samples": {kind: [round(x, 1) for x in runs]
+                                for kind, runs in self.runs.items()}}
         features = detect_cpu_features()
         return {"cpu_model": features.model_name, "cpu_features": features.present(),
                 "threads": torch.get_num_threads(),
                 "kinds": peak_kinds() if self.enabled or self.probe is None else {},
                 **{f"{kind}_gflops": round(max(runs), 1) for kind, runs in self.runs.items()},
                 "samples": {kind: [round(x, 1) for x in runs] for kind, runs in self.runs.items()}}
+
+
+def peak_lines(peaks: dict[str, Any] | None) -> list[str]:
+    """The readable lines of a ``PeakMeter.summary`` (none for None)."""
+    if not peaks:
+        return []
+    rates = ", ".join(f"{kind} {peaks[f'{kind}_gflops']} GFLOP/s (samples {samples})"
+                      for kind, samples in peaks["samples"].items())
+    if "cpu_model" not in peaks:  # a GPU's
+        return [f"GPU peaks on {peaks['device']} ({peaks['matmul_n']}^3 matmuls): "
+                f"{rates or 'none measured'}; memory bound: {peaks['stream']}",
+                "target measure: fraction of the bounding peak, paired (x matmul: fp32, "
+                "kept beside it)"]
+    missing = "; ".join(f"{kind}: {why}" for kind, why in peaks["kinds"].items()
+                        if why != "measured")
+    return [f"CPU {peaks['cpu_model']} [{' '.join(peaks['cpu_features'])}], "
+            f"{peaks['threads']} threads; peaks: {rates or 'none measured'}"
+            + (f"; not measured: {missing}" if missing else ""),
+            "target measure: fraction of the bounding peak, paired (x matmul kept beside it)"]
