@@ -30,9 +30,9 @@ only) and ``matmul_roofline_fraction`` (issue 14's definition: torch's fp32 matm
 the compute bound, far below this CPU's peaks) are kept beside it. Peak extra memory per call:
 the growth of the peak RSS during one untimed call (``app.bench._memory``); CPU_MLA's
 per-thread scratch (kept between calls) is reported beside it. On CUDA the roofline is the
-GPU's (``app.bench._gpu_peaks``): the matmul rate of the cache's dtype (bf16 rows against the
-bf16 matmul) and a device-to-device copy's bandwidth, both measured in the run and beside
-every call as on the CPU.
+GPU's (``app.bench._peaks.GpuPeakProbe``): the matmul rate of the cache's dtype (bf16 rows
+against the bf16 matmul) and a device-to-device copy's bandwidth, both measured in the run
+and beside every call as on the CPU.
 
 ``--vllm-python PATH`` adds vLLM's own CPU decode kernel on the same cache contents
 (``app.bench._decode_vllm``: every query_len-1 case at block size 16, every dtype).
@@ -74,8 +74,7 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_vllm import compare_with_vllm
-from app.bench._gpu_peaks import GPU_PEAK_BYTES
-from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
+from app.bench._peaks import BF16_DOT, FP32_FMA, GPU_PEAK_BYTES, PeakMeter
 from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV

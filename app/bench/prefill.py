@@ -13,9 +13,9 @@ median over rounds of each call's rate over the best of three matmuls right afte
 slow spell of the shared machine hits alike). Per case: ms per call (best and median),
 GFLOP/s and both ratios. The baselines always compute the LSE, so they are timed once per
 shape (on the LSE case) and the no-LSE row of that shape is compared with them
-(``baseline_from``). On CUDA the peaks are the GPU's (``app.bench._gpu_peaks``): every row
-is read against the matmul rate of its dtype (bf16 rows against the bf16 matmul), measured
-beside every call as on the CPU; prefill is compute-bound, so no bandwidth is read.
+(``baseline_from``). On CUDA the peaks are the GPU's (``app.bench._peaks.GpuPeakProbe``):
+every row is read against the matmul rate of its dtype (bf16 rows against the bf16 matmul),
+measured beside every call as on the CPU; prefill is compute-bound, so no bandwidth is read.
 
 FLOPs: ``2 * (P + R + V) * H * sum(q_len * kv_len)``, halved for causal cases. GFLOP/s,
 ``ratio_to_matmul`` and the 4x512 target use the best time of the repeats (the machine may be
@@ -320,7 +320,7 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
     fns: dict[str, Callable[[], object]] = {"backend": call, "matmul": matmul_beside}
     # The peak that bounds the kernel, measured beside every call the same way.
     peak_kind, peak_s = bound_peak(dtype), list[float]()
-    if meter is not None:  # on a GPU: the matmul rate of the dtype (app.bench._gpu_peaks)
+    if meter is not None:  # on a GPU: the matmul rate of the dtype (GpuPeakProbe)
         peak_kind = meter.bound_kind(dtype, peak_kind)
     if meter is not None and meter.enabled:
         fns["peak"] = meter.beside(peak_kind, peak_s)

@@ -12,14 +12,15 @@ import torch
 
 from app.bench import decode
 from app.bench._decode_cases import Case, make_step
-from app.bench._gpu_peaks import (
+from app.bench._peaks import (
     BF16_MATMUL,
     FP16_MATMUL,
     FP32_MATMUL,
     GpuPeakProbe,
+    PeakMeter,
     matmul_kind,
+    peak_lines,
 )
-from app.bench._peaks import PeakMeter, peak_lines
 
 CPU = torch.device("cpu")
 
