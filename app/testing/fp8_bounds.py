@@ -56,8 +56,9 @@ usual probabilistic model of rounding errors); then by Hoeffding ``|eta_j| <= H_
 How tight (the CPU emulation of the H100's arithmetic, ``tests/testing/test_fp8_bounds.py``,
 at the GPU test's two scales): the largest error is 0.34 of its bound in the LSE and 0.21-0.39
 in the output; the systematic ``delta`` alone, at its worst (``u``), is about a third of the
-LSE bound, the rest covers the products' roundings at a failure probability of 1e-9. The fixed 0.02 was below what
-the kernel's bf16 dequantisation does to a score of 10 (``0.21% * 10``), and the output's fixed
+LSE bound, the rest covers the products' roundings at a failure probability of 1e-9. The
+fixed 0.02 was below what the kernel's bf16 dequantisation does to a score of 10
+(``0.21% * 10``), and the output's fixed
 ``3e-2 * k_scale / base_scale`` below what it does at twice the scale (0.063 in the emulation).
 """
 
