@@ -45,7 +45,7 @@ from app.kvcache import (
     get_kv_cache_groups,
 )
 from app.model.linear import packed_linear_available
-from app.platforms import CpuPlatform, CudaPlatform
+from app.platforms import CpuPlatform, CudaPlatform, detect_platform
 
 DOC = Path(__file__).parent.parent / "docs" / "errors.md"
 _TMP = Path(tempfile.gettempdir()) / "app-errors-doc"
@@ -396,6 +396,8 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("platform", "`APP_CPU_PACKED_LINEAR=maybe` (read when a bf16 model is built on CPU)",
      _with_env("APP_CPU_PACKED_LINEAR", "maybe",
                lambda: packed_linear_available(torch.bfloat16))),
+    ("platform", "`APP_PLATFORM=gpu` (read when the platform is detected)",
+     _with_env("APP_PLATFORM", "gpu", detect_platform)),
     ("platform", "`CudaPlatform()` on a machine without CUDA",
      lambda: CudaPlatform() if not torch.cuda.is_available() else (_ for _ in ()).throw(
          ValueError("(this machine has CUDA)"))),

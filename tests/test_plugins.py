@@ -108,6 +108,7 @@ def test_entry_points_are_imported_once(plugin_env: None,
     assert calls.count(plugins.PLATFORM_PLUGINS_GROUP) <= 1
 
 
+@pytest.mark.detected_platform
 def test_platform_plugin_selected_only_when_present(plugin_env: None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import app_test_plugins
@@ -167,6 +168,17 @@ def test_a_failed_general_plugin_leaves_nothing_registered(
         assert MLAPrefillBackendEnum["PLUGIN_SDPA"].get_class() is app_test_plugins.PluginBackend
 
 
+def test_app_platform_wins_over_a_platform_plugin(plugin_env: None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APP_TEST_FAKE_NPU", "1")
+    monkeypatch.setenv("APP_TEST_BROKEN_NPU", "1")  # not even built: the pin comes first
+    monkeypatch.setenv("APP_PLATFORM", "cpu")
+    assert isinstance(detect_platform(), CpuPlatform)
+    monkeypatch.setenv("APP_PLATFORM", "cuda:10.0")
+    assert str(detect_platform().get_device_capability()) == "10.0"
+
+
+@pytest.mark.detected_platform
 @pytest.mark.parametrize("detect", ["detect_platform", "create_container", "get_container"])
 def test_a_platform_plugin_whose_platform_cannot_be_built_is_a_value_error(
         plugin_env: None, monkeypatch: pytest.MonkeyPatch, detect: str) -> None:

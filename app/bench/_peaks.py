@@ -17,6 +17,9 @@ AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds
 the memory bound of ``bench decode``'s roofline.
 The probe is built, cached and checked by the shared native loader
 (:mod:`app.backends.cpu.loader`: private cache directories, ABI version).
+
+On a CUDA device :class:`PeakMeter` reads the GPU's own peaks instead (:class:`GpuPeakProbe`:
+bf16 / fp16 / fp32 matmul rates measured with torch, a device-to-device copy).
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ from app.backends.cpu.loader import (
     NativeLibraryStatus,
     load_native_library,
 )
+from app.bench._timing import time_calls
 
-__all__ = ["BF16_DOT", "FP32_FMA", "PeakMeter", "PeakProbe", "PeakProbeStatus",
-           "load_peak_probe", "peak_kinds", "peak_probe_status"]
+__all__ = ["BF16_DOT", "BF16_MATMUL", "FP16_MATMUL", "FP32_FMA", "FP32_MATMUL",
+           "GPU_PEAK_BYTES", "MATMUL_N", "GpuPeakProbe", "PeakMeter", "PeakProbe",
+           "PeakProbeStatus", "load_peak_probe", "matmul_kind", "peak_kinds", "peak_lines",
+           "peak_probe_status"]
 
 #: The peak kinds: float32 FMA, bf16 pair dot product into float32.
 FP32_FMA = "fp32_fma"
@@ -231,8 +237,129 @@ def peak_kinds() -> dict[str, str]:
     return result
 
 
+# -- a CUDA GPU's peaks, measured with torch ----------------------------------------------
+#
+# - ``bf16_matmul``, ``fp16_matmul``, ``fp32_matmul``: ``torch.mm`` of ``n x n`` matrices of
+#   that dtype (fp32 with TF32 off), ``2 n^3`` FLOPs a call: the compute bound of a kernel that
+#   multiplies in that dtype (a bf16 attention kernel runs q.k and p.v on the bf16 tensor
+#   cores). Before issue 35 the GPU rows were read against an fp32 matmul (47 TFLOP/s on the
+#   H100, where its bf16 matmul is an order of magnitude faster) and against no peak at all.
+# - the memory bandwidth: a device-to-device copy of a buffer far larger than the L2 cache,
+#   counted as read plus write (twice the buffer's bytes a call): the bound of a memory-bound
+#   kernel (decode reads its cache once).
+#
+# Each is the best of ``repeat`` calls, each between two synchronisations (``time_calls``). The
+# timer is a parameter so that the arithmetic and the tensors each kind uses are tested on a
+# CPU machine (tests/bench/test_gpu_peaks.py); none of it has run on a GPU yet.
+
+BF16_MATMUL = "bf16_matmul"
+FP16_MATMUL = "fp16_matmul"
+FP32_MATMUL = "fp32_matmul"
+_DTYPES = {BF16_MATMUL: torch.bfloat16, FP16_MATMUL: torch.float16, FP32_MATMUL: torch.float32}
+#: The side of the square matmuls: 1.1 TFLOP a call, far from launch-bound on any GPU.
+MATMUL_N = 8192
+#: Device memory the matmul operands of every kind take at most (for memory checks).
+GPU_PEAK_BYTES = 3 * MATMUL_N * MATMUL_N * (2 + 2 + 4)
+
+#: ``timer(fn, repeat)``: the best seconds of ``repeat`` calls of ``fn``.
+Timer = Callable[[Callable[[], object], int], float]
+
+
+def matmul_kind(dtype: torch.dtype) -> str:
+    """The matmul peak that bounds a GPU kernel multiplying in ``dtype`` (float32 for any
+    other dtype: an FP8 cache is multiplied in its query's 16-bit dtype, or converted)."""
+    return {torch.bfloat16: BF16_MATMUL, torch.float16: FP16_MATMUL}.get(dtype, FP32_MATMUL)
+
+
+def _cuda_timer(device: torch.device) -> Timer:
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    def best(fn: Callable[[], object], repeat: int) -> float:
+        return float(time_calls(fn, repeat=repeat, warmup=1, sync=sync)["min_s"])
+    return best
+
+
+class GpuPeakProbe:
+    """A GPU's matmul rates (:meth:`rate`, GFLOP/s) and copy bandwidth (:meth:`stream_gbs`,
+    GB/s), with the same methods as the CPU's ``PeakProbe`` so ``PeakMeter`` reads either.
+
+    ``device`` must be a CUDA device unless a ``timer`` is given (tests on CPU tensors).
+    Operands are made on first use of a kind and kept; the copy's destination is kept per
+    source buffer."""
+
+    kinds: tuple[str, ...] = (BF16_MATMUL, FP16_MATMUL, FP32_MATMUL)
+    #: What :meth:`stream_gbs` measures (``bench decode`` reports it).
+    stream_kind = "device-to-device copy (read + write)"
+
+    def __init__(self, device: torch.device | str, *, matmul_n: int = MATMUL_N,
+                 timer: Timer | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and timer is None:
+            raise ValueError(f"GpuPeakProbe: expected a CUDA device, got {self.device} "
+                             "(pass timer= to run it elsewhere, as the tests do)")
+        if matmul_n < 1:
+            raise ValueError(f"GpuPeakProbe: matmul_n must be >= 1, got {matmul_n}")
+        self.matmul_n = matmul_n
+        self._timer = timer if timer is not None else _cuda_timer(self.device)
+        self._operands: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copies: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def matmul_call(self, kind: str) -> Callable[[], torch.Tensor]:
+        """One ``n x n`` ``torch.mm`` of ``kind``'s dtype (TF32 off for fp32)."""
+        if kind not in _DTYPES:
+            raise ValueError(f"GPU peak: expected one of {list(self.kinds)}, got {kind!r}")
+        with self._lock:
+            if kind not in self._operands:
+                gen = torch.Generator(device=self.device).manual_seed(0)
+                shape = (self.matmul_n, self.matmul_n)
+                self._operands[kind] = (
+                    torch.randn(shape, generator=gen, device=self.device).to(_DTYPES[kind]),
+                    torch.randn(shape, generator=gen, device=self.device).to(_DTYPES[kind]))
+            a, b = self._operands[kind]
+
+        def call() -> torch.Tensor:
+            flags = torch.backends.cuda.matmul
+            allow_tf32 = flags.allow_tf32
+            flags.allow_tf32 = False
+            try:
+                return torch.mm(a, b)
+            finally:
+                flags.allow_tf32 = allow_tf32
+        return call
+
+    def rate(self, kind: str, threads: int | None = None, repeat: int = 3) -> float:
+        """Best GFLOP/s of ``repeat`` matmuls of ``kind`` (``threads`` is the CPU probe's
+        argument, ignored). ``ValueError`` for an unknown kind or a repeat below 1."""
+        if repeat < 1:
+            raise ValueError(f"GPU peak: expected repeat >= 1, got {repeat}")
+        seconds = self._timer(self.matmul_call(kind), repeat)
+        return 2.0 * self.matmul_n ** 3 / seconds / 1e9
+
+    def stream_gbs(self, buffer: torch.Tensor, threads: int | None = None,
+                   repeat: int = 1) -> float:
+        """Best GB/s of ``repeat`` copies of ``buffer`` (contiguous, on this probe's device)
+        into a buffer of its size: read plus write, ``2 * nbytes`` a copy. ``ValueError`` for
+        another buffer or a repeat below 1."""
+        if repeat < 1:
+            raise ValueError(f"GPU stream: expected repeat >= 1, got {repeat}")
+        if buffer.device != self.device or not buffer.is_contiguous() or buffer.numel() == 0:
+            raise ValueError(f"GPU stream: expected a non-empty contiguous tensor on "
+                             f"{self.device}, got {buffer.device} {tuple(buffer.shape)}")
+        nbytes = buffer.numel() * buffer.element_size()
+        key = (buffer.data_ptr(), nbytes)
+        with self._lock:
+            destination = self._copies.get(key)
+            if destination is None:
+                destination = self._copies[key] = torch.empty_like(buffer)
+        seconds = self._timer(lambda: destination.copy_(buffer), repeat)
+        return 2.0 * nbytes / seconds / 1e9
+
+
 class PeakMeter:
-    """The peaks of one benchmark run, for the rows it reports (CPU only; a no-op elsewhere).
+    """The peaks of one benchmark run, for the rows it reports: the CPU's probe on the CPU,
+    the GPU's matmul rates and copy bandwidth on CUDA (``GpuPeakProbe``), a no-op elsewhere.
 
     :meth:`sample` measures every kind (call it at the start and the end of a run);
     :meth:`beside` gives a function for ``time_interleaved`` that measures one kind beside
@@ -242,11 +369,26 @@ class PeakMeter:
     right after it: the figure targets read, as it shares the shared machine's slow spells).
     """
 
-    def __init__(self, device: torch.device, probe: PeakProbe | None = None) -> None:
-        self.probe = probe if probe is not None or device.type != "cpu" else load_peak_probe()
-        self.enabled = device.type == "cpu" and self.probe is not None
+    def __init__(self, device: torch.device,
+                 probe: PeakProbe | GpuPeakProbe | None = None) -> None:
+        if probe is None and device.type == "cpu":
+            probe = load_peak_probe()
+        elif probe is None and device.type == "cuda":
+            probe = GpuPeakProbe(device)
+        self.probe = probe
+        self.enabled = probe is not None
         self.runs: dict[str, list[float]] = {}
         self._paired: dict[int, list[float]] = {}
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether this run reads a GPU's peaks (``GpuPeakProbe``)."""
+        return isinstance(self.probe, GpuPeakProbe)
+
+    def bound_kind(self, dtype: torch.dtype, cpu_kind: str) -> str:
+        """The peak a row of ``dtype`` inputs is read against: on a GPU the matmul rate of
+        the dtype it multiplies in (``matmul_kind``), on the CPU ``cpu_kind``."""
+        return matmul_kind(dtype) if self.on_gpu else cpu_kind
 
     def sample(self, repeat: int = 3) -> None:
         """Measure every kind this CPU has once more (best of ``repeat``)."""
@@ -295,10 +437,37 @@ class PeakMeter:
 
     def summary(self) -> dict[str, Any]:
         """JSON: the CPU (model and flags), threads, each kind's best and samples, and why any
-        kind is not measured."""
+        kind is not measured; on a GPU, the device and each kind's best and samples."""
+        if isinstance(self.probe, GpuPeakProbe):
+            return {"device": str(self.probe.device), "matmul_n": self.probe.matmul_n,
+                    "kinds": dict.fromkeys(self.probe.kinds, "measured"),
+                    "stream": self.probe.stream_kind,
+                    **{f"{kind}_gflops": round(max(runs), 1)
+                       for kind, runs in self.runs.items()},
+                    "samples": {kind: [round(x, 1) for x in runs]
+                                for kind, runs in self.runs.items()}}
         features = detect_cpu_features()
         return {"cpu_model": features.model_name, "cpu_features": features.present(),
                 "threads": torch.get_num_threads(),
                 "kinds": peak_kinds() if self.enabled or self.probe is None else {},
                 **{f"{kind}_gflops": round(max(runs), 1) for kind, runs in self.runs.items()},
                 "samples": {kind: [round(x, 1) for x in runs] for kind, runs in self.runs.items()}}
+
+
+def peak_lines(peaks: dict[str, Any] | None) -> list[str]:
+    """The readable lines of a ``PeakMeter.summary`` (none for None)."""
+    if not peaks:
+        return []
+    rates = ", ".join(f"{kind} {peaks[f'{kind}_gflops']} GFLOP/s (samples {samples})"
+                      for kind, samples in peaks["samples"].items())
+    if "cpu_model" not in peaks:  # a GPU's
+        return [f"GPU peaks on {peaks['device']} ({peaks['matmul_n']}^3 matmuls): "
+                f"{rates or 'none measured'}; memory bound: {peaks['stream']}",
+                "target measure: fraction of the bounding peak, paired (x matmul: fp32, "
+                "kept beside it)"]
+    missing = "; ".join(f"{kind}: {why}" for kind, why in peaks["kinds"].items()
+                        if why != "measured")
+    return [f"CPU {peaks['cpu_model']} [{' '.join(peaks['cpu_features'])}], "
+            f"{peaks['threads']} threads; peaks: {rates or 'none measured'}"
+            + (f"; not measured: {missing}" if missing else ""),
+            "target measure: fraction of the bounding peak, paired (x matmul kept beside it)"]

@@ -8,7 +8,9 @@ handed out in a random order. Every backend valid here runs each case, interleav
 round with TORCH_SDPA (the baseline) and with the probes below, so a slow spell of a shared
 machine hits them alike.
 
-Per row: ms (best and median), cache GB/s (the cache bytes the step reads: ``sum(seq_len) *
+Per row: ms of a layer's ``run_decode`` (best and median), ``prepare_ms`` of the step's
+``prepare_metadata`` (once per step whatever the layer count: FLASHINFER_MLA's plan, timed
+apart, after the runs), cache GB/s (the cache bytes the step reads: ``sum(seq_len) *
 (kv_lora_rank + rope) * element size``), GFLOP/s (``2 * (2 * kv_lora_rank + rope) * H`` per
 (query row, visible key): q.k over the whole row and p.v over the latent), and the **roofline
 fraction**: roofline = max(cache bytes / stream bandwidth, FLOPs / the peak rate of the
@@ -27,7 +29,10 @@ slow the next call (measured: 1.6x). ``fraction_of_peak`` (FLOPs
 only) and ``matmul_roofline_fraction`` (issue 14's definition: torch's fp32 matmul rate as
 the compute bound, far below this CPU's peaks) are kept beside it. Peak extra memory per call:
 the growth of the peak RSS during one untimed call (``app.bench._memory``); CPU_MLA's
-per-thread scratch (kept between calls) is reported beside it.
+per-thread scratch (kept between calls) is reported beside it. On CUDA the roofline is the
+GPU's (``app.bench._peaks.GpuPeakProbe``): the matmul rate of the cache's dtype (bf16 rows
+against the bf16 matmul) and a device-to-device copy's bandwidth, both measured in the run
+and beside every call as on the CPU.
 
 ``--vllm-python PATH`` adds vLLM's own CPU decode kernel on the same cache contents
 (``app.bench._decode_vllm``: every query_len-1 case at block size 16, every dtype).
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import platform as _pyplatform
 import statistics
@@ -68,7 +74,7 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_vllm import compare_with_vllm
-from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
+from app.bench._peaks import BF16_DOT, FP32_FMA, GPU_PEAK_BYTES, PeakMeter
 from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV
@@ -135,8 +141,9 @@ class StreamProbe:
     """The memory bound of the roofline: a read of a buffer of ``gib`` GiB (far larger than the
     caches), kept for the run. On the CPU it is this package's native stream read
     (``PeakProbe.stream_gbs``: a slice per thread on its own threads), falling back to
-    ``sum()`` over a float32 tensor where the probe cannot be built, and on CUDA; ``sum()``
-    runs on OpenMP threads, which spin for milliseconds after it and slow what is timed next.
+    ``sum()`` over a float32 tensor where the probe cannot be built (``sum()`` runs on OpenMP
+    threads, which spin for milliseconds after it and slow what is timed next); on CUDA a
+    device-to-device copy of it (``GpuPeakProbe.stream_gbs``: read + write).
     :meth:`rate` is the best GB/s of some reads; :meth:`beside` a function for
     ``time_interleaved`` that appends one reading to a list."""
 
@@ -146,6 +153,9 @@ class StreamProbe:
                              device=device)
         self._sync = _sync(device)
         self.native = self._probe is not None
+        #: What is measured: the CPU probe's read, a GPU's copy, or ``sum()``.
+        self.kind = ("torch sum()" if self._probe is None
+                     else getattr(self._probe, "stream_kind", "native"))
 
     def rate(self, repeat: int = 1) -> float:
         """Best GB/s of ``repeat`` reads of the buffer."""
@@ -186,6 +196,8 @@ def check_bench_memory(device: torch.device, cases: list[Case], block_size: int,
     what = f"bench decode with --block-size {block_size} and --stream-gib {stream_gib}"
     if device.type == "cuda":
         check_host_memory(what, cache * 4)
+        # the copies' destinations (the stream buffer and the paired one) and the matmuls
+        stream = 3 * stream + GPU_PEAK_BYTES
         free, _ = torch.cuda.mem_get_info(device)
         if cache * itemsize + stream > free:
             raise ValueError(f"{what} needs {(cache * itemsize + stream) / 2**30:.1f} GiB on "
@@ -237,11 +249,25 @@ def _dtypes(text: str) -> dict[str, torch.dtype]:
 
 def _backend(cls: type[MLADecodeBackend], case: Case, step: Step,
              device: torch.device) -> MLADecodeBackend:
+    # a backend told the block size plans in prepare_metadata (FLASHINFER_MLA), as the
+    # engine's does (from_config): the step's plan is then timed apart from the layer's run
+    extra: dict[str, Any] = ({"block_size": int(step.cache.shape[1])}
+                             if "block_size" in inspect.signature(cls).parameters else {})
     be = cls(num_heads=case.heads, scale=1 / (128 + ROPE) ** 0.5, kv_lora_rank=RANK,
              qk_rope_head_dim=ROPE, kv_cache_dtype=step.cache.dtype,
-             device_capability=_capability(device))
+             device_capability=_capability(device), **extra)
     be.prepare_metadata(step.block_table, step.seq_lens, case.query_len)
     return be
+
+
+def _prepare_times(be: MLADecodeBackend, step: Step, case: Case, device: torch.device,
+                   repeat: int) -> list[float]:
+    """Seconds of ``prepare_metadata`` (once per step: FLASHINFER_MLA's plan), timed after
+    the runs; the last call leaves the backend prepared as before."""
+    def prepare() -> None:
+        be.prepare_metadata(step.block_table, step.seq_lens, case.query_len)
+    return [time_calls(prepare, repeat=1, warmup=0, sync=_sync(device))["min_s"]
+            for _ in range(repeat)]
 
 
 def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
@@ -256,9 +282,13 @@ def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
     return floats * 4 * torch.get_num_threads()
 
 
-def _bound_peak(cls: type[MLADecodeBackend], dtype: torch.dtype) -> str:
-    """The peak that bounds ``cls`` on a ``dtype`` cache: bf16 dot products where CPU_MLA runs
-    a bf16 cache on them, else the fp32 FMA peak (float32 math)."""
+def _bound_peak(cls: type[MLADecodeBackend], dtype: torch.dtype,
+                meter: PeakMeter | None = None) -> str:
+    """The peak that bounds ``cls`` on a ``dtype`` cache: on a GPU the matmul rate of the
+    cache's dtype; bf16 dot products where CPU_MLA runs a bf16 cache on them, else the fp32
+    FMA peak (float32 math)."""
+    if meter is not None and meter.on_gpu:
+        return meter.bound_kind(dtype, FP32_FMA)
     dot = cls.get_name() == "CPU_MLA" and dtype == torch.bfloat16 and _bf16_dot()
     return BF16_DOT if dot else FP32_FMA
 
@@ -276,13 +306,14 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_si
         base = _backend(baseline, case, step, device)
         fns["baseline"] = lambda: base.run_decode(step.q, step.cache, return_softmax_lse=True)
         fns["settle"] = _settle   # untimed in effect: its samples are not read
-    peak_kind = _bound_peak(cls, dtype)
+    peak_kind = _bound_peak(cls, dtype, meter)
     peak_s: list[float] = []
     stream_s: list[float] = []
     if meter.enabled:
         fns["peak"] = meter.beside(peak_kind, peak_s)
         fns["stream"] = stream.beside(stream_s)
     timed = time_interleaved(fns, repeat=repeat, sync=_sync(device))
+    prepare_s = _prepare_times(be, step, case, device, repeat)
     t = min(timed["backend"])
     cache_bytes = case.cache_bytes(dtype)
     row: dict[str, Any] = {
@@ -291,6 +322,8 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_si
         "query_len": case.query_len, "block_size": block_size,
         "gflop": round(case.flops() / 1e9, 3), "cache_mb": round(cache_bytes / 1e6, 1),
         "ms": round(t * 1e3, 3), "ms_median": round(statistics.median(timed["backend"]) * 1e3, 3),
+        "prepare_ms": round(min(prepare_s) * 1e3, 3),
+        "prepare_ms_median": round(statistics.median(prepare_s) * 1e3, 3),
         "gflops": round(case.flops() / t / 1e9, 1),
         "cache_gbs": round(cache_bytes / t / 1e9, 2),
         "peak_extra_mb": _mb(peak_extra_bytes(fns["backend"], device)),
@@ -443,12 +476,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quick": bool(args.quick), "cache_dtypes": list(dtypes), "kv_lora_rank": RANK,
         "qk_rope_head_dim": ROPE, "block_size": args.block_size,
         "stream_gbs": round(bw, 2), "stream_gbs_runs": [round(x, 2) for x in bw_runs],
-        "stream_gib": gib, "stream_probe": "native" if stream.native else "torch sum()",
+        "stream_gib": gib, "stream_probe": stream.kind,
         "matmul_fp32_gflops": round(mm, 1),
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
-        "peaks": meter.summary() if device.type == "cpu" else None,
+        "peaks": meter.summary() if meter.enabled else None,
         "cpu_mla_bf16_dot": _bf16_dot(), "results": rows, "skipped_backends": skipped,
         "vllm_comparison": vllm, "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
@@ -464,11 +497,12 @@ def render(result: dict[str, Any]) -> str:
              f"threads, load average {result['load_average_1m']}; stream "
              f"{result['stream_gbs']} GB/s, peaks: {peak_text or '-'}",
              f"{'backend':10s} {'case':11s} {'dtype':5s} {'ms':>8s} {'median':>8s} "
-             f"{'GB/s':>6s} {'GFLOP/s':>7s} {'bound':>8s} {'roofline':>8s} {'paired':>6s} "
-             f"{'peak MB':>7s} {BASELINE + ' ms':>13s} {'speed-up':>8s}"]
+             f"{'prep ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} {'bound':>8s} {'roofline':>8s} "
+             f"{'paired':>6s} {'peak MB':>7s} {BASELINE + ' ms':>13s} {'speed-up':>8s}"]
     for r in result["results"]:
         lines.append(f"{r['backend']:10s} {r['case']:11s} {r['dtype']:5s} {r['ms']:8.2f} "
-                     f"{r['ms_median']:8.2f} {r['cache_gbs']:6.1f} {r['gflops']:7.1f} "
+                     f"{r['ms_median']:8.2f} {_fmt(r.get('prepare_ms')):>8s} "
+                     f"{r['cache_gbs']:6.1f} {r['gflops']:7.1f} "
                      f"{_fmt(r.get('bound_peak')):>8s} {r['roofline_fraction']:8.3f} "
                      f"{_fmt(r.get('roofline_fraction_paired')):>6s} "
                      f"{_fmt(r['peak_extra_mb']):>7s} {_fmt(r.get('baseline_ms')):>13s} "

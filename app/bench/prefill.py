@@ -13,7 +13,9 @@ median over rounds of each call's rate over the best of three matmuls right afte
 slow spell of the shared machine hits alike). Per case: ms per call (best and median),
 GFLOP/s and both ratios. The baselines always compute the LSE, so they are timed once per
 shape (on the LSE case) and the no-LSE row of that shape is compared with them
-(``baseline_from``).
+(``baseline_from``). On CUDA the peaks are the GPU's (``app.bench._peaks.GpuPeakProbe``):
+every row is read against the matmul rate of its dtype (bf16 rows against the bf16 matmul),
+measured beside every call as on the CPU; prefill is compute-bound, so no bandwidth is read.
 
 FLOPs: ``2 * (P + R + V) * H * sum(q_len * kv_len)``, halved for causal cases. GFLOP/s,
 ``ratio_to_matmul`` and the 4x512 target use the best time of the repeats (the machine may be
@@ -46,7 +48,7 @@ import torch
 
 from app._types import MLADimensions
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillMetadata
-from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter
+from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter, peak_lines
 from app.bench._timing import time_calls, time_interleaved
 from app.commands._args import bench_device, int_in, positive_int, resolve_device
 
@@ -318,6 +320,8 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
     fns: dict[str, Callable[[], object]] = {"backend": call, "matmul": matmul_beside}
     # The peak that bounds the kernel, measured beside every call the same way.
     peak_kind, peak_s = bound_peak(dtype), list[float]()
+    if meter is not None:  # on a GPU: the matmul rate of the dtype (GpuPeakProbe)
+        peak_kind = meter.bound_kind(dtype, peak_kind)
     if meter is not None and meter.enabled:
         fns["peak"] = meter.beside(peak_kind, peak_s)
     # bf16 products: the float32-math kernel on the same inputs, beside it (issue 16's 1.5x).
@@ -514,7 +518,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "heads": args.heads, "qk_head_dim": _DIMS.qk_head_dim, "v_head_dim": _DIMS.v_head_dim,
         "matmul_fp32_gflops": round(mm, 1), "matmul_fp32_gflops_runs": [round(x, 1)
                                                                         for x in mm_runs],
-        "peaks": meter.summary() if device.type == "cpu" else None,
+        "peaks": meter.summary() if meter.enabled else None,
         "target_measure": ("fraction_of_peak_paired (ratio_to_matmul* kept for comparison)"
                            if meter.enabled else "ratio_to_matmul_paired"),
         "results": rows, "skipped_backends": skipped, "targets": targets,
@@ -545,19 +549,6 @@ def _device_name(device: torch.device) -> str:
            f"(torch CPU capability {torch.backends.cpu.get_cpu_capability()})"
 
 
-def _peak_lines(peaks: dict[str, Any] | None) -> list[str]:
-    if not peaks:
-        return []
-    rates = ", ".join(f"{kind} {peaks[f'{kind}_gflops']} GFLOP/s (samples {samples})"
-                      for kind, samples in peaks["samples"].items())
-    missing = "; ".join(f"{kind}: {why}" for kind, why in peaks["kinds"].items()
-                        if why != "measured")
-    return [f"CPU {peaks['cpu_model']} [{' '.join(peaks['cpu_features'])}], "
-            f"{peaks['threads']} threads; peaks: {rates or 'none measured'}"
-            + (f"; not measured: {missing}" if missing else ""),
-            "target measure: fraction of the bounding peak, paired (x matmul kept beside it)"]
-
-
 def render(result: dict[str, Any]) -> str:
     """A readable table of the results and the targets."""
     lines = [f"prefill benchmark on {result['device']} ({result['device_name']}), torch "
@@ -565,7 +556,7 @@ def render(result: dict[str, Any]) -> str:
              f"{result['matmul_fp32_gflops']} GFLOP/s (runs {result['matmul_fp32_gflops_runs']})"
              + (f"; TORCH_SDPA CPU kernel: {result['cpu_kernel']}" if result.get("cpu_kernel")
                 else ""),
-             *_peak_lines(result.get("peaks")),
+             *peak_lines(result.get("peaks")),
              f"{'backend':14s} {'case':16s} {'dtype':9s} {'ms':>9s} {'median':>9s} "
              f"{'GFLOP/s':>8s} {'peak':>8s} {'x peak':>7s} {'paired':>7s} {'x matmul':>8s} "
              f"{'paired':>7s} {'dense ms':>9s} {'speed-up':>8s} {'vllm-alg':>8s}"]

@@ -13,6 +13,7 @@ import torch
 from app._files import check_writable_file
 from app._host import available_host_bytes
 from app._validation import INT32_MAX
+from app.platforms.detect import default_device
 
 __all__ = ["bench_device", "buffer_gib", "int_in", "output_file", "positive_float",
            "positive_int", "resolve_device"]
@@ -85,9 +86,10 @@ def bench_device(text: str) -> str:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """The device a benchmark runs on: ``name`` (from ``bench_device``), else CUDA when present,
-    else the CPU. ``ValueError`` when CUDA (or that CUDA device) is not here."""
-    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """The device a benchmark runs on: ``name`` (from ``bench_device``), else the device of the
+    platform ``APP_PLATFORM`` pins, else CUDA when present, else the CPU. ``ValueError`` when
+    CUDA (or that CUDA device) is not here."""
+    device = torch.device(name) if name else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine "
                          f"(torch {torch.__version__}); use --device cpu")

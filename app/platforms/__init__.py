@@ -5,9 +5,17 @@ from app.platforms.base import Platform, SupportsMLADimensions
 from app.platforms.cpu import CpuPlatform
 from app.platforms.cpu_features import CpuFeatures, detect_cpu_features, read_cpu_features
 from app.platforms.cuda import TRTLLM_PREFERRED_DIMENSIONS, CudaPlatform
-from app.platforms.detect import detect_platform, parse_device_capability, platform_for_device
+from app.platforms.detect import (
+    PLATFORM_ENV,
+    default_device,
+    detect_platform,
+    parse_device_capability,
+    platform_for_device,
+    platform_from_environment,
+)
 
 __all__ = [
+    "PLATFORM_ENV",
     "TRTLLM_PREFERRED_DIMENSIONS",
     "CpuFeatures",
     "CpuPlatform",
@@ -15,9 +23,11 @@ __all__ = [
     "DeviceCapability",
     "Platform",
     "SupportsMLADimensions",
+    "default_device",
     "detect_cpu_features",
     "detect_platform",
     "parse_device_capability",
     "platform_for_device",
+    "platform_from_environment",
     "read_cpu_features",
 ]

@@ -1,8 +1,16 @@
-"""Detecting the platform of this machine, and reading a device capability a user wrote."""
+"""Detecting the platform of this machine, and reading a device capability a user wrote.
+
+``APP_PLATFORM`` pins what detection answers, before platform plugins and the hardware are
+consulted: ``cpu``, ``cuda`` (the visible GPU) or ``cuda:MAJOR.MINOR`` (an emulated GPU, for
+selection and planning without one); unset, empty or ``auto`` detects. It lets a GPU machine run
+the CPU paths (the project's test suite pins ``cpu`` for every test not marked ``gpu`` or
+``detected_platform``), and a CPU machine plan for a GPU.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import torch
@@ -51,11 +59,48 @@ def platform_for_device(kind: str, capability: DeviceCapability | None = None) -
     raise ValueError(f"expected platform 'cpu' or 'cuda', got {kind!r}")
 
 
-def detect_platform() -> Platform:
-    """The platform of this machine: ``CudaPlatform`` where a CUDA GPU is visible, else CPU.
+#: The environment variable that pins the detected platform (see the module docstring).
+PLATFORM_ENV = "APP_PLATFORM"
+PLATFORM_ENV_ALLOWED = "auto, cpu, cuda or cuda:MAJOR.MINOR (e.g. cuda:9.0)"
 
-    Platform plugins (entry-point group ``app.platform_plugins``) are consulted first.
-    """
+
+def platform_from_environment() -> Platform | None:
+    """The platform ``APP_PLATFORM`` pins, or None when it is unset, empty or ``auto``.
+
+    ``ValueError`` naming the variable and what is allowed for any other value, or for
+    ``cuda`` on a machine where torch sees no GPU."""
+    value = os.environ.get(PLATFORM_ENV, "").strip()
+    if value in ("", "auto"):
+        return None
+    kind, sep, capability = value.partition(":")
+    try:
+        if kind == "cpu" and not sep:
+            return platform_for_device("cpu")
+        if kind == "cuda":
+            return platform_for_device("cuda", parse_device_capability(capability)
+                                       if sep else None)
+    except ValueError as exc:
+        raise ValueError(f"{PLATFORM_ENV}={value!r}: {exc}") from None
+    raise ValueError(f"{PLATFORM_ENV}={value!r}: expected {PLATFORM_ENV_ALLOWED}")
+
+
+def default_device() -> torch.device:
+    """The device work runs on when none is named: the device of the platform ``APP_PLATFORM``
+    pins, else the visible GPU (``cuda``), else the CPU."""
+    pinned = platform_from_environment()
+    if pinned is not None:
+        return pinned.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def detect_platform() -> Platform:
+    """The platform of this machine: the one ``APP_PLATFORM`` pins, else a platform plugin's
+    (entry-point group ``app.platform_plugins``), else ``CudaPlatform`` where a CUDA GPU is
+    visible, else CPU."""
+    pinned = platform_from_environment()
+    if pinned is not None:
+        logger.debug("platform pinned by %s: %r", PLATFORM_ENV, pinned)
+        return pinned
     plugin_platform = _platform_from_plugins()
     if plugin_platform is not None:
         return plugin_platform

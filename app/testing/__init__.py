@@ -10,6 +10,8 @@
   raises ``CaseFailure`` to say what the backend got wrong.
 - ``SelectionOnlyBackend``: a backend to register and select in tests; it runs nothing.
 - ``reference_attention``: the float64 ragged attention the kit compares with.
+- ``fp8_cache_decode_bounds``: error bounds of a decode kernel reading an FP8 cache against
+  ``reference_decode``, derived from how the kernel dequantises (``app.testing.fp8_bounds``).
 - The pytest fixtures (``app_container``, ``override_prefill_backend``, ``fake_platform``) live
   in ``app.testing.pytest_plugin`` and are registered automatically through the ``pytest11``
   entry point.
@@ -32,6 +34,7 @@ from app.testing.decode_conformance import (
     reference_decode,
     run_decode_conformance,
 )
+from app.testing.fp8_bounds import DecodeErrorBounds, fp8_cache_decode_bounds
 from app.testing.stubs import SelectionOnlyBackend
 
 __all__ = [
@@ -41,9 +44,11 @@ __all__ = [
     "CaseFailure",
     "CaseResult",
     "ConformanceReport",
+    "DecodeErrorBounds",
     "SelectionOnlyBackend",
     "assert_conformance",
     "assert_decode_conformance",
+    "fp8_cache_decode_bounds",
     "reference_attention",
     "reference_decode",
     "run_cases",

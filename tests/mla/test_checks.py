@@ -50,7 +50,9 @@ def test_the_check_catches_a_wrong_row_and_a_wrong_token() -> None:
     bad_row = check_generation(reference, attrs.evolve(a, hidden=hidden), None)
     assert bad_row.decode_relative_error > 1e-4 and bad_row.prefill_relative_error < 1e-5
     # the least likely token instead of the greedy one
-    row = a.hidden[44].double() @ engine.weights.lm_head.double().t()
+    # hidden lives on the engine's device, the weights given to it on the host (issue 35: on a
+    # GPU this line mixed cuda:0 and cpu; the check itself moves what it reads to the host)
+    row = a.hidden[44].cpu().double() @ engine.weights.lm_head.double().t()
     tokens = list(a.output_token_ids)
     tokens[5] = int(row.argmin())
     wrong = check_generation(reference, attrs.evolve(a, output_token_ids=tuple(tokens)), None)

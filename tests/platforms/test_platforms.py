@@ -13,6 +13,7 @@ R1 = MLAPrefillSelectorConfig(torch.bfloat16, MLADimensions(128, 64, 128))
 V32 = MLAPrefillSelectorConfig(torch.bfloat16, MLADimensions(192, 64, 256))
 
 
+@pytest.mark.detected_platform
 def test_detection_matches_the_machine() -> None:
     platform = detect_platform()
     if torch.cuda.is_available():

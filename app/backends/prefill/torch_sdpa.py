@@ -28,8 +28,14 @@ thresholds").
 q/k head dim, fp16/bf16, head dim <= 256), else the varlen memory-efficient kernel
 (``aten::_efficient_attention_forward``, bottom-right causal mask type), else a per-request float32
 matmul-softmax-matmul: ``cuda_kernel`` decides from the device capability passed in at construction
-and the head dims; a kernel's run-time error (out of memory included) propagates. Not run on a GPU
-in this project's CI; see docs/gpu-results.md.
+and the head dims; a kernel's run-time error (out of memory included) propagates. Query rows that
+see no key (a request without keys; with the causal mask, the first ``q_len - kv_len`` rows of a
+request) are never given to a kernel: they are dropped from the call (``live_rows``) and get out 0
+and LSE ``-inf`` here. The memory-efficient kernel skips its causal mask for a whole block of
+query rows whose first row sees no key (it compares the block's diagonal as an unsigned number),
+so the rows of that block that do see keys attended keys past their diagonal: on an H100 in
+float32 the kit's ``q_longer_than_kv`` case was off by 3.9 (out) and 5.7 (LSE) before this
+(docs/gpu-results.md). Run on a GPU once, on the code before this fix; see docs/gpu-results.md.
 
 No path syncs with the device per request: lengths come from the host copies of the
 ``cu_seqlens`` read once in ``prepare_metadata``.
@@ -40,6 +46,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
+import attrs
 import torch
 
 from app._types import DeviceCapability
@@ -58,11 +65,48 @@ if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
     from app.config import EngineConfig
 
-__all__ = ["TorchSDPABackend", "TorchSDPAPrefillBackend", "cpu_compute_dtype"]
+__all__ = ["LiveRows", "TorchSDPABackend", "TorchSDPAPrefillBackend", "cpu_compute_dtype",
+           "live_rows"]
 
 logger = logging.getLogger(__name__)
 
 _NEG_INF = float("-inf")
+
+
+@attrs.frozen
+class LiveRows:
+    """The query rows of a ragged call that see at least one key, as a call of their own.
+
+    ``layout`` is the call with every row that sees no key dropped (each request keeps its last
+    ``min(q_len, kv_len)`` rows under a causal mask, all of its rows otherwise, none without
+    keys); ``index [layout.total_q]`` (int64, on the call's device) is where each of its rows
+    sits in the full call. With bottom-right causal masks the kept rows see what they saw:
+    dropping a request's first ``q_len - kv_len`` rows makes its ``q_len`` equal ``kv_len``."""
+
+    layout: RaggedLayout
+    index: torch.Tensor
+
+
+def live_rows(layout: RaggedLayout, causal: bool, device: torch.device) -> LiveRows | None:
+    """``LiveRows`` of ``layout``, or None when every query row sees a key (the usual call:
+    then the kernel runs on the call as it is). Host work only, from the layout's lengths."""
+    dead = layout.empty_rows(causal)
+    if not dead:
+        return None
+    keep = torch.ones(layout.total_q, dtype=torch.bool)
+    for start, stop in dead:
+        keep[start:stop] = False
+    q_lens = [ql - int((~keep[qs:qs + ql]).sum())
+              for qs, ql in zip(layout.q_starts, layout.q_lens, strict=True)]
+    cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    total_q = int(cu_q[-1])
+    kept = RaggedLayout.from_cu_seqlens(
+        cu_q, layout.cu_kv_cpu, cu_q if device.type == "cpu" else cu_q.to(device),
+        layout.cu_kv, what="TORCH_SDPA (rows that see a key)", total_q=total_q,
+        total_kv=layout.total_kv, max_q=max(q_lens, default=0), max_kv=layout.max_kv)
+    index = keep.nonzero().flatten()
+    return LiveRows(kept, index if device.type == "cpu" else index.to(device))
 
 
 class TorchSDPAPrefillBackend(RaggedKernelBackend):
@@ -204,11 +248,37 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
     def _run_cuda(self, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, causal: bool, result: torch.Tensor, lse: torch.Tensor
                   ) -> None:
-        """The path ``cuda_kernel`` picks; a kernel's error (out of memory included)
-        propagates to the caller."""
+        """The path ``cuda_kernel`` picks, on the rows that see a key (``live_rows``); the
+        others get out 0 and LSE ``-inf`` whatever a kernel would make of them. A kernel's
+        error (out of memory included) propagates to the caller."""
+        kernel = self.cuda_kernel(q.dtype)
+        if kernel == "dense":
+            self._run_dense(layout, q, k, v, causal, result, lse)
+            return
+        live = self._step_cache.get(layout, f"live-rows-{causal}",
+                                    lambda: live_rows(layout, causal, q.device))
+        if live is None:
+            self._run_cuda_kernel(kernel, layout, q, k, v, causal, result, lse)
+            return
+        result.zero_()
+        lse.fill_(_NEG_INF)
+        if live.layout.total_q == 0:
+            return
+        part = torch.empty(live.layout.total_q, self.num_heads, self.v_head_dim,
+                           dtype=result.dtype, device=result.device)
+        part_lse = torch.empty(self.num_heads, live.layout.total_q, dtype=lse.dtype,
+                               device=lse.device)
+        self._run_cuda_kernel(kernel, live.layout, q.index_select(0, live.index), k, v, causal,
+                              part, part_lse)
+        result.index_copy_(0, live.index, part)
+        lse.index_copy_(1, live.index, part_lse)
+
+    def _run_cuda_kernel(self, kernel: str, layout: RaggedLayout, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, causal: bool, result: torch.Tensor,
+                         lse: torch.Tensor) -> None:
+        """torch's flash or memory-efficient kernel on a call whose every row sees a key."""
         dqk, dv = self.qk_head_dim, self.v_head_dim
         q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-        kernel = self.cuda_kernel(q.dtype)
         if kernel == "flash":
             vp = v if dv == dqk else torch.nn.functional.pad(v, (0, dqk - dv))
             o, lg, *_ = torch.ops.aten._flash_attention_forward(
@@ -223,8 +293,8 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
                 scale=self.scale)
             result.copy_(o[0])
             self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
-        else:
-            self._run_dense(layout, q, k, v, causal, result, lse)
+        else:  # pragma: no cover - _run_cuda runs "dense" itself
+            raise ValueError(f"TORCH_SDPA: no CUDA kernel {kernel!r}")
 
 
 #: The class's old name (deprecated alias: its name now says its kind).

@@ -16,8 +16,9 @@ from app.backends.decode._gpu import quantize_query_fp8
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.decode.flashinfer_mla import TRTLLM_GEN, FlashInferMLADecodeBackend
 from app.backends.decode.tokenspeed_mla import TokenSpeedMLADecodeBackend
-from app.testing import assert_decode_conformance, reference_decode
+from app.testing import assert_decode_conformance
 from app.testing.decode_conformance import DECODE_CASES
+from app.testing.fp8_bounds import fp8_cache_decode_bounds
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -64,7 +65,8 @@ def test_decode_backend_conforms_on_this_gpu(name: str, dtype: torch.dtype, head
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_fp8_cache_on_this_gpu(name: str) -> None:
-    """An FP8 e4m3 cache with a bf16 query: scales per call, against float64."""
+    """An FP8 e4m3 cache with a bf16 query: scales per call, against float64, inside the
+    bounds the kernel's dequantisation allows (``fp8_cache_decode_bounds``)."""
     cls = BACKENDS[name]
     fp8 = torch.float8_e4m3fn
     bs = _block_size(cls, 16)
@@ -92,7 +94,13 @@ def test_fp8_cache_on_this_gpu(name: str) -> None:
     q_seen = q8.float() * q_scale if fp8_query else q.float()
     for k_scale in (base_scale, 2 * base_scale):
         out, lse = backend.run_decode(q, cache, k_scale=k_scale, return_softmax_lse=True)
-        ref_out, ref_lse = reference_decode(q_seen, cache, rows, lens, 512, 0.1, k_scale)
         assert out.dtype == torch.bfloat16
-        assert float((out.cpu().double() - ref_out).abs().max()) <= 3e-2 * k_scale / base_scale
-        assert float((lse.cpu().double() - ref_lse).abs().max()) <= 2e-2
+        # Tolerances derived from the kernel's dequantisation (app/testing/fp8_bounds.py):
+        # fa3 dequantises to bf16 and rounds p to bf16 (the H100 run: LSE 0.0255 off, inside
+        # its bound, outside the 0.02 this test had); an FP8-query kernel's p is taken as e4m3.
+        bounds = fp8_cache_decode_bounds(
+            q_seen, cache, rows, lens, 512, 0.1, k_scale,
+            probability_dtype=torch.float8_e4m3fn if fp8_query else torch.bfloat16)
+        out_ratio, lse_ratio = bounds.worst_ratios(out, lse)
+        assert out_ratio <= 1.0 and lse_ratio <= 1.0, (
+            f"k_scale {k_scale}: largest error / bound: out {out_ratio:.3f}, lse {lse_ratio:.3f}")
