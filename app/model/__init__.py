@@ -30,6 +30,7 @@ from app.model.decode import DecodePlan, MLADecodeExecutor, plan_decode_step
 from app.model.loader import (
     LoadedCheckpoint,
     LoadReport,
+    check_checkpoint,
     dequantize_fp8_block,
     load_checkpoint,
     quantize_fp8_block,
@@ -105,6 +106,7 @@ __all__ = [
     "WeightSpec",
     "apply_rope",
     "default_compute_dtype",
+    "check_checkpoint",
     "dequantize_fp8_block",
     "layer_names",
     "load_checkpoint",
