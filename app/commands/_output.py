@@ -6,7 +6,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any
 
 
@@ -28,6 +28,16 @@ def json_text(data: Any, indent: int | None = None) -> str:
     separators = (",", ":") if indent is None else None
     return json.dumps(json_safe(data), indent=indent, separators=separators, default=str,
                       allow_nan=False)
+
+
+def raise_for_errors(outputs: Iterable[Any]) -> None:
+    """``ValueError`` with the first error when any of the engine's ``outputs``
+    (``RequestOutput``) ended in one (``FinishReason.ERROR``: the model's logits were not
+    finite): a command must not report tokens or timings as if the run had worked."""
+    failed = [o for o in outputs if getattr(o, "error", None)]
+    if failed:
+        others = f" ({len(failed) - 1} more request(s) failed too)" if len(failed) > 1 else ""
+        raise ValueError(f"{failed[0].error}{others}")
 
 
 def print_json(data: Any) -> None:

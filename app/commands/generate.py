@@ -29,7 +29,7 @@ from typing import Any
 
 from app.commands._args import positive_int
 from app.commands._model import add_model_arguments, build_model, model_line
-from app.commands._output import json_text, print_text
+from app.commands._output import json_text, print_text, raise_for_errors
 from app.commands._tokenizer import CheckpointTokenizer
 from app.config import EngineConfig, dtype_name
 
@@ -110,6 +110,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     gen_start = time.perf_counter()
     outputs = {o.request_id: o for o in engine.run()}
     gen_seconds = time.perf_counter() - gen_start
+    raise_for_errors(outputs.values())
     stats = engine.stats
     results = []
     for i, prompt in enumerate(prompts):
