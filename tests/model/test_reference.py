@@ -36,9 +36,6 @@ def test_the_first_layer_table_equals_computing_every_position(
 
 
 def test_the_reference_in_a_16_bit_dtype_is_refused_for_other_dtypes() -> None:
-    from app.model import ReferenceModel
-    from tests.model.conftest import tiny_model
-
     _, weights = tiny_model(torch.bfloat16)
     assert ReferenceModel(weights, dtype=torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be float64, float32, bfloat16 or float16"):
