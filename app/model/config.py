@@ -85,7 +85,7 @@ class _Reader:
         self.defaults = defaults
 
     def error(self, key: str, expected: str) -> ValueError:
-        value = self.raw.get(key, "<missing>")
+        value = self.raw[key] if key in self.raw else self.defaults.get(key, "<missing>")
         return ValueError(f"{self.source}: {key} = {_shown(value)}: expected {expected}")
 
     def get(self, key: str) -> Any:
