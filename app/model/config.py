@@ -133,6 +133,17 @@ class _Reader:
         return str(value)
 
 
+def _check_rope_number(name: str, value: object, positive: bool) -> None:
+    """``ValueError`` unless ``value`` is None (the three optional keys) or a finite number,
+    > 0 when ``positive``, else >= 0."""
+    if value is None and name in ("attention_factor", "mscale", "mscale_all_dim"):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"RopeConfig: {name} must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class RopeConfig:
     """Rotary embedding: ``theta`` and a scaling (``rope_type`` ``default``, ``linear`` or
@@ -149,6 +160,20 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        # What from_dict refuses naming the file and the key, refused here too for a
+        # RopeConfig built in code: each would divide by zero or bend the rope silently later.
+        if self.rope_type not in ("default", "linear", "yarn"):
+            raise ValueError(f"RopeConfig: rope_type must be 'default', 'linear' or 'yarn', got "
+                             f"{self.rope_type!r}")
+        for name in ("theta", "factor", "beta_fast", "beta_slow", "attention_factor"):
+            _check_rope_number(name, getattr(self, name), positive=True)
+        for name in ("mscale", "mscale_all_dim"):
+            _check_rope_number(name, getattr(self, name), positive=False)
+        if self.rope_type == "yarn" and self.theta <= 1:
+            raise ValueError(f"RopeConfig: yarn needs theta > 1 (it divides by ln(theta)), got "
+                             f"{self.theta!r}")
 
     @staticmethod
     def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -250,3 +251,19 @@ def test_nan_weights_load_and_are_caught_where_they_act(tmp_path: Path) -> None:
     (tests/mla/test_engine_callers.py, tests/cli/test_hostile_checkpoints.py)."""
     loaded = load_checkpoint(write_tiny_checkpoint(tmp_path / "nan", tensors=_nan))
     assert bool(loaded.weights.layers[0].attention.kv_b_proj.isnan().all())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"theta": 1.0, "rope_type": "yarn"}, "yarn needs theta > 1 (it divides by ln(theta))"),
+    ({"beta_fast": float("nan")}, "beta_fast must be a finite number > 0, got nan"),
+    ({"attention_factor": 0.0}, "attention_factor must be a finite number > 0, got 0.0"),
+    ({"mscale": -1.0}, "mscale must be a finite number >= 0, got -1.0"),
+    ({"rope_type": "longrope"}, "rope_type must be 'default', 'linear' or 'yarn'"),
+])
+def test_a_rope_config_built_in_code_is_checked_too(kwargs: dict[str, Any],
+                                                     message: str) -> None:
+    """The engine divided by zero at construction for yarn with theta 1 (ZeroDivisionError)."""
+    from app.model import RopeConfig
+
+    with pytest.raises(ValueError, match=re.escape(f"RopeConfig: {message}")):
+        RopeConfig(**kwargs)
