@@ -1,5 +1,6 @@
-"""Reading and writing the files a user names (config and deployment files, ``--output``), and
-reading TOML from them (``load_toml``: tomllib on 3.11+, tomli before).
+"""Reading and writing the files a user names (config and deployment files, ``--output``, a
+checkpoint's JSON files), and parsing TOML (``load_toml``: tomllib on 3.11+, tomli before) and
+JSON (``load_json``) from them.
 
 A path a user gives may name anything: a FIFO (opening one for reading waits for a writer,
 forever), a character device (``/dev/zero`` never ends, ``/dev/stdin`` waits), a directory, a
@@ -15,6 +16,7 @@ path that is not one) naming what the file is for, the path and what was found.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import sys
@@ -26,12 +28,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["MAX_CONFIG_BYTES", "check_writable_file", "file_kind", "load_toml",
-           "read_regular_file", "write_regular_file"]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_JSON_INT_DIGITS", "HugeJsonInt", "check_writable_file",
+           "file_kind", "load_json", "load_toml", "read_regular_file", "write_regular_file"]
 
 #: The largest config or deployment file read (far above any real one; a typo such as a
 #: log file or a disk image is refused before it fills memory).
 MAX_CONFIG_BYTES = 16 << 20
+#: Integers of more digits than this are read as a ``HugeJsonInt`` by ``load_json`` (no size or
+#: count in a model config has 30 digits; Python refuses to convert 4300 or more at all).
+MAX_JSON_INT_DIGITS = 30
 _READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
                | getattr(os, "O_CLOEXEC", 0))
 _WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NONBLOCK", 0)
@@ -185,3 +190,40 @@ def load_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{source} nests arrays or inline tables too deeply to parse (a few "
                          f"hundred levels); no configuration needs more than a few") from None
     return data
+
+
+class HugeJsonInt:
+    """An integer literal of more than ``MAX_JSON_INT_DIGITS`` digits in a JSON file, kept as
+    text (``load_json``): every reader of an int refuses it as not an int, naming its key."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"<an integer of {len(self.text.lstrip('-'))} digits>"
+
+
+def _parse_int(text: str) -> int | HugeJsonInt:
+    return HugeJsonInt(text) if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS else int(text)
+
+
+def load_json(path: str | Path, what: str, *, limit: int = MAX_CONFIG_BYTES) -> Any:
+    """The parsed JSON file (any JSON value; ``NaN`` and ``Infinity`` read as floats, for the
+    caller to refuse by key). ``ValueError`` naming ``what`` (e.g. ``"config.json"``) and the
+    path when it does not exist, is not a regular file, holds more than ``limit`` bytes, is not
+    UTF-8, nests too deeply to parse or is not valid JSON; an integer of more than
+    ``MAX_JSON_INT_DIGITS`` digits reads as a ``HugeJsonInt``."""
+    source = f"{what} {str(path)!r}"
+    raw = read_regular_file(path, what, expected="a JSON file", limit=limit)
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset "
+                         f"{exc.start} ({exc.reason})") from None
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except RecursionError:  # json recurses once per level of nested arrays / objects
+        raise ValueError(f"{source} nests arrays or objects too deeply to parse (hundreds of "
+                         f"levels); no configuration needs more than a few") from None
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise ValueError(f"{source} is not valid JSON: {exc}") from None

@@ -253,16 +253,41 @@ def _checkpoint(edit: str) -> Callable[[], object]:
                   "num_attention_heads": 1, "q_lora_rank": None, "kv_lora_rank": 4,
                   "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 2,
                   "n_routed_experts": None, "dtype": "float32"}
-        tensors = {"model.embed_tokens.weight": torch.zeros(8, 8)}
-        if edit == "architecture":
-            config["architectures"] = ["LlamaForCausalLM"]
-        elif edit == "quantization":
-            config["quantization_config"] = {"quant_method": "awq"}
+        tensors = {"model.embed_tokens.weight": torch.zeros(8, 8),
+                   "model.layers.0.input_layernorm.weight": torch.ones(8)}
+        edits: dict[str, dict[str, object]] = {
+            "architecture": {"architectures": ["LlamaForCausalLM"]},
+            "quantization": {"quantization_config": {"quant_method": "awq"}},
+            "layers": {"num_hidden_layers": 10**9},
+            "yarn": {"rope_theta": 1.0, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+            "beta": {"rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": "abc"}},
+            "eos": {"eos_token_id": [True, False]}}
+        config.update(edits.get(edit, {}))
+        (directory / "config.json").unlink(missing_ok=True)   # a link left by a last run
         (directory / "config.json").write_text(json.dumps(config))
         save_file(tensors, str(directory / "model.safetensors"))
+        if edit == "index":
+            (directory / "model.safetensors.index.json").write_text(json.dumps(
+                {"weight_map": {"model.embed_tokens.weight": "model.safetensors"}}))
+        if edit == "dev-zero":
+            (directory / "config.json").unlink()
+            (directory / "config.json").symlink_to("/dev/zero")
         return load_checkpoint(directory)
 
     return load
+
+
+def _reference_in(dtype: torch.dtype) -> object:
+    from app.model import ReferenceModel, random_config, random_weights
+
+    return ReferenceModel(random_weights(random_config(ModelConfig(), vocab_size=8)), dtype)
+
+
+def _bind_bogus() -> object:
+    from app.integrations import bind_vllm_container
+
+    bind_vllm_container(create_container(), kind="bogus")  # type: ignore[arg-type]
+    return None
 
 
 def _token_ids() -> object:
@@ -461,6 +486,16 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _checkpoint("architecture")),
     ("model", "a checkpoint quantized with AWQ", _checkpoint("quantization")),
     ("model", "a checkpoint with a tensor missing", _checkpoint("missing")),
+    ("model", "a checkpoint whose config.json counts 10**9 layers (its files hold 1)",
+     _checkpoint("layers")),
+    ("model", "a checkpoint whose config.json links to `/dev/zero`", _checkpoint("dev-zero")),
+    ("model", "yarn rope with `rope_theta: 1.0` (yarn divides by its log)", _checkpoint("yarn")),
+    ("model", "yarn's `beta_fast: \"abc\"`", _checkpoint("beta")),
+    ("model", "`eos_token_id: [true, false]`", _checkpoint("eos")),
+    ("model", "an index that omits a tensor its shard holds", _checkpoint("index")),
+    ("model", "`ReferenceModel(weights, dtype=torch.int32)`",
+     lambda: _reference_in(torch.int32)),
+    ("integrations", "`bind_vllm_container(container, kind=\"bogus\")`", _bind_bogus),
     ("KV cache", "a token id beyond int64 (`append_token_ids([3, 2**70])`)", _token_ids),
     ("KV cache", "a cache hit gone stale before `allocate_slots` (its blocks re-cached with "
      "other tokens)", _kv("stale")),

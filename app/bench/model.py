@@ -51,6 +51,7 @@ import torch
 
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV, _cpu_name, _load
 from app.commands._args import positive_float, positive_int
+from app.commands._output import raise_for_errors
 from app.config import DTYPE_ALIASES, EngineConfig, dtype_name, parse_dtype
 from app.model.loader import read_rss
 
@@ -169,8 +170,11 @@ class _Ours:
                            keep_outputs=False)
         self.reordered_weight_bytes = engine.model.reordered_weight_bytes
         start = time.perf_counter()
-        engine.run(Request(f"r{i}", p, max_new_tokens=new_tokens) for i, p in enumerate(prompts))
-        return time.perf_counter() - start
+        outputs = engine.run(Request(f"r{i}", p, max_new_tokens=new_tokens)
+                             for i, p in enumerate(prompts))
+        seconds = time.perf_counter() - start
+        raise_for_errors(outputs)   # NaN logits: an error, not a timing
+        return seconds
 
 
 class _Transformers:

@@ -62,16 +62,18 @@ def build_model(args: argparse.Namespace, base: EngineConfig, *, progress: bool 
     """Load ``args.model`` (with a progress bar on ``stream`` when ``progress``) or make the
     random model; ``base`` with its ``model`` section replaced by the model's."""
     from app.commands._memory import check_weights_fit
-    from app.model import DeepseekConfig, load_checkpoint, random_config, random_weights
+    from app.model import load_checkpoint, random_config, random_weights
+    from app.model.loader import check_checkpoint
 
     dtype = None if args.dtype is None else parse_dtype(args.dtype, "--dtype")
     if args.model is not None:
         if getattr(args, "layers", None) is not None:
             raise ValueError("--layers sets the random model's depth; a checkpoint "
                              "(--model) has its own")
-        if Path(args.model).is_dir():
-            arch = DeepseekConfig.from_json_file(Path(args.model) / "config.json")
-            check_weights_fit(arch, dtype or arch.dtype or torch.bfloat16)
+        # Every check of the checkpoint first (its config against its tensors: sizes bounded
+        # by what is on disk), then whether it fits, then the load.
+        arch = check_checkpoint(args.model)
+        check_weights_fit(arch, dtype or arch.dtype or torch.bfloat16)
         bar = ProgressBar(100, "load", stream=stream, enabled=progress)
         loaded = load_checkpoint(
             args.model, dtype,

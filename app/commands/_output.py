@@ -3,16 +3,46 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any
 
 
+def json_safe(data: Any) -> Any:
+    """``data`` with every non-finite float (NaN, infinity) made None: JSON has no such
+    numbers (Python's ``json`` writes ``NaN`` / ``Infinity``, which JSON parsers refuse)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, Mapping):
+        return {key: json_safe(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(value) for value in data]
+    return data
+
+
+def json_text(data: Any, indent: int | None = None) -> str:
+    """``data`` as JSON text, always valid JSON (``json_safe``; other objects as ``str``):
+    compact, or indented by ``indent``."""
+    separators = (",", ":") if indent is None else None
+    return json.dumps(json_safe(data), indent=indent, separators=separators, default=str,
+                      allow_nan=False)
+
+
+def raise_for_errors(outputs: Iterable[Any]) -> None:
+    """``ValueError`` with the first error when any of the engine's ``outputs``
+    (``RequestOutput``) ended in one (``FinishReason.ERROR``: the model's logits were not
+    finite): a command must not report tokens or timings as if the run had worked."""
+    failed = [o for o in outputs if getattr(o, "error", None)]
+    if failed:
+        others = f" ({len(failed) - 1} more request(s) failed too)" if len(failed) > 1 else ""
+        raise ValueError(f"{failed[0].error}{others}")
+
+
 def print_json(data: Any) -> None:
-    """Print ``data`` as indented JSON on stdout."""
-    json.dump(data, sys.stdout, indent=2, sort_keys=False, default=str)
-    sys.stdout.write("\n")
+    """Print ``data`` as indented JSON on stdout (``json_text``)."""
+    sys.stdout.write(json_text(data, indent=2) + "\n")
 
 
 def print_text(text: str = "") -> None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 
 from app._files import write_regular_file
 from app.commands._args import output_file
-from app.commands._output import print_json, print_text
+from app.commands._output import json_text, print_json, print_text
 
 HELP = "run a benchmark (selection, prefill, decode, kv, run, model, vllm-*) and report JSON"
 
@@ -50,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; JSON with ``--json``, a readable summary otherwise."""
     result = args._bench.run(args)
     if args.output is not None:
-        write_regular_file(args.output, (json.dumps(result, indent=2, default=str) + "\n"
-                                         ).encode(), "--output")
+        write_regular_file(args.output, (json_text(result, indent=2) + "\n").encode(),
+                           "--output")
     if args.json:
         print_json(result)
     else:

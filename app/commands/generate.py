@@ -22,7 +22,6 @@ CPU (projections in float32 where it has no fast 16-bit matmul).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ from typing import Any
 
 from app.commands._args import positive_int
 from app.commands._model import add_model_arguments, build_model, model_line
-from app.commands._output import print_text
+from app.commands._output import json_text, print_text, raise_for_errors
+from app.commands._tokenizer import CheckpointTokenizer
 from app.config import EngineConfig, dtype_name
 
 HELP = ("greedy generation from a Hugging Face DeepSeek-V2/V3 checkpoint (--model DIR): "
@@ -70,16 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no loading progress bar on stderr")
 
 
-def _tokenizer(path: Path | None, model: Path) -> Any:
-    if path is None:
-        raise ValueError(f"--prompt needs {model / 'tokenizer.json'}, which does not exist; "
-                         "pass token ids with --prompt-ids")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError("--prompt needs the tokenizers package: pip install "
-                          "'app[tokenizer]' (or pip install tokenizers)") from None
-    return Tokenizer.from_file(str(path))
+def _tokenizer(model: Path) -> CheckpointTokenizer:
+    path = model / "tokenizer.json"
+    if not path.exists() and not path.is_symlink():
+        raise ValueError(f"--prompt needs {path}, which does not exist; pass token ids with "
+                         "--prompt-ids")
+    return CheckpointTokenizer(path)
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,15 +90,12 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("generate needs --model DIR (a Hugging Face checkpoint directory)")
     if not args.prompt_ids and not args.prompt:
         raise ValueError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
-    tokenizer = None
-    if args.prompt:   # before loading: a missing tokenizer fails at once
-        path = args.model / "tokenizer.json"
-        tokenizer = _tokenizer(path if path.is_file() else None, args.model)
+    tokenizer = _tokenizer(args.model) if args.prompt else None  # before loading: fails at once
     start = time.perf_counter()
     built = build_model(args, EngineConfig(), progress=not args.no_progress)
     load_seconds = time.perf_counter() - start
     prompts = [list(p) for p in args.prompt_ids]
-    prompts += [tokenizer.encode(text).ids for text in args.prompt] if tokenizer else []
+    prompts += [tokenizer.encode(text) for text in args.prompt] if tokenizer else []
     if any(not p for p in prompts):
         raise ValueError("a --prompt tokenized to no tokens")
     blocks = sum(-(-(len(p) + args.max_new_tokens) // args.block_size) for p in prompts)
@@ -117,6 +110,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     gen_start = time.perf_counter()
     outputs = {o.request_id: o for o in engine.run()}
     gen_seconds = time.perf_counter() - gen_start
+    raise_for_errors(outputs.values())
     stats = engine.stats
     results = []
     for i, prompt in enumerate(prompts):
@@ -125,8 +119,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
                                 "logprobs": [round(x, 6) for x in out.logprobs],
                                 "finish_reason": out.finish_reason.value}
         if tokenizer is not None:
-            item["text"] = tokenizer.decode(list(out.output_token_ids),
-                                            skip_special_tokens=True)
+            item["text"] = tokenizer.decode(out.output_token_ids)
         results.append(item)
     return {
         "outputs": results,
@@ -152,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the generated ids (or text) per prompt; with ``--json`` one JSON line last."""
     result = execute(args)
     if args.json:
-        sys.stdout.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")
+        sys.stdout.write(json_text(result) + "\n")
         return 0
     for item in result["outputs"]:
         if "text" in item:

@@ -24,7 +24,7 @@ from app.containers import get_container
 if TYPE_CHECKING:
     from app.containers import Application
 
-__all__ = ["DECODE_BACKEND", "PREFILL_BACKEND", "Kind", "bind_container",
+__all__ = ["DECODE_BACKEND", "KINDS", "PREFILL_BACKEND", "Kind", "bind_container",
            "decode_backend_class", "decode_unavailable_reason", "describe_decode",
            "describe_prefill", "prefill_backend_class"]
 
@@ -33,6 +33,8 @@ PREFILL_BACKEND = "TORCH_SDPA"
 #: Our backend behind vLLM's ``AttentionBackendEnum.CPU_MLA`` (its decode).
 DECODE_BACKEND = "CPU_MLA"
 Kind = Literal["prefill", "decode"]
+#: The kinds of backend bound: vLLM's prefill and its decode.
+KINDS: tuple[Kind, ...] = ("prefill", "decode")
 
 _lock = threading.Lock()
 _resolved: dict[Kind, type] = {}
@@ -78,8 +80,12 @@ def decode_backend_class() -> type[MLADecodeBackend]:
 def bind_container(container: Application, kind: Kind | None = None) -> None:
     """Resolve our class of ``kind`` (both when None) through ``container`` now and keep it:
     an engine that builds its own container calls this once at start-up; vLLM's layers
-    built later use it (``TypeError`` when ``container`` is not an ``Application``)."""
-    kinds: tuple[Kind, ...] = ("prefill", "decode") if kind is None else (kind,)
+    built later use it (``TypeError`` when ``container`` is not an ``Application``,
+    ``ValueError`` for a ``kind`` other than ``"prefill"``, ``"decode"`` or None)."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"bind_vllm_container: kind must be one of {list(KINDS)} or None "
+                         f"(both), got {kind!r}")
+    kinds: tuple[Kind, ...] = KINDS if kind is None else (kind,)
     classes = {k: _resolve(container, k) for k in kinds}
     with _lock:
         _resolved.update(classes)

@@ -254,6 +254,8 @@ def vllm_interface_problems() -> list[str]:
         vllm = importlib.import_module("vllm")
     except ImportError as exc:
         return [f"vLLM is not installed ({exc})"]
+    except Exception as exc:  # a broken install fails in any way (an OSError loading _C ...)
+        return [f"vLLM cannot be imported ({type(exc).__name__}: {exc})"]
     try:
         prefill_registry = importlib.import_module(f"{_PREFILL}.registry")
         base_module = importlib.import_module(f"{_PREFILL}.base")

@@ -14,6 +14,14 @@ and the first left out, in any MoE layer) is within the engine dtype's rounding
 (``ROUTING_TOLERANCES``) may legitimately take other experts: they are counted as routing
 near-ties and left out of the error and the token check.
 
+The tolerance follows the dtype (``derived_tolerance``): the same dense model computed plainly in
+the engine's dtype (``ReferenceModel(weights, dtype)``, as transformers computes it) is
+compared with float64 on the same rows (``check_generations(..., dtype_reference=...)``), and the
+engine may be ``DTYPE_ERROR_FACTOR`` times that far, never held below the dtype's few units of
+rounding (``REFERENCE_TOLERANCES``): a model whose own rounding in its dtype is large (a random
+checkpoint with a large LM-head gain, a deep bf16 model) is not failed for it, and an engine
+twice as far from float64 as the plain computation in its dtype still is.
+
 Rows checked (``sample_rows``), per request: at most ``max_prefill_rows`` prefill rows (the
 last ``tail_rows`` always) and at most ``max_decode_rows`` decode rows (the first and the last
 ``edge_rows`` always), the others at a stride; ``None`` checks every row of that kind. Keys
@@ -31,9 +39,39 @@ import attrs
 import torch
 
 from app.mla.requests import RequestOutput, RowKind
-from app.model.reference import ROUTING_TOLERANCES, ReferenceModel, ReferenceRows
+from app.model.reference import (
+    ROUTING_TOLERANCES,
+    ReferenceModel,
+    ReferenceRows,
+    reference_tolerance,
+)
 
-__all__ = ["GenerationCheck", "check_generation", "check_generations", "sample_rows"]
+__all__ = ["DTYPE_ERROR_FACTOR", "GenerationCheck", "check_generation", "check_generations",
+           "derived_tolerance", "sample_rows", "tolerance_rule"]
+
+#: How many times the error of the plain dense model in the engine's dtype (against float64,
+#: on the same rows) the engine's own error may be.
+DTYPE_ERROR_FACTOR = 2.0
+
+
+def derived_tolerance(dtype: torch.dtype, dtype_relative_error: float) -> float:
+    """The relative error accepted from an engine computing in ``dtype``:
+    ``max(REFERENCE_TOLERANCES[dtype], DTYPE_ERROR_FACTOR * dtype_relative_error)``, where
+    ``dtype_relative_error`` is the measured error of the dense model computed in ``dtype`` on
+    the rows checked (``GenerationCheck.dtype_relative_error``); ``ValueError`` for a dtype
+    without a floor. A non-finite measurement gives the floor (a NaN must not widen it)."""
+    floor = reference_tolerance(dtype)
+    if not math.isfinite(dtype_relative_error):
+        return floor
+    return max(floor, DTYPE_ERROR_FACTOR * dtype_relative_error)
+
+
+def tolerance_rule(dtype: torch.dtype) -> str:
+    """``derived_tolerance``'s rule in words, for a report."""
+    name = str(dtype).removeprefix("torch.")
+    return (f"max({reference_tolerance(dtype):.0e}, {DTYPE_ERROR_FACTOR:g} x the relative error "
+            f"of the same dense model computed in {name} against float64 on the rows checked)")
+
 
 def _strided(rows: torch.Tensor, head: int, tail: int, most: int | None) -> torch.Tensor:
     """``rows`` (sorted), or when more than ``most``: the first ``head``, the last ``tail`` and
@@ -68,7 +106,9 @@ def sample_rows(row_kinds: torch.Tensor, max_prefill_rows: int | None = 32,
 @attrs.frozen
 class GenerationCheck:
     """One request against the float64 reference: rows checked / computed per path, the
-    largest absolute error per path, the reference's scale, and the token verdicts."""
+    largest absolute error per path, the reference's scale, the token verdicts, and the
+    largest absolute error of the dense model computed in the engine's dtype on the same rows
+    (``dtype_max_abs_error``; 0 when not measured)."""
 
     request_id: str
     prefill_rows_checked: int
@@ -83,6 +123,7 @@ class GenerationCheck:
     near_ties: int
     token_mismatches: int
     routing_near_ties: int = 0
+    dtype_max_abs_error: float = 0.0
 
     @property
     def prefill_relative_error(self) -> float:
@@ -93,6 +134,12 @@ class GenerationCheck:
     def decode_relative_error(self) -> float:
         """Decode rows' largest error over the reference's largest value."""
         return _relative(self.decode_max_abs_error, self.ref_max_abs)
+
+    @property
+    def dtype_relative_error(self) -> float:
+        """The dense model in the engine's dtype: its largest error on the rows compared over
+        the reference's largest value."""
+        return _relative(self.dtype_max_abs_error, self.ref_max_abs)
 
 
 def _relative(error: float, scale: float) -> float:
@@ -117,18 +164,22 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_generation(reference: ReferenceModel, output: RequestOutput,
                      max_prefill_rows: int | None = 32, max_decode_rows: int | None = 32,
-                     routing_tolerance: float | None = None) -> GenerationCheck:
+                     routing_tolerance: float | None = None,
+                     dtype_reference: ReferenceModel | None = None) -> GenerationCheck:
     """Check ``output`` (kept ``hidden`` and ``row_kinds`` required) on ``sample_rows`` (the
     tokens chosen by the decode rows and the last prefill row checked). Rows with a routing
     margin within ``routing_tolerance`` (default: ``ROUTING_TOLERANCES`` of the output's
-    dtype) are counted apart and not compared."""
+    dtype) are counted apart and not compared. ``dtype_reference`` (the same weights'
+    ``ReferenceModel`` in the engine's dtype) measures ``dtype_max_abs_error`` on the rows
+    compared."""
     return check_generations(reference, [output], max_prefill_rows, max_decode_rows,
-                             routing_tolerance)[0]
+                             routing_tolerance, dtype_reference)[0]
 
 
 def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput],
                       max_prefill_rows: int | None = 32, max_decode_rows: int | None = 32,
-                      routing_tolerance: float | None = None) -> list[GenerationCheck]:
+                      routing_tolerance: float | None = None,
+                      dtype_reference: ReferenceModel | None = None) -> list[GenerationCheck]:
     """``check_generation`` of every output, in order (sort them by their tokens so the
     reference reuses shared prefixes); the reference's last feed-forward runs once for all."""
     sampled = []
@@ -141,15 +192,17 @@ def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput
                                                    max_decode_rows=max_decode_rows)))
     todo = [(o.token_ids, rows) for o, _, rows in sampled if rows.numel()]
     refs = iter(reference.outputs_many(todo))
-    return [_evaluate(reference, output, kinds, rows, next(refs), routing_tolerance)
+    plain = iter(dtype_reference.outputs_many(todo) if dtype_reference is not None else ())
+    return [_evaluate(reference, output, kinds, rows, next(refs), routing_tolerance,
+                      next(plain, None))
             if rows.numel() else
             GenerationCheck(output.request_id, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
             for output, kinds, rows in sampled]
 
 
 def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Tensor,
-              all_rows: torch.Tensor, ref: ReferenceRows, routing_tolerance: float | None
-              ) -> GenerationCheck:
+              all_rows: torch.Tensor, ref: ReferenceRows, routing_tolerance: float | None,
+              plain: ReferenceRows | None = None) -> GenerationCheck:
     """One output against its reference rows."""
     if output.hidden is None:  # pragma: no cover - checked by the caller
         raise ValueError("no outputs kept")
@@ -191,4 +244,6 @@ def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Ten
         decode_max_abs_error=_max_error(got[is_decode], want[is_decode]),
         ref_max_abs=_max_error(ref.hidden, torch.zeros_like(ref.hidden)),  # NaN: inf
         tokens_checked=agree + ties + mismatches, tokens_agreeing=agree, near_ties=ties,
-        token_mismatches=mismatches, routing_near_ties=int((~clear).sum()))
+        token_mismatches=mismatches, routing_near_ties=int((~clear).sum()),
+        dtype_max_abs_error=0.0 if plain is None else _max_error(
+            plain.hidden[clear].to(dtype=torch.float64), want))

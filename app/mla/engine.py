@@ -28,13 +28,23 @@ non-absorbed form through the prefill backend and the decode batch in the absorb
 the decode backend; the LM head picks greedy tokens (drafts are verified,
 ``app.mla.speculative``); progress is reported to the ``KVCacheManager`` (full blocks become
 prefix-cache hits) and finished requests free their blocks.
+
+A step whose logits for a request are not finite (a NaN or infinite logit; NaN weights, or an
+overflow) ends that request with ``FinishReason.ERROR`` and an ``error`` naming the step and the
+first stage of the model that produced a non-finite value (found by running the step again with
+every stage checked: the check on the hot path is one look at the step's log-probabilities).
+
+``run(requests)`` may be called from several threads at once: the calls share the steps (their
+requests are batched together) and each returns exactly its own requests' outputs, whichever
+call's step finished them (see ``run``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -50,17 +60,26 @@ from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
 from app.kvcache.kv_cache_manager import KVCacheManager
 from app.kvcache.specs import MLAAttentionSpec
 from app.mla.requests import (
+    EngineStats,
     FinishReason,
     Request,
     RequestMetrics,
     RequestOutput,
+    RequestTooLargeError,
     RowKind,
+    StepOutput,
 )
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter, accept_greedy
 from app.model.cache import check_cache_fits
 from app.model.decode import plan_decode_step
-from app.model.model import DeepseekModel, default_compute_dtype, layer_names
+from app.model.model import (
+    DeepseekModel,
+    GreedyChoice,
+    Watch,
+    default_compute_dtype,
+    layer_names,
+)
 from app.model.prefill import PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.weights import ModelWeights
@@ -75,66 +94,6 @@ __all__ = [
     "RequestTooLargeError",
     "StepOutput",
 ]
-
-class RequestTooLargeError(ValueError):
-    """A request needs more KV-cache blocks than the whole pool has: it can never run."""
-
-
-@attrs.frozen
-class StepOutput:
-    """One step: the tokens each request emitted, the requests that finished, the ids
-    preempted, the prefill / decode query tokens computed and the step's wall seconds."""
-
-    step: int
-    new_tokens: dict[str, tuple[int, ...]]
-    finished: tuple[RequestOutput, ...]
-    preempted: tuple[str, ...]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    seconds: float
-
-
-@attrs.define
-class EngineStats:
-    """Counters since the engine started (seconds are wall time inside ``step``)."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    decode_emitted_tokens: int = 0
-    emitted_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-    preemptions: int = 0
-    peak_used_blocks: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    step_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens (finished requests)."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        """Prefill tokens per second of prefill compute."""
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens emitted by decode steps per second of decode compute."""
-        return self.decode_emitted_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts / proposed drafts (0.0 without speculation)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
 
 class MLAEngine:
     """Queue, scheduler, paged latent cache and a DeepSeek model (``weights``).
@@ -223,6 +182,14 @@ class MLAEngine:
         # add_request, abort and step may come from different threads (a server's request
         # handlers and its stepping loop): each runs whole, one at a time.
         self._lock = threading.RLock()
+        # run(requests) calls in flight: which call owns a request, and the outputs of each
+        # call's requests that finished (in any call's step, or aborted); outputs of requests
+        # no call owns that a call's step finished, for the next step() or run().
+        self._owners: dict[str, object] = {}
+        self._mailboxes: dict[object, list[RequestOutput]] = {}
+        self._unowned_finished: list[RequestOutput] = []
+        # Why a request is ending with FinishReason.ERROR, until _finish reports it.
+        self._errors: dict[str, str] = {}
 
     # -- convenience views --------------------------------------------------------------
 
@@ -315,9 +282,15 @@ class MLAEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Schedule, run and account one step (see the module docstring)."""
+        """Schedule, run and account one step (see the module docstring). ``finished`` also
+        holds the requests queued with ``add_request`` that a ``run`` call's step finished
+        since the last ``step``."""
         with self._lock:
-            return self._step()
+            out = self._step()
+            if self._unowned_finished:
+                out = attrs.evolve(out, finished=(*self._unowned_finished, *out.finished))
+                self._unowned_finished.clear()
+            return out
 
     def _step(self) -> StepOutput:
         start = time.perf_counter()
@@ -381,8 +354,13 @@ class MLAEngine:
         if completing:
             rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
             choice = self.model.greedy(hidden.index_select(0, rows))
+            bad = self._non_finite(choice, lambda watch: self.model.prefill(ids, batch,
+                                                                             watch=watch))
             with self.timer.phase("schedule"):
                 for i, st in enumerate(completing):
+                    if i in bad:
+                        self._fail(st, bad[i], reasons)
+                        continue
                     self._emit(st, choice.tokens[i:i + 1], choice.margins[i:i + 1],
                                choice.logprobs[i:i + 1], emitted, reasons)
 
@@ -401,10 +379,17 @@ class MLAEngine:
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
         choice = self.model.greedy(hidden)
+        bad = self._non_finite(choice, lambda watch: self.model.decode(token_ids, plan,
+                                                                        watch=watch))
         count = 0
         with self.timer.phase("schedule"):
             for b, st in enumerate(states):
                 rows = slice(b * q, (b + 1) * q)
+                failed = next((bad[r] for r in range(b * q, (b + 1) * q) if r in bad), None)
+                if failed is not None:
+                    self._fail(st, failed, reasons)
+                    st.drafts = []
+                    continue
                 accepted, tokens = accept_greedy(st.drafts if k else [], choice.tokens[rows])
                 done = st.num_computed_tokens
                 out = self._emit(st, tokens, choice.margins[rows], choice.logprobs[rows],
@@ -420,6 +405,26 @@ class MLAEngine:
                 st.drafts = []
                 count += len(out)
         return count
+
+    def _non_finite(self, choice: GreedyChoice, rerun: Callable[[Watch], torch.Tensor]
+                    ) -> dict[int, str]:
+        """The rows of ``choice`` whose logits were not finite (a NaN or +inf logit makes the
+        row's log-probability NaN or infinite), each with the error to report; empty when
+        all are finite (the only cost on the hot path). ``rerun(watch)`` runs the step again
+        to find the first stage that produced the non-finite value."""
+        rows = [i for i, logprob in enumerate(choice.logprobs) if not math.isfinite(logprob)]
+        if not rows:
+            return {}
+        where = self.model.locate_non_finite(rerun)
+        message = (f"the model's logits are not finite (NaN or infinite) in step "
+                   f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "
+                   f"{where}")
+        return dict.fromkeys(rows, message)
+
+    def _fail(self, st: RequestState, message: str, reasons: dict[str, FinishReason]) -> None:
+        """End ``st`` with ``FinishReason.ERROR`` (no token emitted from a non-finite row)."""
+        reasons[st.request_id] = FinishReason.ERROR
+        self._errors[st.request_id] = f"request {st.request_id!r}: {message}"
 
     def _keep_rows(self, st: RequestState, start: int, rows: torch.Tensor, kind: RowKind
                    ) -> None:
@@ -455,6 +460,13 @@ class MLAEngine:
         return out
 
     def _finish(self, st: RequestState, reason: FinishReason, now: float) -> RequestOutput:
+        output = self._output(st, reason, now)
+        owner = self._owners.pop(st.request_id, None)
+        if owner is not None:   # a run call's request: its output goes to that call
+            self._mailboxes[owner].append(output)
+        return output
+
+    def _output(self, st: RequestState, reason: FinishReason, now: float) -> RequestOutput:
         self.scheduler.finish(st)
         del self._states[st.request_id]
         stats = self.stats
@@ -476,14 +488,23 @@ class MLAEngine:
             output_token_ids=tuple(st.output_token_ids), finish_reason=reason,
             num_cached_tokens=max(st.num_cached_tokens, 0),
             num_preemptions=st.num_preemptions, logit_margins=tuple(st.logit_margins),
-            logprobs=tuple(st.logprobs),
-            metrics=metrics, hidden=hidden, row_kinds=kinds)
+            logprobs=tuple(st.logprobs), metrics=metrics, hidden=hidden, row_kinds=kinds,
+            error=self._errors.pop(st.request_id, None))
 
     def run(self, requests: Iterable[Request] = ()) -> list[RequestOutput]:
-        """Add ``requests`` and step until every request is finished; the outputs, in
-        finishing order. Every request is checked before any is queued: one refused (see
-        ``add_request``; also an id twice in ``requests``) queues none of them."""
+        """Add ``requests`` and step until every one of them is finished; exactly their
+        outputs, in finishing order. Every request is checked before any is queued: one
+        refused (see ``add_request``; also an id twice in ``requests``) queues none of them.
+
+        Several threads may call ``run`` at once: steps run one at a time, each serving every
+        call's requests together, and each call gets its own requests' outputs whichever
+        call's step finished them (one aborted from another thread comes back with finish
+        reason ``abort``). ``run()`` with no requests serves those queued with
+        ``add_request`` instead (added before or while it runs): it steps until none of them
+        is unfinished and returns theirs. Such a request finished by the step of a call that
+        was given requests is handed to the next ``step()`` or ``run()``."""
         batch = list(requests)
+        owner = object() if batch else None
         with self._lock:
             needed = [self._check_request(request) for request in batch]
             ids = [request.request_id for request in batch]
@@ -493,23 +514,55 @@ class MLAEngine:
                                  f"once")
             for request, blocks in zip(batch, needed, strict=True):
                 self._queue(request, blocks)
+            if owner is not None:
+                self._mailboxes[owner] = []
+                self._owners.update(dict.fromkeys(ids, owner))
         outputs: list[RequestOutput] = []
-        while True:
-            with self._lock:   # released between steps: another thread may add or abort
-                if not self.has_unfinished():
-                    return outputs
-                step = self._step()
-                if not step.num_prefill_tokens and not step.num_decode_tokens \
-                        and not self.num_running and self.scheduler.waiting:
-                    # Nothing runs and the head of the queue does not fit in a pool nobody in
-                    # this engine holds: the blocks are held elsewhere, and waiting would never
-                    # end.
-                    head = self.scheduler.waiting[0].request_id
-                    raise RuntimeError(
-                        f"no progress: request {head!r} does not fit although no request of "
-                        f"this engine holds blocks ({self.kv_manager.num_free_blocks} free of "
-                        f"{self.kv_manager.block_pool.num_blocks - 1})")
-            outputs.extend(step.finished)
+        try:
+            while not self._collect(owner, len(batch), outputs):
+                pass
+        finally:
+            if owner is not None:
+                with self._lock:   # an error left some unfinished: nobody's from now on
+                    for rid in ids:
+                        if self._owners.get(rid) is owner:
+                            del self._owners[rid]
+                    del self._mailboxes[owner]
+        return outputs
+
+    def _collect(self, owner: object | None, expected: int, outputs: list[RequestOutput]
+                 ) -> bool:
+        """One turn of ``run``: take what has finished for the call, or else take a step;
+        True when the call is done. The lock is released between turns: another thread may
+        add, abort or step."""
+        with self._lock:
+            if owner is None:
+                outputs.extend(self._unowned_finished)
+                self._unowned_finished.clear()
+                if not any(rid not in self._owners for rid in self._states):
+                    return True
+            else:
+                outputs.extend(self._mailboxes[owner])
+                self._mailboxes[owner].clear()
+                if len(outputs) == expected:
+                    return True
+            owned = set(self._owners)
+            step = self._step()
+            if not step.num_prefill_tokens and not step.num_decode_tokens \
+                    and not self.num_running and self.scheduler.waiting:
+                # Nothing runs and the head of the queue does not fit in a pool nobody in
+                # this engine holds: the blocks are held elsewhere, and waiting would never
+                # end.
+                head = self.scheduler.waiting[0].request_id
+                raise RuntimeError(
+                    f"no progress: request {head!r} does not fit although no request of "
+                    f"this engine holds blocks ({self.kv_manager.num_free_blocks} free of "
+                    f"{self.kv_manager.block_pool.num_blocks - 1})")
+            # The step's outputs of requests no call owns (a run call's own went to its
+            # mailbox in _finish): this call's when it serves them, else kept for the next.
+            unowned = [o for o in step.finished if o.request_id not in owned]
+            (outputs if owner is None else self._unowned_finished).extend(unowned)
+            return False
 
     # -- introspection ------------------------------------------------------------------
 

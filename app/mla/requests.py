@@ -1,4 +1,6 @@
-"""What an engine is asked for (``Request``) and what it hands back (``RequestOutput``)."""
+"""What an engine is asked for (``Request``) and what it hands back (``RequestOutput``, each
+step's ``StepOutput``, its ``EngineStats``), and the error of a request that can never fit
+(``RequestTooLargeError``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 
 from app._validation import check_int_at_least, is_int
 
-__all__ = ["FinishReason", "Request", "RequestMetrics", "RequestOutput", "RowKind"]
+__all__ = ["EngineStats", "FinishReason", "Request", "RequestMetrics", "RequestOutput",
+           "RequestTooLargeError", "RowKind", "StepOutput"]
 
 
 def _tokens(field: str, value: object) -> tuple[int, ...]:
@@ -60,11 +63,13 @@ class Request:
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request ended: ``max_new_tokens`` reached, a stop token emitted, or aborted."""
+    """Why a request ended: ``max_new_tokens`` reached, a stop token emitted, aborted, or an
+    error (the model's logits for it were not finite: ``RequestOutput.error`` says where)."""
 
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
+    ERROR = "error"
 
 
 class RowKind(enum.IntEnum):
@@ -112,7 +117,7 @@ class RequestOutput:
     keeps outputs, ``hidden [S, hidden]`` (model dtype; ``S = len(prompt) + len(outputs)``)
     holds the final normed hidden state (the LM head's input) of every row the request
     computed and ``row_kinds [S]`` (int8, ``RowKind``) says how; rows it did not compute are
-    zero.
+    zero. ``error`` says why a request ended with ``FinishReason.ERROR`` (None otherwise).
     """
 
     request_id: str
@@ -126,6 +131,7 @@ class RequestOutput:
     logprobs: tuple[float, ...] = ()
     hidden: torch.Tensor | None = None
     row_kinds: torch.Tensor | None = None
+    error: str | None = None
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -147,3 +153,63 @@ class RequestOutput:
         if m.first_token_step is None or len(self.output_token_ids) < 2:
             return None
         return (m.finish_step - m.first_token_step) / (len(self.output_token_ids) - 1)
+
+
+class RequestTooLargeError(ValueError):
+    """A request needs more KV-cache blocks than the whole pool has: it can never run."""
+
+
+@attrs.frozen
+class StepOutput:
+    """One step: the tokens each request emitted, the requests that finished, the ids
+    preempted, the prefill / decode query tokens computed and the step's wall seconds."""
+
+    step: int
+    new_tokens: dict[str, tuple[int, ...]]
+    finished: tuple[RequestOutput, ...]
+    preempted: tuple[str, ...]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    seconds: float
+
+
+@attrs.define
+class EngineStats:
+    """Counters since the engine started (seconds are wall time inside ``step``)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_emitted_tokens: int = 0
+    emitted_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    preemptions: int = 0
+    peak_used_blocks: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    step_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens (finished requests)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        """Prefill tokens per second of prefill compute."""
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens emitted by decode steps per second of decode compute."""
+        return self.decode_emitted_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0.0 without speculation)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

@@ -30,6 +30,7 @@ from app.model.decode import DecodePlan, MLADecodeExecutor, plan_decode_step
 from app.model.loader import (
     LoadedCheckpoint,
     LoadReport,
+    check_checkpoint,
     dequantize_fp8_block,
     load_checkpoint,
     quantize_fp8_block,
@@ -112,6 +113,7 @@ __all__ = [
     "SwiGLU",
     "WeightSpec",
     "apply_rope",
+    "check_checkpoint",
     "default_compute_dtype",
     "dequantize_fp8_block",
     "layer_names",

@@ -3,8 +3,13 @@
 ``DeepseekConfig.from_json_file(path)`` reads both layouts a checkpoint may carry: the Hub's
 (``rope_theta`` plus ``rope_scaling``, as DeepSeek ships V2, V2-Lite and V3) and transformers
 5's (``rope_parameters`` holding ``rope_theta`` and the scaling). Every problem is a
-``ValueError`` naming the file and the key. Sizes are required; behaviour keys a config may omit
-take transformers' defaults for the architecture (listed in ``_DEFAULTS``).
+``ValueError`` naming the file and the key: a value of the wrong type (a list where a name
+belongs, ``true`` where an int does), out of range (every int is at most ``MAX_CONFIG_INT``),
+not finite, or one that would turn a part of the model off or make it divide by zero (yarn
+with ``rope_theta`` <= 1, an ``attention_factor`` of 0). The file itself is read as
+``app._files`` reads any file a user names: a regular file of at most 16 MiB, never a FIFO or
+a device. Sizes are required; behaviour keys a config may omit take transformers' defaults for
+the architecture (listed in ``_DEFAULTS``).
 
 Semantics (the ones transformers' ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` and
 DeepSeek's own code agree on):
@@ -19,7 +24,6 @@ DeepSeek's own code agree on):
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,14 +32,17 @@ from typing import Any
 import attrs
 import torch
 
+from app._files import load_json
 from app.config import ModelConfig
 
 __all__ = [
     "ARCHITECTURES",
+    "MAX_CONFIG_INT",
     "DeepseekConfig",
     "Fp8Quantization",
     "MoEConfig",
     "RopeConfig",
+    "parse_token_ids",
 ]
 
 #: The architectures this package runs, and their ``model_type``.
@@ -61,6 +68,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "n_group": 8, "topk_group": 4, "num_nextn_predict_layers": 0,
         "max_position_embeddings": 4096},
 }
+#: The largest int any key of a ``config.json`` may hold (sizes, counts, token ids).
+MAX_CONFIG_INT = 2**31 - 1
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
               "truncate", "partial_rotary_factor"}
@@ -76,8 +85,8 @@ class _Reader:
         self.defaults = defaults
 
     def error(self, key: str, expected: str) -> ValueError:
-        value = self.raw.get(key, "<missing>")
-        return ValueError(f"{self.source}: {key} = {value!r}: expected {expected}")
+        value = self.raw[key] if key in self.raw else self.defaults.get(key, "<missing>")
+        return ValueError(f"{self.source}: {key} = {_shown(value)}: expected {expected}")
 
     def get(self, key: str) -> Any:
         if key in self.raw:
@@ -88,19 +97,28 @@ class _Reader:
 
     def integer(self, key: str, minimum: int = 1) -> int:
         value = self.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(key, f"an int >= {minimum}")
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                minimum <= value <= MAX_CONFIG_INT):
+            raise self.error(key, f"an int >= {minimum} (and at most {MAX_CONFIG_INT})")
         return value
 
     def opt_int(self, key: str, minimum: int = 1) -> int | None:
         return None if self.get(key) is None else self.integer(key, minimum)
 
-    def number(self, key: str, positive: bool = True) -> float:
+    def number(self, key: str, positive: bool = True, minimum: float | None = None) -> float:
+        """A finite number: > 0 when ``positive``, else >= ``minimum`` when given."""
         value = self.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or (positive and value <= 0):
-            raise self.error(key, "a positive finite number" if positive else "a number")
+                or not math.isfinite(value) or (positive and value <= 0) \
+                or (minimum is not None and value < minimum):
+            raise self.error(key, "a positive finite number" if positive else
+                             "a finite number" + ("" if minimum is None else f" >= {minimum}"))
         return float(value)
+
+    def optional_number(self, key: str, positive: bool = True, minimum: float | None = None
+                        ) -> float | None:
+        """``number``, or None when the key is absent or null."""
+        return None if self.raw.get(key) is None else self.number(key, positive, minimum)
 
     def boolean(self, key: str) -> bool:
         value = self.get(key)
@@ -113,6 +131,17 @@ class _Reader:
         if value not in allowed:
             raise self.error(key, f"one of {list(allowed)}")
         return str(value)
+
+
+def _check_rope_number(name: str, value: object, positive: bool) -> None:
+    """``ValueError`` unless ``value`` is None (the three optional keys) or a finite number,
+    > 0 when ``positive``, else >= 0."""
+    if value is None and name in ("attention_factor", "mscale", "mscale_all_dim"):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"RopeConfig: {name} must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -131,6 +160,20 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        # What from_dict refuses naming the file and the key, refused here too for a
+        # RopeConfig built in code: each would divide by zero or bend the rope silently later.
+        if self.rope_type not in ("default", "linear", "yarn"):
+            raise ValueError(f"RopeConfig: rope_type must be 'default', 'linear' or 'yarn', got "
+                             f"{self.rope_type!r}")
+        for name in ("theta", "factor", "beta_fast", "beta_slow", "attention_factor"):
+            _check_rope_number(name, getattr(self, name), positive=True)
+        for name in ("mscale", "mscale_all_dim"):
+            _check_rope_number(name, getattr(self, name), positive=False)
+        if self.rope_type == "yarn" and self.theta <= 1:
+            raise ValueError(f"RopeConfig: yarn needs theta > 1 (it divides by ln(theta)), got "
+                             f"{self.theta!r}")
 
     @staticmethod
     def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -182,19 +225,27 @@ class RopeConfig:
         theta = r.number("rope_theta")
         if rope_type == "default":
             return cls(theta=theta)
+        if rope_type == "yarn" and theta <= 1:
+            raise r.error("rope_theta", "a number > 1 (yarn divides by ln(rope_theta))")
         original = r.opt_int("original_max_position_embeddings") \
             if "original_max_position_embeddings" in raw else None
         factor = raw.get("factor")
         if factor is None and rope_type == "yarn" and original:
             factor = max_positions / original
-        r = _Reader({**raw, "factor": factor}, source, r.defaults)
-        optional = {k: (r.number(k, positive=False) if raw.get(k) is not None else None)
-                    for k in ("mscale", "mscale_all_dim", "attention_factor")}
+        # transformers reads a beta of null or 0 as its default (``get(...) or 32``); any other
+        # value must be a positive finite number (a NaN or negative one failed at the first
+        # step, or bent the frequencies silently).
+        betas = {k: (raw.get(k) or r.defaults[k]) for k in ("beta_fast", "beta_slow")}
+        r = _Reader({**raw, "factor": factor, **betas}, source, r.defaults)
+        # mscale / mscale_all_dim of 0 mean "unset" (as in transformers); an attention factor
+        # of 0 would multiply cos and sin by 0: rope silently off.
         return cls(theta=theta, rope_type=str(rope_type), factor=r.number("factor"),
                    original_max_position_embeddings=original or max_positions,
-                   beta_fast=float(raw.get("beta_fast") or 32.0),
-                   beta_slow=float(raw.get("beta_slow") or 1.0), truncate=r.boolean("truncate"),
-                   **optional)
+                   beta_fast=r.number("beta_fast"), beta_slow=r.number("beta_slow"),
+                   truncate=r.boolean("truncate"),
+                   mscale=r.optional_number("mscale", positive=False, minimum=0),
+                   mscale_all_dim=r.optional_number("mscale_all_dim", positive=False, minimum=0),
+                   attention_factor=r.optional_number("attention_factor"))
 
 
 @attrs.frozen(kw_only=True)
@@ -338,16 +389,13 @@ class DeepseekConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> DeepseekConfig:
-        """Read a checkpoint's ``config.json`` (``ValueError`` naming the file and the key)."""
+        """Read a checkpoint's ``config.json`` (``ValueError`` naming the file and the key; see
+        the module docstring)."""
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        if not path.exists() and not path.is_symlink():
             raise ValueError(f"{path}: no config.json (a Hugging Face checkpoint directory "
-                             "holds config.json and *.safetensors)") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read it as JSON: {exc}") from None
-        return cls.from_dict(raw, source=str(path))
+                             "holds config.json and *.safetensors)")
+        return cls.from_dict(load_json(path, "config.json"), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> DeepseekConfig:
@@ -378,23 +426,33 @@ class DeepseekConfig:
             moe_layer_freq=r.integer("moe_layer_freq"),
             num_nextn_predict_layers=r.integer("num_nextn_predict_layers", 0),
             dtype=_dtype(raw, source), quantization=_quantization(raw, source),
-            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int)
-            else None, eos_token_ids=_eos(raw.get("eos_token_id")))
+            bos_token_id=_bos(r),
+            eos_token_ids=parse_token_ids(raw.get("eos_token_id"), f"{source}: eos_token_id"))
+
+
+def _shown(value: object) -> str:
+    """A config value as an error shows it: its repr, cut to 200 characters."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:160]}... ({len(text)} characters)"
 
 
 def _architecture(raw: Mapping[str, Any], source: str) -> str:
     names = raw.get("architectures")
-    if isinstance(names, list) and names:
+    if names is not None and not (isinstance(names, list)
+                                  and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{source}: architectures = {_shown(names)}: expected a list of "
+                         f"class names such as {sorted(ARCHITECTURES)}")
+    if names:
         for name in names:
             if name in ARCHITECTURES:
                 return str(name)
-        raise ValueError(f"{source}: architectures = {names!r}: unsupported; this engine runs "
-                         f"{sorted(ARCHITECTURES)}")
+        raise ValueError(f"{source}: architectures = {_shown(names)}: unsupported; this engine "
+                         f"runs {sorted(ARCHITECTURES)}")
     model_type = raw.get("model_type")
     for arch, kind in ARCHITECTURES.items():
         if model_type == kind:
             return arch
-    raise ValueError(f"{source}: model_type = {model_type!r}: unsupported (and no "
+    raise ValueError(f"{source}: model_type = {_shown(model_type)}: unsupported (and no "
                      f"architectures list); expected one of {sorted(ARCHITECTURES.values())}")
 
 
@@ -440,16 +498,17 @@ def _moe(raw: Mapping[str, Any], r: _Reader) -> MoEConfig | None:
                      moe_intermediate_size=r.integer("moe_intermediate_size"),
                      n_shared_experts=r.opt_int("n_shared_experts", 0) or 0,
                      scoring_func=scoring, topk_method=method, n_group=n_group,
-                     topk_group=topk_group, norm_topk_prob=bool(r.get("norm_topk_prob")),
+                     topk_group=topk_group, norm_topk_prob=r.boolean("norm_topk_prob"),
                      routed_scaling_factor=r.number("routed_scaling_factor"))
 
 
 def _dtype(raw: Mapping[str, Any], source: str) -> torch.dtype | None:
-    name = raw.get("dtype", raw.get("torch_dtype"))
+    key = "dtype" if "dtype" in raw else "torch_dtype"
+    name = raw.get(key)
     if name is None:
         return None
-    if name not in _DTYPES:
-        raise ValueError(f"{source}: dtype = {name!r}: expected one of {sorted(_DTYPES)}")
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise ValueError(f"{source}: {key} = {_shown(name)}: expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 
@@ -466,15 +525,37 @@ def _quantization(raw: Mapping[str, Any], source: str) -> Fp8Quantization | None
         raise ValueError(f"{where}: fmt = {q.get('fmt')!r}: only 'e4m3' is supported")
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"{where}: weight_block_size = {block!r}: expected [rows, cols] of "
-                         "positive ints (per-tensor FP8 is not supported)")
+            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_CONFIG_INT
+                    for b in block)):
+        raise ValueError(f"{where}: weight_block_size = {_shown(block)}: expected [rows, cols] "
+                         f"of positive ints (at most {MAX_CONFIG_INT}; per-tensor FP8 is not "
+                         "supported)")
     return Fp8Quantization(block_out=block[0], block_in=block[1])
 
 
-def _eos(value: object) -> tuple[int, ...]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list):
-        return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
-    return ()
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) \
+        and 0 <= value <= MAX_CONFIG_INT
+
+
+def parse_token_ids(value: object, where: str) -> tuple[int, ...]:
+    """An ``eos_token_id`` value (an int, a list of ints, or null: none) as a tuple;
+    ``ValueError`` naming ``where`` (the file and the key) for anything else (``true`` is not a
+    token id)."""
+    if value is None:
+        return ()
+    if _is_token_id(value):
+        return (value,)  # type: ignore[return-value]
+    if isinstance(value, list) and all(_is_token_id(v) for v in value):
+        return tuple(value)
+    raise ValueError(f"{where} = {_shown(value)}: expected a token id (an int in [0, "
+                     f"{MAX_CONFIG_INT}]), a list of them, or null")
+
+
+def _bos(r: _Reader) -> int | None:
+    value = r.raw.get("bos_token_id")
+    if value is None:
+        return None
+    if not _is_token_id(value):
+        raise r.error("bos_token_id", f"a token id (an int in [0, {MAX_CONFIG_INT}]) or null")
+    return int(value)

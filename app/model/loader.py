@@ -8,6 +8,16 @@ dtype (F32, F16, BF16; F8_E4M3 with its ``weight_scale_inv`` when ``config.json`
 ``quantization_config``), every tensor the model needs is there exactly once, and the index
 agrees with the files. A problem is a ``ValueError`` naming the tensor and the file.
 
+A checkpoint directory may come from anywhere, so nothing in it can hang the process, exhaust
+memory or read outside it: every JSON file (``config.json``, the index,
+``generation_config.json``) is read only when it is a regular file of bounded size
+(``app._files.load_json``: never a FIFO or a device; a symbolic link to a regular file, as the
+Hub's cache lays out its snapshots, is followed); a ``*.safetensors`` file is opened only when it
+is a regular file; shards are named by the index as plain file names in the directory; the
+config's counts (layers, experts) are checked against the tensors the files hold before any
+per-layer or per-expert work, so every size is bounded by what is on disk before anything is
+allocated. ``check_checkpoint`` runs all of these checks without loading.
+
 Accepted layouts: the Hub's (one tensor per projection and per expert, ``gate_proj`` and
 ``up_proj`` apart), and transformers 5's stacked experts (``mlp.experts.gate_up_proj``,
 ``mlp.experts.down_proj``). Multi-token-prediction layers (``model.layers.{N}`` and up, with
@@ -23,16 +33,18 @@ FP8 e4m3 block quantization as DeepSeek-V3 ships it: a quantized ``W [out, in]``
 ``float8_e4m3fn`` next to ``weight_scale_inv [ceil(out / bo), ceil(in / bi)]`` (float32):
 block ``(i, j)`` of ``(bo, bi)`` elements dequantizes as ``fp8 * scale_inv[i, j]`` (the last
 blocks may be partial). ``dequantize_fp8_block`` does that into a destination of any float
-dtype, a few block rows at a time (a bounded float32 temporary); ``quantize_fp8_block`` is its
-inverse up to e4m3 rounding (absmax scaling to 448, e4m3's largest finite value), for making
-FP8 copies of checkpoints.
+dtype, a few rows at a time (a bounded float32 temporary, whatever the block size);
+``quantize_fp8_block`` is its inverse up to e4m3 rounding (absmax scaling to 448, e4m3's
+largest finite value), for making FP8 copies of checkpoints. Both live in
+``app.model.weights`` (the format of a weight) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,23 +53,38 @@ from typing import Any
 import attrs
 import torch
 
-from app.model.config import DeepseekConfig
-from app.model.weights import ModelWeights, WeightSpec, weight_specs
+from app._files import file_kind, load_json
+from app.model.config import DeepseekConfig, parse_token_ids
+from app.model.weights import (
+    FP8_E4M3_MAX,
+    ModelWeights,
+    WeightSpec,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+    scale_shape,
+    weight_specs,
+)
 
-__all__ = ["FP8_E4M3_MAX", "REOPEN_BYTES", "LoadReport", "LoadedCheckpoint",
-           "dequantize_fp8_block", "load_checkpoint", "quantize_fp8_block", "read_rss",
-           "scale_shape"]
+__all__ = ["FP8_E4M3_MAX", "MAX_INDEX_BYTES", "REOPEN_BYTES", "LoadReport", "LoadedCheckpoint",
+           "check_checkpoint", "dequantize_fp8_block", "load_checkpoint", "quantize_fp8_block",
+           "read_rss", "scale_shape"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes read from one file between reopenings (drops the mapped pages from the RSS).
 REOPEN_BYTES = 64 << 20
+#: The largest ``model.safetensors.index.json`` read (DeepSeek-V3's, 163 shards and ~92k
+#: tensors, is ~9 MB).
+MAX_INDEX_BYTES = 64 << 20
 _INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F8_E4M3": torch.float8_e4m3fn}
 _ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# At most 9 digits: a longer index is no layer or expert of any model (and int() of thousands
+# of digits is refused by Python itself).
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d{1,9})\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 _SPLIT = re.compile(r"^mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight$")
 
 
@@ -150,31 +177,51 @@ class _Piece:
     shape: tuple[int, ...]
 
 
+def _present(path: Path) -> bool:
+    """Whether anything is at ``path`` (a dangling symbolic link too: reading it then says
+    what is wrong)."""
+    return path.exists() or path.is_symlink()
+
+
+def _check_regular(path: Path, what: str) -> None:
+    """``ValueError`` unless ``path`` is a regular file (a link to one is followed): a FIFO
+    would block the open forever, a device never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ValueError(f"{path}: {what} cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: {what} is {file_kind(mode)}, not a regular file")
+
+
 def _files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
-    if not directory.is_dir():
-        raise ValueError(f"{directory}: not a directory (a Hugging Face checkpoint directory "
-                         "holds config.json and *.safetensors)")
     index = directory / _INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
-                             f"'weight_map'): {exc!r}") from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-            raise ValueError(f"{index}: weight_map must map tensor names to file names")
-        names = sorted(set(weight_map.values()))
-        for name in names:
-            if Path(name).name != name or not (directory / name).is_file():
-                raise ValueError(f"{index}: shard {name!r} is not a file in {directory}")
-        return [directory / n for n in names], weight_map
+    if _present(index):
+        return _indexed_files(directory, index)
     single = directory / "model.safetensors"
-    files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
+    files = [single] if _present(single) else sorted(directory.glob("*.safetensors"))
     if len(files) != 1:
         raise ValueError(f"{directory}: expected model.safetensors, or "
                          f"{_INDEX} with its shards; found {[f.name for f in files]}")
+    _check_regular(files[0], "the safetensors file")
     return files, None
+
+
+def _indexed_files(directory: Path, index: Path) -> tuple[list[Path], dict[str, str]]:
+    raw = load_json(index, "safetensors index", limit=MAX_INDEX_BYTES)
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"{index}: weight_map must be a JSON object mapping tensor names to "
+                         f"file names")
+    if not weight_map:
+        raise ValueError(f"{index}: weight_map is empty: the index lists no tensors")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name != name or name in (".", "..") or not _present(directory / name):
+            raise ValueError(f"{index}: shard {name!r} is not a file in {directory}")
+        _check_regular(directory / name, f"shard {name!r} of {_INDEX}")
+    return [directory / n for n in names], weight_map
 
 
 def _entries(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, _Entry]:
@@ -193,14 +240,51 @@ def _entries(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, 
                                           str(view.get_dtype()))
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
+    if not entries:
+        raise ValueError(f"{files[0].parent}: the checkpoint holds no tensors (files: "
+                         f"{[f.name for f in files]})")
     if weight_map is not None:
+        index = files[0].parent / _INDEX
         for key, name in weight_map.items():
             entry = entries.get(key)
             if entry is None or entry.file.name != name:
                 where = "in no file" if entry is None else f"in {entry.file.name}"
-                raise ValueError(f"{files[0].parent / _INDEX}: tensor {key!r} is listed in "
-                                 f"{name} but is {where}")
+                raise ValueError(f"{index}: tensor {key!r} is listed in {name} but is {where}")
+        unlisted = sorted(set(entries) - set(weight_map))
+        if unlisted:
+            more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+            raise ValueError(f"{index}: tensor {unlisted[0]!r}{more} is in "
+                             f"{entries[unlisted[0]].file.name} but not in the index's "
+                             f"weight_map")
     return entries
+
+
+def _check_counts(config: DeepseekConfig, entries: dict[str, _Entry], source: Path) -> None:
+    """``ValueError`` naming ``config.json``'s key when it counts more decoder layers or
+    routed experts than the files hold tensors for: every per-layer and per-expert structure
+    is sized from the config, so this bounds them by what is on disk before any is built."""
+    layers: set[int] = set()
+    experts = 0
+    for key, entry in entries.items():
+        match = _LAYER.match(key)
+        if match is None:
+            continue
+        layers.add(int(match.group(1)))
+        expert = _EXPERT.match(match.group(2))
+        if expert is not None:
+            experts = max(experts, int(expert.group(1)) + 1)
+        elif _STACKED.match(match.group(2)) and entry.shape:
+            experts = max(experts, entry.shape[0])
+    n = config.num_hidden_layers
+    if n > len(layers):
+        held = f"layers {min(layers)}..{max(layers)}" if layers else "no decoder layer"
+        raise ValueError(f"{source}: num_hidden_layers = {n}, but the checkpoint's tensors hold "
+                         f"{len(layers)} decoder layer(s) ({held})")
+    moe = config.moe
+    if moe is not None and moe.n_routed_experts > experts and any(
+            config.is_moe_layer(i) for i in range(n)):
+        raise ValueError(f"{source}: n_routed_experts = {moe.n_routed_experts}, but the "
+                         f"checkpoint's tensors hold {experts} routed expert(s) per MoE layer")
 
 
 def _piece(key: str, specs: dict[str, WeightSpec], config: DeepseekConfig) -> _Piece | None:
@@ -339,16 +423,51 @@ def _check_dtype(config: DeepseekConfig, entry: _Entry, entries: dict[str, _Entr
 
 
 def _eos(directory: Path, config: DeepseekConfig) -> tuple[int, ...]:
+    """``generation_config.json``'s ``eos_token_id`` (the config's when the file is absent or
+    the key null); ``ValueError`` naming the file and the key for a bad one."""
     path = directory / "generation_config.json"
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
+    if not _present(path):
         return config.eos_token_ids
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    return config.eos_token_ids
+    raw = load_json(path, "generation_config.json")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    if raw.get("eos_token_id") is None:
+        return config.eos_token_ids
+    return parse_token_ids(raw["eos_token_id"], f"{path}: eos_token_id")
+
+
+@attrs.frozen(eq=False)
+class _Checked:
+    """What the checks before any allocation found (``_check``)."""
+
+    directory: Path
+    config: DeepseekConfig
+    files: list[Path]
+    entries: dict[str, _Entry]
+    plan: _Plan
+    eos_token_ids: tuple[int, ...]
+
+
+def _check(directory: str | Path) -> _Checked:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory (a Hugging Face checkpoint directory "
+                         "holds config.json and *.safetensors)")
+    config_path = directory / "config.json"
+    config = DeepseekConfig.from_json_file(config_path)
+    files, weight_map = _files(directory)
+    entries = _entries(files, weight_map)
+    _check_counts(config, entries, config_path)
+    plan = _plan(config, entries)
+    return _Checked(directory, config, files, entries, plan, _eos(directory, config))
+
+
+def check_checkpoint(directory: str | Path) -> DeepseekConfig:
+    """Run every check ``load_checkpoint`` makes before it allocates anything (the JSON
+    files, the files' kinds, the index against the shards, the config's counts against the
+    tensors, every tensor's name, shape and dtype) without loading a weight; the model's
+    architecture. ``ValueError`` as ``load_checkpoint``."""
+    return _check(directory).config
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None, *,
@@ -357,14 +476,9 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None, *,
     bfloat16 for FP8 or when unstated); ``progress(bytes_read, total_bytes)`` after each
     tensor. See the module docstring for what is checked first."""
     start = time.perf_counter()
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"{directory}: not a directory (a Hugging Face checkpoint directory "
-                         "holds config.json and *.safetensors)")
-    config = DeepseekConfig.from_json_file(directory / "config.json")
-    files, weight_map = _files(directory)
-    entries = _entries(files, weight_map)
-    plan = _plan(config, entries)
+    checked = _check(directory)
+    directory, config, files = checked.directory, checked.config, checked.files
+    entries, plan = checked.entries, checked.plan
     target = dtype or config.dtype or torch.bfloat16
     if target not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"load_checkpoint: dtype must be float32, float16 or bfloat16, "
@@ -398,7 +512,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None, *,
         seconds=round(time.perf_counter() - start, 3), rss_before=rss_before, peak_rss=peak,
         peak_rss_is_load_peak=reset)
     tokenizer = directory / "tokenizer.json"
-    return LoadedCheckpoint(weights=weights, report=report, eos_token_ids=_eos(directory, config),
+    return LoadedCheckpoint(weights=weights, report=report, eos_token_ids=checked.eos_token_ids,
                             tokenizer_path=tokenizer if tokenizer.is_file() else None)
 
 
@@ -459,63 +573,3 @@ def _scale(key: str, entries: dict[str, _Entry], handle: Any, path: Path) -> tor
 
     with safe_open(str(entries[key].file), framework="pt") as other:
         return other.get_tensor(key)  # type: ignore[no-any-return]
-
-
-# -- FP8 e4m3 block quantization (see the module docstring) ----------------------------
-
-#: The largest finite float8_e4m3fn value.
-FP8_E4M3_MAX = 448.0
-#: Block rows dequantized at once (bounds the float32 temporary).
-_ROW_BLOCKS_PER_CHUNK = 8
-
-
-def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    """The ``weight_scale_inv`` shape of a ``[out, in]`` weight with ``(bo, bi)`` blocks."""
-    out, inp = shape
-    return -(-out // block[0]), -(-inp // block[1])
-
-
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
-                         block: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
-    """``out [out, in]`` (any float dtype) = ``weight`` (float8_e4m3fn) times its block scales
-    ``scale_inv``; ``ValueError`` on a dtype or shape mismatch. Returns ``out``."""
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"expected a 2-D float8_e4m3fn weight, got {weight.dtype} "
-                         f"{list(weight.shape)}")
-    expected = scale_shape((int(weight.shape[0]), int(weight.shape[1])), block)
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv of a {list(weight.shape)} weight with "
-                         f"{list(block)} blocks must be {list(expected)}, got "
-                         f"{list(scale_inv.shape)}")
-    if tuple(out.shape) != tuple(weight.shape):
-        raise ValueError(f"out must be {list(weight.shape)}, got {list(out.shape)}")
-    bo, bi = block
-    rows, cols = weight.shape
-    scales = scale_inv.float()
-    step = bo * _ROW_BLOCKS_PER_CHUNK
-    for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        s = scales[r0 // bo:-(-r1 // bo)].repeat_interleave(bo, dim=0)[:r1 - r0]
-        s = s.repeat_interleave(bi, dim=1)[:, :cols]
-        out[r0:r1].copy_(weight[r0:r1].float() * s)
-    return out
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8 [out, in], scale_inv [ceil(out/bo), ceil(in/bi)] float32)`` of a 2-D float
-    ``weight``: each block scaled so its largest magnitude maps to ``FP8_E4M3_MAX``."""
-    if weight.dim() != 2 or not weight.dtype.is_floating_point:
-        raise ValueError(f"expected a 2-D float weight, got {weight.dtype} "
-                         f"{list(weight.shape)}")
-    bo, bi = block
-    rows, cols = weight.shape
-    n_r, n_c = scale_shape((int(rows), int(cols)), block)
-    padded = torch.zeros(n_r * bo, n_c * bi, dtype=torch.float32)
-    padded[:rows, :cols] = weight.float()
-    blocks = padded.view(n_r, bo, n_c, bi)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale_inv = amax / FP8_E4M3_MAX
-    scaled = blocks / scale_inv[:, None, :, None]
-    fp8 = scaled.reshape(n_r * bo, n_c * bi)[:rows, :cols].to(torch.float8_e4m3fn)
-    return fp8.contiguous(), scale_inv

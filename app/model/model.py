@@ -21,7 +21,7 @@ top-2 margin are the float32 ones without a float32 copy of the head.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -40,7 +40,7 @@ from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.rope import RotaryEmbedding
 from app.model.weights import ModelWeights, MoEWeights
 
-__all__ = ["FEED_FORWARD_CHUNK", "GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice",
+__all__ = ["FEED_FORWARD_CHUNK", "GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice", "Watch",
            "default_compute_dtype", "layer_names"]
 
 #: Candidates per row rescored in float32 when the LM head runs in a 16-bit dtype.
@@ -49,6 +49,25 @@ GREEDY_CANDIDATES = 8
 #: runs it in chunks, so its transient memory (the MoE's per-(token, expert) rows: for 2048
 #: tokens, 4 experts each, ~130 MiB at hidden 1024) stays bounded whatever the step's size.
 FEED_FORWARD_CHUNK = 2048
+
+
+#: A callback a forward pass shows each stage's output to: ``watch(where, tensor)`` after the
+#: embedding, each layer's attention and MLP, and the final norm (``DeepseekModel.prefill`` /
+#: ``decode``; ``locate_non_finite`` uses it).
+Watch = Callable[[str, torch.Tensor], None]
+
+
+class _NonFinite(Exception):
+    """Raised by ``locate_non_finite``'s watch at the first stage whose output is not finite."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+def _stop_at_non_finite(where: str, h: torch.Tensor) -> None:
+    if not bool(torch.isfinite(h).all()):
+        raise _NonFinite(where)
 
 
 def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
@@ -194,11 +213,43 @@ class DeepseekModel:
         return plan_decode_step(block_tables, num_computed, query_len,
                                 self.caches[0].block_size, self.device)
 
-    def prefill(self, token_ids: torch.Tensor,
-                batch: Sequence[PrefillSlice] | PrefillPlan) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
+                watch: Watch | None) -> torch.Tensor:
+        """Every decoder layer and the final norm over the embedded ``h``; ``watch`` sees each
+        stage's output (a check a step pays only when it asks)."""
+        if watch is not None:
+            watch("the token embedding (model.embed_tokens)", h)
+        for i in range(self.num_layers):
+            h = h + attend(i, self._input_norm(i, h))
+            if watch is not None:
+                watch(f"layer {i}'s attention (model.layers.{i}.self_attn)", h)
+            h = self._mlp(i, h)
+            if watch is not None:
+                watch(f"layer {i}'s MLP (model.layers.{i}.mlp)", h)
+        h = self._final(h)
+        if watch is not None:
+            watch("the final norm (model.norm)", h)
+        return h
+
+    def locate_non_finite(self, forward: Callable[[Watch], torch.Tensor]) -> str:
+        """Where a forward pass first produces a value that is not finite: ``forward(watch)``
+        re-runs a step (``lambda watch: model.decode(ids, plan, watch=watch)``; writing the
+        same cache slots again with the same values) with every stage checked. A stage in
+        words: ``"layer 3's attention (model.layers.3.self_attn)"``, or the LM head when every
+        hidden state is finite but a logit is not."""
+        try:
+            hidden = forward(_stop_at_non_finite)
+        except _NonFinite as found:
+            return found.where
+        if not bool(torch.isfinite(self.logits(hidden)).all()):
+            return "the LM head (lm_head)"
+        return "no stage when the step was run again (its results were not reproducible)"
+
+    def prefill(self, token_ids: torch.Tensor, batch: Sequence[PrefillSlice] | PrefillPlan, *,
+                watch: Watch | None = None) -> torch.Tensor:
         """A chunked-prefill step of every layer: ``token_ids [T]`` are the new tokens of
         ``batch`` (request by request; or its plan, ``plan_prefill(batch)``). Returns the final
-        normed hidden states ``[T, D]``."""
+        normed hidden states ``[T, D]`` (``watch``: see ``Watch``)."""
         with self.timer.phase("metadata"):
             plan = batch if isinstance(batch, PrefillPlan) else self.plan_prefill(batch)
             if token_ids.dim() != 1 or token_ids.shape[0] != plan.metadata.total_q:
@@ -206,22 +257,19 @@ class DeepseekModel:
                                  f"{list(token_ids.shape)}")
             self.prefill_backend.prepare_metadata(plan.metadata)
             h = self.embed(token_ids)
-        for i, executor in enumerate(self.prefill_executors):
-            h = h + executor.run_planned(self._input_norm(i, h), plan)
-            h = self._mlp(i, h)
-        return self._final(h)
+        executors = self.prefill_executors
+        return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
 
-    def decode(self, token_ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    def decode(self, token_ids: torch.Tensor, plan: DecodePlan, *,
+               watch: Watch | None = None) -> torch.Tensor:
         """A decode step of every layer over a planned batch (``plan_decode``): ``token_ids
         [B * query_len]`` (request-major). Returns the final normed hidden states
-        ``[B * query_len, D]``."""
+        ``[B * query_len, D]`` (``watch``: see ``Watch``)."""
         with self.timer.phase("decode_metadata"):
             self.decode_backend.prepare_metadata(plan.metadata)
             h = self.embed(token_ids)
-        for i, executor in enumerate(self.decode_executors):
-            h = h + executor.run_planned(self._input_norm(i, h), plan)
-            h = self._mlp(i, h)
-        return self._final(h)
+        executors = self.decode_executors
+        return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``hidden [N, D]`` -> logits ``[N, vocab]`` in the compute dtype."""

@@ -7,6 +7,9 @@ the SwiGLU gate and up projections are one ``gate_up_proj [2I, D]`` (gate rows f
 MoE layer's experts are stacked (``experts.gate_up_proj [E, 2I, D]``, ``experts.down_proj
 [E, D, I]``), as transformers 5 holds them.
 
+FP8 e4m3 block quantization as DeepSeek-V3 ships a weight (``dequantize_fp8_block``,
+``quantize_fp8_block``, ``scale_shape``): see ``app.model.loader``.
+
 ``weight_specs(config)`` lists every tensor (canonical name -> shape, and whether it is kept in
 float32 whatever the model dtype: the router and its score bias, as transformers keeps them);
 ``ModelWeights.from_tensors`` assembles them. Loaders (``app.model.loader``) and random
@@ -23,12 +26,16 @@ import torch
 from app.model.config import DeepseekConfig
 
 __all__ = [
+    "FP8_E4M3_MAX",
     "AttentionWeights",
     "LayerWeights",
     "MLPWeights",
     "MoEWeights",
     "ModelWeights",
     "WeightSpec",
+    "dequantize_fp8_block",
+    "quantize_fp8_block",
+    "scale_shape",
     "weight_specs",
 ]
 
@@ -236,3 +243,68 @@ class ModelWeights:
     def nbytes(self) -> int:
         """Bytes of every distinct tensor."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+# -- FP8 e4m3 block quantization (see the module docstring) ----------------------------
+
+#: The largest finite float8_e4m3fn value.
+FP8_E4M3_MAX = 448.0
+#: Elements dequantized at once (bounds the float32 temporaries, whatever the block size).
+_DEQUANT_CHUNK_ELEMENTS = 1 << 22
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The ``weight_scale_inv`` shape of a ``[out, in]`` weight with ``(bo, bi)`` blocks."""
+    out, inp = shape
+    return -(-out // block[0]), -(-inp // block[1])
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
+                         block: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
+    """``out [out, in]`` (any float dtype) = ``weight`` (float8_e4m3fn) times its block scales
+    ``scale_inv``; ``ValueError`` on a dtype or shape mismatch. Returns ``out``."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"expected a 2-D float8_e4m3fn weight, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    expected = scale_shape((int(weight.shape[0]), int(weight.shape[1])), block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight_scale_inv of a {list(weight.shape)} weight with "
+                         f"{list(block)} blocks must be {list(expected)}, got "
+                         f"{list(scale_inv.shape)}")
+    if tuple(out.shape) != tuple(weight.shape):
+        raise ValueError(f"out must be {list(weight.shape)}, got {list(out.shape)}")
+    bo, bi = block
+    rows, cols = int(weight.shape[0]), int(weight.shape[1])
+    scales = scale_inv.float()
+    # Each element's scale gathered by its block index: the temporaries are the chunk's size,
+    # however large the blocks (expanding the scales by the block size first made a 74 KB
+    # checkpoint with a huge weight_block_size ask for gigabytes).
+    column_blocks = torch.arange(cols) // bi
+    step = max(1, min(rows, _DEQUANT_CHUNK_ELEMENTS // max(cols, 1)))
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        s = scales.index_select(0, torch.arange(r0, r1) // bo).index_select(1, column_blocks)
+        out[r0:r1].copy_(weight[r0:r1].float() * s)
+    return out
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 [out, in], scale_inv [ceil(out/bo), ceil(in/bi)] float32)`` of a 2-D float
+    ``weight``: each block scaled so its largest magnitude maps to ``FP8_E4M3_MAX``."""
+    if weight.dim() != 2 or not weight.dtype.is_floating_point:
+        raise ValueError(f"expected a 2-D float weight, got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    rows, cols = int(weight.shape[0]), int(weight.shape[1])
+    n_r, n_c = scale_shape((rows, cols), block)
+    # A block larger than the weight is the whole weight (one block row or column): padding
+    # to the block's own size would allocate for nothing.
+    bo, bi = min(block[0], rows), min(block[1], cols)
+    padded = torch.zeros(n_r * bo, n_c * bi, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(n_r, bo, n_c, bi)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / FP8_E4M3_MAX
+    scaled = blocks / scale_inv[:, None, :, None]
+    fp8 = scaled.reshape(n_r * bo, n_c * bi)[:rows, :cols].to(torch.float8_e4m3fn)
+    return fp8.contiguous(), scale_inv

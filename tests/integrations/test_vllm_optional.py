@@ -3,10 +3,13 @@ installed entry point is inert without it, and the ``vllm`` extra pulls no CUDA 
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from app._files import load_toml
 from app._imports import import_object
@@ -56,3 +59,30 @@ def test_pyproject_registers_the_plugin_and_the_extra_pulls_no_cuda() -> None:
     assert import_object(entry_points[VLLM_ENTRY_POINT]) is register_vllm_plugin
     # vllm's own requirements pin a CUDA torch: the extra must not name it (or anything).
     assert project["optional-dependencies"]["vllm"] == []
+
+
+def test_a_vllm_that_fails_to_import_in_any_way_is_a_problem_never_a_raise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33: documented as never raising, it raised when ``import vllm`` failed with
+    something other than ImportError (a broken build: an OSError loading its C library)."""
+    from app.integrations import _vllm_interface, vllm_interface_problems
+
+    real = importlib.import_module
+
+    def broken(name: str, package: str | None = None) -> object:
+        if name == "vllm":
+            raise OSError("libcuda.so.1: cannot open shared object file")
+        return real(name, package)
+
+    monkeypatch.setattr(_vllm_interface.importlib, "import_module", broken)
+    assert vllm_interface_problems() == [
+        "vLLM cannot be imported (OSError: libcuda.so.1: cannot open shared object file)"]
+
+
+def test_binding_a_container_names_the_kinds_it_knows() -> None:
+    from app.containers import create_container
+    from app.integrations import bind_vllm_container
+
+    with pytest.raises(ValueError, match=r"kind must be one of \['prefill', 'decode'\] or None "
+                                         r"\(both\), got 'bogus'"):
+        bind_vllm_container(create_container(), kind="bogus")  # type: ignore[arg-type]

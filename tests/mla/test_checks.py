@@ -6,7 +6,13 @@ from __future__ import annotations
 import attrs
 import torch
 
-from app.mla.checks import check_generation, sample_rows
+from app.mla.checks import (
+    DTYPE_ERROR_FACTOR,
+    check_generation,
+    derived_tolerance,
+    sample_rows,
+    tolerance_rule,
+)
 from app.mla.engine import MLAEngine
 from app.mla.requests import Request, RequestOutput, RowKind
 from app.model import ReferenceModel
@@ -85,3 +91,25 @@ def test_a_nan_or_a_zero_reference_never_passes() -> None:
     hidden[42] = float("nan")
     poisoned = check_generation(reference, attrs.evolve(a, hidden=hidden), None)
     assert poisoned.decode_relative_error == inf
+
+
+def test_the_tolerance_is_derived_from_the_dtypes_own_error() -> None:
+    engine = tiny_engine(step_tokens=32, dtype="bfloat16")
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = engine.run([Request("a", prompt, max_new_tokens=6)])[0]
+    plain = ReferenceModel(engine.weights, dtype=torch.bfloat16)
+    result = check_generation(ReferenceModel(engine.weights), out, None, None,
+                              dtype_reference=plain)
+    # The plain bf16 model is off float64 by bf16's rounding, as the engine is.
+    assert 1e-4 < result.dtype_relative_error < 3e-2
+    assert result.decode_relative_error < DTYPE_ERROR_FACTOR * max(result.dtype_relative_error,
+                                                                   1.5e-2)
+    unmeasured = check_generation(ReferenceModel(engine.weights), out, None, None)
+    assert unmeasured.dtype_max_abs_error == 0.0
+    # The rule: the floor, or twice the measurement; a NaN measurement never widens it.
+    assert derived_tolerance(torch.bfloat16, 1e-3) == 3e-2
+    assert derived_tolerance(torch.bfloat16, 0.25) == 0.5
+    assert derived_tolerance(torch.bfloat16, float("nan")) == 3e-2
+    assert derived_tolerance(torch.float32, float("inf")) == 1e-4
+    assert tolerance_rule(torch.float32).startswith("max(1e-04, 2 x the relative error of the "
+                                                    "same dense model computed in float32")

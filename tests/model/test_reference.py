@@ -33,3 +33,10 @@ def test_the_first_layer_table_equals_computing_every_position(
         torch.testing.assert_close(g.hidden, w.hidden, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g.margins, w.margins, rtol=1e-12, atol=1e-12)
     assert with_table.reused_tokens == without.reused_tokens > 0
+
+
+def test_the_reference_in_a_16_bit_dtype_is_refused_for_other_dtypes() -> None:
+    _, weights = tiny_model(torch.bfloat16)
+    assert ReferenceModel(weights, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be float64, float32, bfloat16 or float16"):
+        ReferenceModel(weights, dtype=torch.int32)
