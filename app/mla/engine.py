@@ -72,7 +72,6 @@ from app.mla.requests import (
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter, accept_greedy
 from app.model.cache import check_cache_fits
-from app.model.decode import plan_decode_step
 from app.model.model import (
     DeepseekModel,
     GreedyChoice,
@@ -339,7 +338,8 @@ class MLAEngine:
                                   done, n) for st, done, n in sched.prefill]
             ids = torch.cat([torch.frombuffer(st.kv.token_ids, dtype=torch.int64)[done:done + n]
                              for st, done, n in sched.prefill])
-        hidden = self.model.prefill(ids, batch)
+            plan = self.model.plan_prefill(batch)
+        hidden = self.model.prefill(ids, plan)
         last_rows: list[int] = []
         completing: list[RequestState] = []
         with self.timer.phase("schedule"):
@@ -354,7 +354,7 @@ class MLAEngine:
         if completing:
             rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
             choice = self.model.greedy(hidden.index_select(0, rows))
-            bad = self._non_finite(choice, lambda watch: self.model.prefill(ids, batch,
+            bad = self._non_finite(choice, lambda watch: self.model.prefill(ids, plan,
                                                                              watch=watch))
             with self.timer.phase("schedule"):
                 for i, st in enumerate(completing):
@@ -369,9 +369,8 @@ class MLAEngine:
         states, q = sched.decode, sched.query_len
         k = q - 1
         with self.timer.phase("decode_metadata"):
-            plan = plan_decode_step([st.block_table for st in states],
-                                    [st.num_computed_tokens for st in states], q,
-                                    self.block_size, self.device)
+            plan = self.model.plan_decode([st.block_table for st in states],
+                                          [st.num_computed_tokens for st in states], q)
             ids: list[int] = []
             for st in states:
                 ids.append(st.kv.token_ids[-1])
