@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app import containers
+from app import _container_state
 from app.platforms import PLATFORM_ENV
 
 #: The markers that run a test on the detected platform instead of the CPU.
@@ -41,7 +41,7 @@ def _cpu_platform_unless_marked(request: pytest.FixtureRequest,
     if _last_pin and _last_pin[0] != pin:
         # The process-default container keeps the platform it detected first: detect again
         # under this test's pin (its registrations stay).
-        default = containers._default_container
+        default = _container_state._default
         if default is not None:
             default.platform.reset()
     _last_pin[:] = [pin]
