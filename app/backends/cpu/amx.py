@@ -33,7 +33,7 @@ import attrs
 from app.backends.cpu.loader import cpu_flags, read_switch
 
 __all__ = ["AMX_ENV", "ARCH_GET_XCOMP_PERM", "ARCH_REQ_XCOMP_PERM", "XFEATURE_XTILEDATA",
-           "AmxStatus", "amx_status", "request_tile_permission"]
+           "AmxStatus", "amx_status", "cpu_has_amx", "request_tile_permission"]
 
 #: Set to ``0`` to keep every AMX path off (the AVX-512 paths run instead).
 AMX_ENV = "APP_CPU_AMX"
@@ -127,6 +127,12 @@ def _check_granted(syscall: Syscall) -> str | None:
         return (f"Linux accepted the request but the permitted xstate features "
                 f"({mask.value:#x}) do not include the tile data (bit {XFEATURE_XTILEDATA})")
     return None
+
+
+def cpu_has_amx(flags: frozenset[str] | None = None) -> bool:
+    """The CPU reports AMX-BF16 tiles (``amx_tile`` and ``amx_bf16``; ``flags`` default to
+    ``/proc/cpuinfo``'s), whether or not this process may use them."""
+    return {"amx_tile", "amx_bf16"} <= (cpu_flags() if flags is None else flags)
 
 
 def amx_status(flags: frozenset[str] | None = None, syscall: Syscall | None = None

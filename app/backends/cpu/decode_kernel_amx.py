@@ -28,7 +28,7 @@ import threading
 import attrs
 import torch
 
-from app.backends.cpu.amx import AMX_ENV, amx_status
+from app.backends.cpu.amx import AMX_ENV, amx_status, cpu_has_amx
 from app.backends.cpu.decode_kernel import (
     ABI_VERSION,
     MlaDecodeArgs,
@@ -186,7 +186,7 @@ def amx_decode_status() -> AmxDecodeStatus:
     """The AMX build CPU_MLA runs bf16 on (the OpenMP build where it loads, else the pool
     build), or why none does. Builds and self-tests (in a child process, first) on first use
     on an AMX CPU; elsewhere it only reads the flags."""
-    amx_cpu = {"amx_tile", "amx_bf16"} <= cpu_flags()
+    amx_cpu = cpu_has_amx()
     tiles = amx_status()
     if not tiles.available:
         return AmxDecodeStatus(None, tiles.reason, amx_cpu=amx_cpu)

@@ -1,6 +1,8 @@
-"""CPU_MLA on a CPU that reports AMX (faked /proc/cpuinfo flags): the package has no AMX kernel,
-so selection, the bf16 dot-product path and the benchmark's bound must behave as on any
-AVX512-BF16 CPU, and AMX without AVX512-BF16 must never reach ``vdpbf16ps``."""
+"""CPU_MLA on a CPU that reports AMX (faked /proc/cpuinfo flags). The flags alone never put a
+bf16 step on the AMX kernel: Linux must grant the tile state and the kernel pass its
+self-tests (here the real request is refused, as on any CPU without AMX), so selection, the
+bf16 dot-product path and the benchmark behave as on any AVX512-BF16 CPU and say why AMX is
+not used; AMX without AVX512-BF16 must never reach ``vdpbf16ps``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from app import _cpu as cpu_features_module
 from app.backends import explain_mla_decode_selection, get_mla_decode_backend
-from app.backends.cpu import decode_kernel
+from app.backends.cpu import amx, decode_kernel
 from app.backends.cpu.loader import cpu_flags
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend
@@ -49,6 +51,7 @@ def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         path.write_text(f"processor\t: 0\nmodel name\t: Fake Xeon\nflags\t\t: {flags}\n")
         monkeypatch.setattr(cpu_features_module, "CPUINFO_PATH", path)
         monkeypatch.setattr(decode_kernel, "cpu_flags", lambda: frozenset(flags.split()))
+        monkeypatch.setattr(amx, "cpu_flags", lambda: frozenset(flags.split()))
         cpu_features_module._reset_for_tests()
         decode_kernel._cpu_has_bf16_dot.cache_clear()
 

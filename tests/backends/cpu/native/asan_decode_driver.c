@@ -16,6 +16,8 @@
 
 #include "mla_decode_cpu.h"
 #ifdef APP_AMX_DRIVER
+#include <sys/syscall.h>
+#include <unistd.h>
 int32_t mla_decode_amx_emulated(void);
 int64_t mla_decode_amx_faults(void);
 #endif
@@ -152,6 +154,14 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
 
 int main(void) {
   srand(1);
+#if defined(APP_AMX_DRIVER) && !defined(APP_AMX_EMULATE)
+  /* the real tiles: Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM,
+   * XFEATURE_XTILEDATA); without it the first tile instruction is a SIGILL */
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+    printf("Linux refused the AMX tile state: not run\n");
+    return 77;
+  }
+#endif
   int cases = 0, bad = 0;
   const int dts[4] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16, APP_DT_BF16};
   const int64_t lens_a[3] = {1, 17, 70}, lens_b[2] = {16, 33}, lens_c[1] = {300};
