@@ -105,17 +105,22 @@ def _stepped(llm: Any, prompts: list[dict[str, Any]], params: Any
     engine = llm.llm_engine
     params = params.clone()
     params.output_kind = RequestOutputKind.CUMULATIVE
+    base = f"app-timeline-{os.getpid()}-{time.monotonic_ns()}"
+    ids = [f"{base}-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
-    ids = [engine.add_request(f"app-timeline-{os.getpid()}-{time.monotonic_ns()}-{i}", prompt,
-                              params) for i, prompt in enumerate(prompts)]
+    # vLLM may add a suffix to the id it keeps internally: outputs carry either form
+    known = {engine.add_request(i, prompt, params): i for i, prompt in zip(ids, prompts,
+                                                                           strict=True)}
+    known.update({i: i for i in ids})
     counts, finals = dict.fromkeys(ids, 0), {}
     first, at_first = None, 0
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.request_id in counts:
-                counts[output.request_id] = len(output.outputs[0].token_ids)
+            request = known.get(output.request_id)
+            if request is not None:
+                counts[request] = len(output.outputs[0].token_ids)
                 if output.finished:
-                    finals[output.request_id] = output
+                    finals[request] = output
         if first is None and all(counts.values()):
             first, at_first = time.perf_counter() - start, sum(counts.values())
     return [finals[i] for i in ids], first, sum(counts.values()) - at_first

@@ -32,6 +32,7 @@ import ast
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +159,15 @@ def _has_amx() -> bool:
         return False
 
 
-def route_config(vllm_config: Any, amx_dtypes: tuple[str, ...], enum: Any) -> AmxDecision | None:
+def _log(line: str) -> None:
+    logger.info("%s", line)
+
+
+def route_config(vllm_config: Any, amx_dtypes: tuple[str, ...], enum: Any,
+                 say: Callable[[str], None] = _log) -> AmxDecision | None:
     """Apply the rule to a ``VllmConfig`` about to be settled (None: not an MLA model on an
     AMX CPU, or DeepSeek-V4, whose AMX path vLLM keeps apart); sets its attention backend to
-    ``CPU_MLA`` when the rule says ours, and logs the decision."""
+    ``CPU_MLA`` when the rule says ours, and says the decision (``say``: a log line)."""
     model = getattr(vllm_config, "model_config", None)
     if model is None or not getattr(model, "use_mla", False) or not _has_amx():
         return None
@@ -175,13 +181,15 @@ def route_config(vllm_config: Any, amx_dtypes: tuple[str, ...], enum: Any) -> Am
     decision = decide_amx_backend(dtype, str(cache), requested, amx_dtypes, read_setting())
     if decision.ours:
         attention.backend = enum.CPU_MLA
-    logger.info("app: this CPU has AMX: %s", decision.reason)
+    say(f"app: this CPU has AMX: {decision.reason}")
     return decision
 
 
-def install_amx_routing(platform_class: Any = None) -> str | None:
+def install_amx_routing(platform_class: Any = None, say: Callable[[str], None] = _log
+                        ) -> str | None:
     """Wrap ``CpuPlatform.check_and_update_config`` (or ``platform_class``'s: tests) with
-    :func:`route_config`, once; None when installed (or already), else why not."""
+    :func:`route_config` (its decisions to ``say``), once; None when installed (or already),
+    else why not."""
     try:
         vllm = importlib.import_module("vllm")
         registry = importlib.import_module("vllm.v1.attention.backends.registry")
@@ -204,7 +212,7 @@ def install_amx_routing(platform_class: Any = None) -> str | None:
 
     def check_and_update_config(cls: Any, vllm_config: Any) -> Any:
         try:
-            route_config(vllm_config, amx_dtypes, enum)
+            route_config(vllm_config, amx_dtypes, enum, say)
         except ValueError as exc:  # a bad APP_VLLM_AMX: said, and vLLM's choice stands
             logger.warning("app: %s; vLLM's choice of attention backend stands", exc)
         except Exception:  # never take vLLM's configuration down

@@ -70,20 +70,31 @@ def _can_show_info() -> bool:
 
 
 def _announce(line: str) -> None:
-    """Log ``line`` now if a handler would show it, else keep it for :func:`announce_pending`."""
+    """Log ``line`` now if a handler would show it, else keep it for :func:`announce_pending`
+    (the plugin's line: it replaces any kept one)."""
     with _announce_lock:
         _pending[:] = [line]
     announce_pending()
 
 
+def _say(line: str) -> None:
+    """Log ``line`` (a later one: the AMX routing's decision) now if a handler would show it,
+    else keep it after the plugin's line."""
+    with _announce_lock:
+        _pending.append(line)
+    announce_pending()
+
+
 def announce_pending() -> None:
-    """Log the plugin's kept line, once, if vLLM's logging now shows INFO (our classes call
+    """Log the plugin's kept lines, once, if vLLM's logging now shows INFO (our classes call
     this when vLLM builds them: by then vLLM has set up its logging in every engine)."""
     with _announce_lock:
         if not _pending or not _can_show_info():
             return
-        line = _pending.pop()
-    logger.info("%s", line)
+        lines = list(_pending)
+        _pending.clear()
+    for line in lines:
+        logger.info("%s", line)
 
 
 def amx_note(routing: str | None = "not installed") -> str | None:
@@ -184,7 +195,7 @@ def _register() -> None:
         registry.register_backend(decode, DECODE_CLASS_PATH)
         parts.append(f"its CPU MLA decode (AttentionBackendEnum.CPU_MLA) is now "
                      f"{DECODE_CLASS_PATH}, running {failed[1]}")
-        routing = install_amx_routing() if amx_note() is not None else "no AMX"
+        routing = install_amx_routing(say=_say) if amx_note() is not None else "no AMX"
     if (note := amx_note(routing)) is not None:
         parts.append(note)
     _announce("app: " + "; ".join(parts))
