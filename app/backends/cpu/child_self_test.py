@@ -22,7 +22,8 @@ __all__ = ["main"]
 
 
 def _verdict(problem: str | None, about_library: bool = True) -> int:
-    print(json.dumps({"problem": problem, "about_library": about_library}), flush=True)
+    sys.stdout.write(json.dumps({"problem": problem, "about_library": about_library}) + "\n")
+    sys.stdout.flush()   # the verdict line is this process's answer (its protocol), not a log
     return 0
 
 
