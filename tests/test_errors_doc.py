@@ -232,6 +232,24 @@ def _decode_status() -> object:
     return decode_kernel_status()
 
 
+def _amx_switch() -> object:
+    from app.backends.cpu.amx import amx_status
+
+    return amx_status(flags=frozenset({"amx_tile", "amx_bf16"}))   # as on an AMX CPU
+
+
+def _prefill_path() -> object:
+    from app.backends.prefill.cpu_bf16_path import read_path_setting
+
+    return read_path_setting()
+
+
+def _vllm_amx_setting() -> object:
+    from app.integrations._vllm_amx import read_setting
+
+    return read_setting()
+
+
 def _engine_seed() -> object:
     from app.model import random_config, random_weights
 
@@ -481,6 +499,12 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _with_env("APP_CPU_DECODE_BF16_DOT", "maybe", _decode_switch)),
     ("platform", "`APP_CPU_DECODE_OPENMP=maybe` (read when CPU_MLA is first loaded)",
      _with_env("APP_CPU_DECODE_OPENMP", "maybe", _decode_status)),
+    ("platform", "`APP_CPU_AMX=maybe` (read when AMX is first asked about, on an AMX CPU)",
+     _with_env("APP_CPU_AMX", "maybe", _amx_switch)),
+    ("platform", "`APP_CPU_PREFILL_PATH=fastest` (read at TORCH_SDPA's first bf16 CPU call)",
+     _with_env("APP_CPU_PREFILL_PATH", "fastest", _prefill_path)),
+    ("integrations", "`APP_VLLM_AMX=always` (read by the plugin's AMX routing; logged there)",
+     _with_env("APP_VLLM_AMX", "always", _vllm_amx_setting)),
     ("model", "`random_weights(..., seed=2**70)`", _engine_seed),
     ("model", "a checkpoint whose config.json names another architecture",
      _checkpoint("architecture")),

@@ -253,6 +253,10 @@ class SelectionExplanation(TypedDict, total=False):
     chosen_class: str | None
     #: The ``ValueError`` message selection raises, when it does.
     error: str | None
+    #: On a CPU, the unit the chosen backend's kernel multiplies on for the dtype and why
+    #: (its ``kernel_path(dtype)``: AMX tiles, AVX512-BF16 dot products, float32 FMAs ...);
+    #: present only where the chosen backend says.
+    kernel_path: str
 
 
 def _plain(value: Any) -> Any:
@@ -310,4 +314,20 @@ def explain_selection(kind: BackendKind, config: EngineConfig, platform: Platfor
         error=decision.error)
     if "mla_dimensions" in fields:
         explanation["mla_dimensions"] = fields["mla_dimensions"]
+    if decision.cls is not None and platform.device_type == "cpu":
+        path = _kernel_path(decision.cls, getattr(selector_config, "dtype", None))
+        if path is not None:
+            explanation["kernel_path"] = path
     return explanation
+
+
+def _kernel_path(cls: type[Any], dtype: object) -> str | None:
+    """``cls.kernel_path(dtype)`` where a backend declares it (a CPU backend saying which unit
+    its kernel multiplies on); what it raised, as text, if it raises."""
+    describe = getattr(cls, "kernel_path", None)
+    if not callable(describe) or not isinstance(dtype, torch.dtype):
+        return None
+    try:
+        return str(describe(dtype))
+    except Exception as exc:  # a third party's: said, never raised out of an explanation
+        return f"unknown ({_failure(exc)})"

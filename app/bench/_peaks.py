@@ -10,9 +10,20 @@ threads), and reports the summed rate:
 - ``fp32_fma``: ``vfmadd231ps`` on 512-bit vectors, 2 FLOPs a lane: the bound of a float32
   kernel (and of the native kernel's float32 math on bf16 inputs);
 - ``bf16_dot``: ``vdpbf16ps``, two bf16 products accumulated in float32, 4 FLOPs a lane: the
-  bound of a bf16 dot-product kernel (measured only where the CPU has AVX512-BF16).
+  bound of a bf16 dot-product kernel (measured only where the CPU has AVX512-BF16);
+- ``amx_bf16``: ``tdpbf16ps`` into 6 accumulator tiles (``cpu_peaks_amx.c``, guarded as the
+  AMX kernel is: :mod:`app.backends.cpu.amx_probe`), where the CPU has AMX and Linux granted
+  the tile state;
+- ``bf16_matmul``: torch's own bf16 matmul (``torch.mm`` of 2048 x 2048 bf16 matrices, all of
+  torch's threads: oneDNN, on AMX tiles where the CPU has them), reported beside the probes
+  where the CPU has fast bf16 (a lower bound of what its fastest unit does).
 
-AMX tiles are not probed (no AMX machine to check a probe on); :func:`peak_kinds` says so.
+**Each dtype is charged at the fastest unit the CPU offers for it** (:func:`fastest_unit`,
+:meth:`PeakMeter.bound_kind`), whatever unit the kernel itself multiplies on (rows say that
+apart, as ``kernel_unit``): a bf16 row at ``amx_bf16`` where the tiles were probed, at
+``bf16_matmul`` on an AMX CPU whose tiles could not be probed, else at ``bf16_dot``, else at
+``fp32_fma``; float32 and float16 rows at ``fp32_fma`` (no unit here multiplies them faster
+with float32 sums; AMX-FP16 is not probed).
 :meth:`PeakProbe.stream_gbs` reads a buffer far larger than the caches, a slice per thread:
 the memory bound of ``bench decode``'s roofline.
 The probe is built, cached and checked by the shared native loader
@@ -36,6 +47,7 @@ import attrs
 import torch
 
 from app._cpu import detect_cpu_features
+from app.backends.cpu.amx_probe import AmxPeakProbe, amx_peak_probe_status, load_amx_peak_probe
 from app.backends.cpu.loader import (
     NativeLibrary,
     NativeLibrarySpec,
@@ -44,14 +56,22 @@ from app.backends.cpu.loader import (
 )
 from app.bench._timing import time_calls
 
-__all__ = ["BF16_DOT", "BF16_MATMUL", "FP16_MATMUL", "FP32_FMA", "FP32_MATMUL",
-           "GPU_PEAK_BYTES", "MATMUL_N", "GpuPeakProbe", "PeakMeter", "PeakProbe",
-           "PeakProbeStatus", "load_peak_probe", "matmul_kind", "peak_kinds", "peak_lines",
-           "peak_probe_status"]
+__all__ = ["AMX_BF16", "BF16_DOT", "BF16_MATMUL", "CPU_MATMUL_N", "CPU_UNITS", "FP16_MATMUL",
+           "FP32_FMA", "FP32_MATMUL", "GPU_PEAK_BYTES", "MATMUL_N", "GpuPeakProbe", "PeakMeter",
+           "PeakProbe", "PeakProbeStatus", "fastest_unit", "load_peak_probe", "matmul_kind",
+           "peak_kinds", "peak_lines", "peak_probe_status"]
 
-#: The peak kinds: float32 FMA, bf16 pair dot product into float32.
+#: The peak kinds: float32 FMA, bf16 pair dot product into float32, AMX-BF16 tiles.
 FP32_FMA = "fp32_fma"
 BF16_DOT = "bf16_dot"
+AMX_BF16 = "amx_bf16"
+#: torch's bf16 matmul (on a CPU: oneDNN; on a GPU: the tensor cores).
+BF16_MATMUL = "bf16_matmul"
+#: The side of the CPU's bf16 matmul: 17 GFLOP a call.
+CPU_MATMUL_N = 2048
+#: The kinds a CPU may charge a dtype's work at (the fastest measured wins); others: fp32.
+CPU_UNITS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: (AMX_BF16, BF16_MATMUL, BF16_DOT, FP32_FMA)}
 
 #: ``APP_NATIVE_LIBRARY(...)`` in ``app/backends/cpu/csrc/cpu_peaks.c``.
 ABI_VERSION = 2
@@ -67,10 +87,28 @@ class PeakProbeStatus:
     reasons: tuple[str, ...] = ()
 
 
-class PeakProbe:
-    """The loaded probe library: :meth:`rate` measures a peak in GFLOP/s (thread-safe)."""
+def fastest_unit(dtype: torch.dtype, runs: dict[str, list[float]], fallback: str,
+                 amx_cpu: bool | None = None) -> str:
+    """The fastest unit this CPU offers for ``dtype`` that ``runs`` measured: the first of
+    :data:`CPU_UNITS` (else ``fp32_fma``) in the units' hardware order, AMX tiles, then
+    bf16 dot products, then fp32 FMAs (by construction, not by which sample happened to be
+    faster on a busy machine). torch's bf16 matmul counts only on a CPU with AMX (``amx_cpu``,
+    default: its flags), standing in for tiles the probe could not run on; elsewhere it runs
+    on the units the probes measure directly. ``fallback`` when none was measured."""
+    amx_cpu = detect_cpu_features().amx_bf16 if amx_cpu is None else amx_cpu
+    for kind in CPU_UNITS.get(dtype, (FP32_FMA,)):
+        if runs.get(kind) and (kind != BF16_MATMUL or amx_cpu):
+            return kind
+    return fallback
 
-    def __init__(self, library: ctypes.CDLL, has_bf16: bool) -> None:
+
+class PeakProbe:
+    """The loaded probe library: :meth:`rate` measures a peak in GFLOP/s (thread-safe).
+    ``amx``: the AMX probe where it runs; ``bf16_matmul``: also measure torch's bf16 matmul
+    (``matmul_n`` square)."""
+
+    def __init__(self, library: ctypes.CDLL, has_bf16: bool, amx: AmxPeakProbe | None = None,
+                 bf16_matmul: bool = False, matmul_n: int = CPU_MATMUL_N) -> None:
         self._fma = library.cpu_peak_fma_f32
         self._fma.restype = ctypes.c_float
         self._fma.argtypes = [ctypes.c_int64, ctypes.c_float, ctypes.c_float]
@@ -85,6 +123,12 @@ class PeakProbe:
             self._bf16.argtypes = [ctypes.c_int64, ctypes.c_uint32]
             flops[BF16_DOT] = library.cpu_peak_dot_bf16_flops_per_iter
         self._flops_per_iter = {kind: int(fn()) for kind, fn in flops.items()}
+        self._amx = amx
+        if amx is not None:
+            self._flops_per_iter[AMX_BF16] = amx.flops_per_iter
+        self._matmul_n = matmul_n
+        self._matmul: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kinds = (*self._flops_per_iter, *((BF16_MATMUL,) if bf16_matmul else ()))
         self._stream = library.cpu_stream_read
         self._stream.restype = ctypes.c_int64
         self._stream.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -94,11 +138,13 @@ class PeakProbe:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The peaks this probe can measure on this CPU."""
-        return tuple(self._flops_per_iter)
+        return self._kinds
 
     def _call(self, kind: str, iters: int) -> None:
         if kind == FP32_FMA:
             self._fma(iters, 1.0, 0.0)
+        elif kind == AMX_BF16 and self._amx is not None:
+            self._amx.call(iters)
         elif self._bf16 is not None:
             self._bf16(iters, 0x3F803F80)  # (1.0, 1.0) in bf16
         else:
@@ -123,12 +169,14 @@ class PeakProbe:
         """Best summed GFLOP/s of ``repeat`` rounds of one probe call on each of ``threads``
         threads at once (default ``torch.get_num_threads()``). ``ValueError`` for a kind this
         CPU cannot run, a thread count or repeat below 1."""
-        if kind not in self._flops_per_iter:
+        if kind not in self.kinds:
             raise ValueError(f"peak probe: expected one of {list(self.kinds)}, got {kind!r}")
         workers = torch.get_num_threads() if threads is None else threads
         if workers < 1 or repeat < 1:
             raise ValueError(f"peak probe: expected threads >= 1 and repeat >= 1, got "
                              f"{workers} and {repeat}")
+        if kind == BF16_MATMUL:
+            return self._matmul_rate(repeat)
         iters = self._iterations(kind)
         best = float("inf")
         with ThreadPoolExecutor(workers, thread_name_prefix="app-peak-probe") as pool:
@@ -139,6 +187,23 @@ class PeakProbe:
                 best = min(best, time.perf_counter() - start)
         return workers * iters * self._flops_per_iter[kind] / best / 1e9
 
+
+    def _matmul_rate(self, repeat: int) -> float:
+        """Best GFLOP/s of ``repeat`` bf16 ``torch.mm`` calls (torch's threads), after one."""
+        with self._lock:
+            if self._matmul is None:
+                gen = torch.Generator().manual_seed(0)
+                shape = (self._matmul_n, self._matmul_n)
+                self._matmul = (torch.randn(shape, generator=gen).bfloat16(),
+                                torch.randn(shape, generator=gen).bfloat16())
+            a, b = self._matmul
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * self._matmul_n ** 3 / best / 1e9
 
     def stream_gbs(self, buffer: torch.Tensor, threads: int | None = None,
                    repeat: int = 1) -> float:
@@ -210,7 +275,8 @@ def load_peak_probe() -> PeakProbe | None:
     with _probe_lock:
         if not _probe or _probe[0][0] is not library:
             has_bf16 = bool(library.function("cpu_peak_has_bf16_probe", ctypes.c_int32)())
-            _probe[:] = [(library, PeakProbe(library.cdll, has_bf16))]
+            _probe[:] = [(library, PeakProbe(library.cdll, has_bf16, load_amx_peak_probe(),
+                                             detect_cpu_features().fast_bfloat16))]
         return _probe[0][1]
 
 
@@ -232,8 +298,10 @@ def peak_kinds() -> dict[str, str]:
         result[BF16_DOT] = "measured"
     else:
         result[BF16_DOT] = "this CPU has no AVX512-BF16 (or the compiler does not know it)"
-    result["amx_bf16"] = ("AMX tiles are not probed yet (no AMX machine to check a probe on)"
-                          if detect_cpu_features().amx_bf16 else "this CPU has no AMX-BF16")
+    result[AMX_BF16] = ("measured" if probe is not None and AMX_BF16 in probe.kinds
+                        else amx_peak_probe_status()[1])
+    result[BF16_MATMUL] = ("measured" if probe is not None and BF16_MATMUL in probe.kinds
+                           else "this CPU has no fast bf16 (AVX512-BF16 or AMX): not measured")
     return result
 
 
@@ -252,7 +320,6 @@ def peak_kinds() -> dict[str, str]:
 # timer is a parameter so that the arithmetic and the tensors each kind uses are tested on a
 # CPU machine (tests/bench/test_gpu_peaks.py); none of it has run on a GPU yet.
 
-BF16_MATMUL = "bf16_matmul"
 FP16_MATMUL = "fp16_matmul"
 FP32_MATMUL = "fp32_matmul"
 _DTYPES = {BF16_MATMUL: torch.bfloat16, FP16_MATMUL: torch.float16, FP32_MATMUL: torch.float32}
@@ -387,8 +454,12 @@ class PeakMeter:
 
     def bound_kind(self, dtype: torch.dtype, cpu_kind: str) -> str:
         """The peak a row of ``dtype`` inputs is read against: on a GPU the matmul rate of
-        the dtype it multiplies in (``matmul_kind``), on the CPU ``cpu_kind``."""
-        return matmul_kind(dtype) if self.on_gpu else cpu_kind
+        the dtype it multiplies in (``matmul_kind``); on the CPU the fastest unit measured
+        for ``dtype`` so far (:func:`fastest_unit`; ``cpu_kind``, the kernel's own unit,
+        before anything is measured)."""
+        if self.on_gpu:
+            return matmul_kind(dtype)
+        return fastest_unit(dtype, self.runs, cpu_kind)
 
     def sample(self, repeat: int = 3) -> None:
         """Measure every kind this CPU has once more (best of ``repeat``)."""

@@ -12,7 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
+
+
+@attrs.frozen
+class RunTiming:
+    """One timed generation run (``bench model``'s engines): ``seconds`` in all;
+    ``first_token_seconds``: from its start until every request had its first token;
+    ``decode_tokens``: tokens generated after that moment (the decode phase, timed inside the
+    run rather than as the difference of two runs)."""
+
+    seconds: float
+    first_token_seconds: float | None = None
+    decode_tokens: int | None = None
 
 
 def _time_one(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:

@@ -74,7 +74,7 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_vllm import compare_with_vllm
-from app.bench._peaks import BF16_DOT, FP32_FMA, GPU_PEAK_BYTES, PeakMeter
+from app.bench._peaks import AMX_BF16, BF16_DOT, FP32_FMA, GPU_PEAK_BYTES, PeakMeter
 from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
 from app.bench.prefill import matmul_rate
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV
@@ -284,13 +284,15 @@ def _scratch_bytes(cls: type[MLADecodeBackend], case: Case) -> int | None:
 
 def _bound_peak(cls: type[MLADecodeBackend], dtype: torch.dtype,
                 meter: PeakMeter | None = None) -> str:
-    """The peak that bounds ``cls`` on a ``dtype`` cache: on a GPU the matmul rate of the
-    cache's dtype; bf16 dot products where CPU_MLA runs a bf16 cache on them, else the fp32
-    FMA peak (float32 math)."""
-    if meter is not None and meter.on_gpu:
-        return meter.bound_kind(dtype, FP32_FMA)
-    dot = cls.get_name() == "CPU_MLA" and dtype == torch.bfloat16 and _bf16_dot()
-    return BF16_DOT if dot else FP32_FMA
+    """The peak that bounds ``cls`` on a ``dtype`` cache. Without ``meter``: the unit the
+    kernel multiplies on (AMX tiles or bf16 dot products where CPU_MLA runs a bf16 cache on
+    them, else the fp32 FMA peak); with it, the row's bound: on a GPU the matmul rate of the
+    cache's dtype, on a CPU the fastest unit measured for the dtype (``PeakMeter.bound_kind``:
+    each dtype charged at the fastest unit the CPU offers)."""
+    unit = FP32_FMA
+    if cls.get_name() == "CPU_MLA" and dtype == torch.bfloat16:
+        unit = AMX_BF16 if _amx_kernel() else BF16_DOT if _bf16_dot() else FP32_FMA
+    return unit if meter is None else meter.bound_kind(dtype, unit)
 
 
 def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_size: int,
@@ -328,6 +330,8 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_si
         "cache_gbs": round(cache_bytes / t / 1e9, 2),
         "peak_extra_mb": _mb(peak_extra_bytes(fns["backend"], device)),
         "scratch_mb": _mb(_scratch_bytes(cls, case))}
+    if device.type == "cpu":
+        row["kernel_unit"] = _bound_peak(cls, dtype)
     if meter.enabled:
         meter.annotate(row, peak_kind, case.flops(), timed["backend"], peak_s)
         rounds = zip(timed["backend"], peak_s[-repeat:], stream_s[-repeat:], strict=False)
@@ -367,6 +371,13 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             "value": value, "target": TARGET_SPEEDUP,
                             "pass": value >= TARGET_SPEEDUP})
     return targets
+
+
+def _amx_kernel() -> bool:
+    """Whether CPU_MLA runs bf16 on its AMX kernel here."""
+    from app.backends.cpu.decode_kernel_amx import amx_decode_status
+
+    return amx_decode_status().available
 
 
 def _bf16_dot() -> bool | None:
@@ -482,7 +493,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
         "peaks": meter.summary() if meter.enabled else None,
-        "cpu_mla_bf16_dot": _bf16_dot(), "results": rows, "skipped_backends": skipped,
+        "cpu_mla_bf16_dot": _bf16_dot(), "cpu_mla_amx": _amx_kernel() if device.type == "cpu"
+        else None, "results": rows, "skipped_backends": skipped,
         "vllm_comparison": vllm, "targets": targets,
         "targets_met": all(t["pass"] for t in targets) if targets else None,
         "errors": errors, "ok": not errors, "elapsed_s": round(time.perf_counter() - started, 1)}

@@ -4,8 +4,10 @@ One vLLM engine, built once in a subprocess of ``--vllm-python`` (or ``$APP_BENC
 with its own backends (``VLLM_PLUGINS=none``: ``CPU_SDPA_MLA`` prefill, ``CPU_MLA`` decode,
 vLLM's CPU MoE and linears) and kept for the whole run: ``app.bench.vllm_engine_worker
 --serve`` (an in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) reads one job per call
-and answers with the seconds its ``LLM.generate`` took, so vLLM's start-up is never timed, as
-our engine's construction is not. Prefix caching is off (every repetition computes
+and answers with the seconds the job took, so vLLM's start-up is never timed, as our engine's
+construction is not; the job steps vLLM's engine itself (``timeline``), so the answer also
+says when every request had its first token and how many tokens came after (the decode
+phase, measured inside the run). Prefix caching is off (every repetition computes
 everything, as ours does), the step budget holds the largest batch's prompts in one step (as
 ours: ``max(8192, batch * prompt_len)`` tokens), ``max_num_seqs`` is the largest batch.
 
@@ -26,6 +28,7 @@ from typing import IO, Any
 
 import torch
 
+from app.bench._timing import RunTiming
 from app.bench.vllm_engine import vllm_worker_env
 from app.config import dtype_name
 
@@ -120,9 +123,9 @@ class WholeVLLM:
                 raise RuntimeError(f"the vLLM worker exited ({self._proc.returncode}): "
                                    f"{self._tail()}")
 
-    def __call__(self, prompts: list[list[int]], new_tokens: int) -> float:
+    def __call__(self, prompts: list[list[int]], new_tokens: int) -> RunTiming:
         answer = self._ask({"name": f"{len(prompts)} x {new_tokens}", "prompts": prompts,
-                            "max_tokens": new_tokens, "repeat": 1})
+                            "max_tokens": new_tokens, "repeat": 1, "timeline": True})
         if "error" in answer:
             raise RuntimeError(f"vLLM job failed: {answer['error']}\n"
                                f"{answer.get('traceback', '')}")
@@ -130,7 +133,10 @@ class WholeVLLM:
         if answer.get("generated_tokens") != len(prompts) * new_tokens:
             raise RuntimeError(f"vLLM generated {answer.get('generated_tokens')} tokens, "
                                f"expected {len(prompts) * new_tokens}")
-        return float(answer["seconds"][0])
+        first, after = answer.get("first_token_seconds"), answer.get("decode_tokens")
+        return RunTiming(float(answer["seconds"][0]),
+                         None if not first or first[0] is None else float(first[0]),
+                         None if not after else int(after[0]))
 
     def describe(self) -> dict[str, Any]:
         """What the baseline was: vLLM's version, threads, start-up seconds, peak RSS."""

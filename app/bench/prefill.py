@@ -48,7 +48,7 @@ import torch
 
 from app._types import MLADimensions
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillMetadata
-from app.bench._peaks import BF16_DOT, FP32_FMA, PeakMeter, peak_lines
+from app.bench._peaks import AMX_BF16, BF16_DOT, FP32_FMA, PeakMeter, peak_lines
 from app.bench._timing import time_calls, time_interleaved
 from app.commands._args import bench_device, int_in, positive_int, resolve_device
 
@@ -273,14 +273,21 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def bound_peak(dtype: torch.dtype) -> str:
-    """The peak that bounds TORCH_SDPA's CPU kernel on ``dtype`` inputs: ``bf16_dot`` where
-    it multiplies in bf16, ``fp32_fma`` where it computes in float32."""
+    """The unit TORCH_SDPA's CPU kernel multiplies ``dtype`` inputs on (the row's
+    ``kernel_unit``; its bound is the fastest unit for the dtype, ``PeakMeter.bound_kind``):
+    ``bf16_dot`` where it multiplies in bf16 with ``vdpbf16ps``, ``amx_bf16`` where bf16 runs
+    on aten's kernel on an AMX CPU (oneDNN's tiles), ``fp32_fma`` where it computes in
+    float32."""
+    from app.backends.cpu.amx import cpu_has_amx
     from app.backends.cpu.prefill_kernel import native_kernel_status
     from app.backends.cpu.prefill_kernel_bf16 import native_bf16_kernel_status
-    from app.backends.prefill.torch_sdpa import TorchSDPABackend, cpu_compute_dtype
+    from app.backends.prefill.torch_sdpa import TorchSDPABackend as Sdpa
+    from app.backends.prefill.torch_sdpa import cpu_bf16_prefill_path, cpu_compute_dtype
 
-    if dtype == torch.bfloat16 and TorchSDPABackend.cpu_bf16_kernel \
-            and native_bf16_kernel_status().available:
+    bf16 = cpu_compute_dtype(dtype) == dtype == torch.bfloat16
+    if dtype == torch.bfloat16 and cpu_bf16_prefill_path().path == "aten":
+        return AMX_BF16 if cpu_has_amx() else BF16_DOT if bf16 else FP32_FMA
+    if dtype == torch.bfloat16 and Sdpa.cpu_bf16_kernel and native_bf16_kernel_status().available:
         return BF16_DOT  # the kernel's bf16-products build
     if native_kernel_status().available:  # float32 math, whatever the input dtype
         return FP32_FMA
@@ -319,13 +326,14 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
 
     fns: dict[str, Callable[[], object]] = {"backend": call, "matmul": matmul_beside}
     # The peak that bounds the kernel, measured beside every call the same way.
-    peak_kind, peak_s = bound_peak(dtype), list[float]()
-    if meter is not None:  # on a GPU: the matmul rate of the dtype (GpuPeakProbe)
-        peak_kind = meter.bound_kind(dtype, peak_kind)
+    unit, peak_s = bound_peak(dtype), list[float]()
+    peak_kind = unit
+    if meter is not None:  # the fastest unit for the dtype (a GPU: its matmul rate)
+        peak_kind = meter.bound_kind(dtype, unit)
     if meter is not None and meter.enabled:
         fns["peak"] = meter.beside(peak_kind, peak_s)
     # bf16 products: the float32-math kernel on the same inputs, beside it (issue 16's 1.5x).
-    if (meter is not None and meter.enabled and peak_kind == BF16_DOT and case.causal
+    if (meter is not None and meter.enabled and unit == BF16_DOT and case.causal
             and case.name.startswith("1x") and getattr(backend, "cpu_bf16_kernel", False)):
         fns["fp32_math_kernel"] = _float32_math_call(backend, md, q, k, v, case.lse)
     if baseline:
@@ -339,6 +347,8 @@ def _run_case(build: Callable[[], MLAPrefillBackend], case: Case, dtype: torch.d
                            "lse": case.lse, "tokens": md.total_q, "gflop": round(flops / 1e9, 3),
                            **_stats(timed["backend"])}
     row["gflops"] = round(flops / min(timed["backend"]) / 1e9, 1)
+    if device.type == "cpu":
+        row["kernel_unit"] = unit
     row["ratio_to_matmul_paired"] = round(statistics.median(
         (flops / t_backend) / (2.0 * matmul_n ** 3 / t_mm)
         for t_backend, t_mm in zip(timed["backend"], matmul_s[-repeat:], strict=True)), 3)
@@ -441,7 +451,9 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             "best_vs_best": row["speedup_vs_fp32_math_kernel"]})
         if row["case"] == "1x4096" and row.get("fraction_of_peak_paired") is not None:
             kind = row["bound_peak"]
-            value, goal = row["fraction_of_peak_paired"], TARGET_PEAK_FRACTION[kind]
+            value, goal = row["fraction_of_peak_paired"], TARGET_PEAK_FRACTION.get(kind)
+            if goal is None:  # AMX or torch's matmul: no fraction target (issue 38: vs vLLM)
+                continue
             targets.append({"name": f"TORCH_SDPA 1x4096 causal, fraction of the {kind} peak "
                                     "(median over rounds of backend call / peak beside it)",
                             "dtype": row["dtype"], "value": value, "target": goal,

@@ -16,9 +16,18 @@ Workloads (greedy, token-id prompts, contexts of 1-4k):
 - **prefill-heavy**: prompts of 1024, 2048, 3072 and 4096 tokens, one output token each;
   tokens/s = prompt tokens / seconds.
 - **decode-heavy**: 8 requests with contexts of 1024-4000 tokens, ``--decode-tokens`` output
-  tokens each. The decode phase's tokens/s = the extra tokens / the extra seconds over the same
-  requests with one output token (the prefill of those contexts is timed apart, so our faster
-  prefill does not inflate it); the whole requests' tokens/s is reported beside it.
+  tokens each. The decode phase is timed inside the run: the worker steps vLLM's engine itself
+  and timestamps each step (``vllm_engine_worker``'s ``timeline``), and the decode phase's
+  tokens/s = the tokens generated after every request had its first token / the seconds after
+  that moment (so our faster prefill does not inflate it). It was the difference between this
+  run and a run of the same requests with one output token, which came out null on an AMX
+  machine where the one-token run took longer than the whole one. The whole requests'
+  tokens/s is reported beside it.
+
+On a CPU with AMX tiles vLLM's own side runs its ``AMX_MLA`` (what it selects there), and ours
+runs with ``APP_VLLM_AMX=ours``, so the comparison is ours against AMX_MLA whatever the model's
+dtype (the plugin would otherwise leave bf16 models to AMX_MLA until this is measured: see
+:mod:`app.integrations._vllm_amx`); each side's ``impl_classes`` say what ran.
 
 Each engine times every workload ``--repeat`` times (default once: vLLM's own prefill of 1-4k
 contexts takes minutes per engine on 2 cores) after a warm-up; a side's figure is its best over
@@ -97,9 +106,8 @@ def _jobs(load: dict[str, Any], vocab: int, repeat: int) -> list[dict[str, Any]]
     return [
         {"name": "prefill-heavy", "prompts": _prompts(load["prefill"], vocab), "max_tokens": 1,
          "repeat": repeat, "warmup": True},
-        {"name": "decode-heavy prefill", "prompts": decode, "max_tokens": 1, "repeat": repeat},
         {"name": "decode-heavy", "prompts": decode, "max_tokens": load["decode_tokens"],
-         "repeat": repeat}]
+         "repeat": repeat, "timeline": True}]
 
 
 def vllm_worker_env(extra: dict[str, str]) -> dict[str, str]:
@@ -144,7 +152,7 @@ def _engine_run(python: str, work: Path, name: str, engine: dict[str, Any], plug
                 timeout: float) -> dict[str, Any]:
     spec_file, out_file = work / f"{name}.json", work / f"{name}.out.json"
     spec_file.write_text(json.dumps({"engines": [engine]}))
-    env = vllm_worker_env({} if plugin else {"VLLM_PLUGINS": "none"})
+    env = vllm_worker_env({"APP_VLLM_AMX": "ours"} if plugin else {"VLLM_PLUGINS": "none"})
     error = _call(python, ["-m", "app.bench.vllm_engine_worker", str(spec_file),
                            str(out_file)], env, timeout)
     if error is not None:
@@ -156,16 +164,22 @@ def _engine_run(python: str, work: Path, name: str, engine: dict[str, Any], plug
 def _side_figures(runs: list[dict[str, Any]], load: dict[str, Any]) -> dict[str, Any]:
     """Best seconds per job over every run of one side, and the tokens/s made of them."""
     best: dict[str, float] = {}
+    phases: list[tuple[float, int]] = []   # (decode-phase seconds, tokens) of every run
     for run in runs:
         for job in run["jobs"]:
             best[job["name"]] = min(best.get(job["name"], float("inf")), *job["seconds"])
+            for total, first, tokens in zip(job["seconds"], job.get("first_token_seconds", []),
+                                            job.get("decode_tokens", []), strict=False):
+                if first is not None and tokens and total > first:
+                    phases.append((total - first, tokens))
     requests = len(load["decode"])
-    extra_tokens = requests * (load["decode_tokens"] - 1)
-    decode_s = best["decode-heavy"] - best["decode-heavy prefill"]
+    rate = max((tokens / seconds for seconds, tokens in phases), default=None)
     return {
         "best_seconds": {k: round(v, 4) for k, v in best.items()},
         "prefill_heavy_tokens_per_s": round(sum(load["prefill"]) / best["prefill-heavy"], 1),
-        "decode_heavy_tokens_per_s": round(extra_tokens / decode_s, 2) if decode_s > 0 else None,
+        "decode_heavy_tokens_per_s": None if rate is None else round(rate, 2),
+        "decode_phase_runs": [{"seconds": round(seconds, 4), "tokens": tokens}
+                              for seconds, tokens in phases],
         "decode_heavy_whole_tokens_per_s": round(requests * load["decode_tokens"]
                                                  / best["decode-heavy"], 2),
         "seconds_per_engine": [{job["name"]: [round(x, 4) for x in job["seconds"]]

@@ -10,10 +10,16 @@ general plugin; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine in this pr
 Spec: ``{"fake_amx": bool, "engines": [{"label", "model", "dtype", "max_model_len",
 "max_num_seqs", "tensor_parallel_size", "attention_backend", "jobs": [{"name", "prompts":
 [[token ids]], "max_tokens", "prompt_logprobs": bool, "logprobs": bool, "repeat": int,
-"warmup": bool}]}]}``. Out: ``{"vllm_version", "pid", "torch_threads", "engines": [{"label",
-"init_s", "registered_here", "impl_classes", "prefill_classes", "jobs": [{"name", "tokens",
-"prompt_logprobs", "logprobs", "seconds", "prompt_tokens", "generated_tokens"}]} or {"label",
-"error"}]}``.
+"warmup": bool, "timeline": bool}]}]}``. Out: ``{"vllm_version", "pid", "torch_threads",
+"engines": [{"label", "init_s", "registered_here", "impl_classes", "prefill_classes", "jobs":
+[{"name", "tokens", "prompt_logprobs", "logprobs", "seconds", "prompt_tokens",
+"generated_tokens", "first_token_seconds", "decode_tokens"}]} or {"label", "error"}]}``.
+
+``timeline``: the job's requests are added to vLLM's engine and it is stepped here
+(``llm.llm_engine.step()``, the loop ``LLM.generate`` runs, with cumulative outputs), each step
+timestamped, so one run says when every request had its first token
+(``first_token_seconds``, per repeat) and how many tokens came after (``decode_tokens``): the
+decode phase measured inside the run, never as the difference of two runs.
 ``fake_amx`` makes torch report AMX tiles (vLLM's check) before vLLM is imported, in this
 process only (an in-process engine), to test what vLLM and our plugin do on an AMX CPU.
 
@@ -60,13 +66,22 @@ def _run_job(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2,
                                                  ignore_eos=True, detokenize=False),
                      use_tqdm=False)
-    seconds, results = [], []
+    seconds: list[float] = []
+    results: list[Any] = []
+    first: list[float | None] = []
+    decode: list[int] = []
     for _ in range(int(job.get("repeat", 1))):
         start = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
+        if job.get("timeline"):
+            results, first_s, after = _stepped(llm, prompts, params)
+            first.append(first_s)
+            decode.append(after)
+        else:
+            results = llm.generate(prompts, params, use_tqdm=False)
         seconds.append(time.perf_counter() - start)
     out: dict[str, Any] = {
         "name": job.get("name", ""), "seconds": seconds,
+        **({"first_token_seconds": first, "decode_tokens": decode} if first else {}),
         "tokens": [list(r.outputs[0].token_ids) for r in results],
         "prompt_tokens": sum(len(p) for p in job["prompts"]),
         "generated_tokens": sum(len(r.outputs[0].token_ids) for r in results)}
@@ -78,6 +93,37 @@ def _run_job(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
                             zip(r.outputs[0].logprobs or [], r.outputs[0].token_ids,
                                 strict=False)] for r in results]
     return out
+
+
+def _stepped(llm: Any, prompts: list[dict[str, Any]], params: Any
+             ) -> tuple[list[Any], float | None, int]:
+    """Run the requests by stepping vLLM's engine here (what ``LLM.generate`` does, with
+    cumulative outputs, each step timestamped): the final outputs in prompt order, the seconds
+    until every request had its first token (None if one never did) and the tokens after."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = params.clone()
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    base = f"app-timeline-{os.getpid()}-{time.monotonic_ns()}"
+    ids = [f"{base}-{i}" for i in range(len(prompts))]
+    start = time.perf_counter()
+    # vLLM may add a suffix to the id it keeps internally: outputs carry either form
+    known = {engine.add_request(i, prompt, params): i for i, prompt in zip(ids, prompts,
+                                                                           strict=True)}
+    known.update({i: i for i in ids})
+    counts, finals = dict.fromkeys(ids, 0), {}
+    first, at_first = None, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            request = known.get(output.request_id)
+            if request is not None:
+                counts[request] = len(output.outputs[0].token_ids)
+                if output.finished:
+                    finals[request] = output
+        if first is None and all(counts.values()):
+            first, at_first = time.perf_counter() - start, sum(counts.values())
+    return [finals[i] for i in ids], first, sum(counts.values()) - at_first
 
 
 def _classes_in_use() -> tuple[list[str], list[str]]:

@@ -160,6 +160,8 @@ def render(info: dict[str, Any]) -> str:
              format_table(["backend", "priority", "valid", "class", "reasons"], rows), ""]
     if info["chosen"] is not None:
         lines.append(f"chosen: {info['chosen']} ({info['chosen_class']})")
+        if info.get("kernel_path"):
+            lines.append(f"kernel path: {info['kernel_path']}")
     else:
         lines.append(f"chosen: none\nerror: {info['error']}")
     return "\n".join(lines)

@@ -59,6 +59,7 @@ def collect() -> dict[str, Any]:
     info["cpu_native_kernel"] = cpu_native_kernel()
     info["cpu_bf16_kernel"] = cpu_bf16_kernel()
     info["cpu_decode_kernel"] = cpu_decode_kernel()
+    info.update(cpu_amx_paths())
     info["kernel_packages"] = probe_kernel_packages()
     return info
 
@@ -97,6 +98,26 @@ def cpu_decode_kernel() -> str:
         return f"unavailable: {'; '.join(status.reasons)}"
     return f"available ({status.path}), shares {shares}" + "".join(
         f"; note: {note}" for note in status.notes)
+
+
+def cpu_amx_paths() -> dict[str, str]:
+    """AMX and the bf16 paths: ``cpu_amx`` (may this process use AMX tiles, or why not),
+    ``cpu_decode_amx_kernel`` (CPU_MLA's AMX build: loaded, or why not), and which unit
+    bf16 decode (``cpu_decode_bf16_path``) and prefill (``cpu_prefill_bf16_path``) run on,
+    and why. Only a CPU with AMX builds or measures anything for these."""
+    from app.backends.cpu.amx import amx_status
+    from app.backends.cpu.decode_kernel_amx import amx_decode_status
+    from app.backends.cpu.kernel_paths import decode_kernel_path
+    from app.backends.prefill.torch_sdpa import TorchSDPAPrefillBackend
+
+    tiles = amx_status()
+    kernel = amx_decode_status()
+    return {
+        "cpu_amx": f"{'available' if tiles.available else 'unavailable'}: {tiles.reason}",
+        "cpu_decode_amx_kernel": (f"available ({kernel.reason}), shares {kernel.shares}"
+                                  if kernel.available else f"unavailable: {kernel.reason}"),
+        "cpu_decode_bf16_path": decode_kernel_path(torch.bfloat16),
+        "cpu_prefill_bf16_path": TorchSDPAPrefillBackend.kernel_path(torch.bfloat16)}
 
 
 def run(args: argparse.Namespace) -> int:

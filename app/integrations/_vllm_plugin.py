@@ -10,10 +10,12 @@ registers nothing and logs why; where our decode kernel cannot run (no AVX-512, 
 only the prefill is replaced. It never raises (vLLM does not catch what a general plugin raises).
 
 **AMX.** On a CPU with AMX tiles vLLM selects ``AMX_MLA``, its own AMX prefill and decode, which
-bypass both registries. The plugin leaves that choice alone (vLLM's AMX kernels use hardware
-ours do not, and we could not measure them) and says so in its line; the engine option
-``attention_backend="CPU_MLA"`` (``--attention-backend CPU_MLA``) makes vLLM select CPU_MLA,
-which then runs ours.
+bypass both registries, and which serve bfloat16 only (a float32 model fails there). Where our
+decode is registered the plugin also wraps ``CpuPlatform.check_and_update_config``
+(:mod:`app.integrations._vllm_amx`): models ``AMX_MLA`` cannot serve (float32, float16, a
+non-auto KV cache) get ``CPU_MLA``, i.e. ours; bfloat16 stays on ``AMX_MLA`` until ours is
+measured faster there (``APP_VLLM_AMX=ours``, or the engine option
+``attention_backend="CPU_MLA"``, runs ours). Each config's decision is logged.
 
 **One line per process** says what was replaced, on the logger ``vllm.plugins.app`` (under
 vLLM's ``vllm`` logger, so it appears in vLLM's output). vLLM loads plugins before it sets up
@@ -31,6 +33,7 @@ import logging
 import threading
 
 import app.integrations._vllm_backends as _vllm_backends
+from app.integrations._vllm_amx import AMX_ENV, install_amx_routing
 from app.integrations._vllm_interface import (
     DECODE_CLASS_PATH,
     PREFILL_CLASS_PATH,
@@ -67,24 +70,36 @@ def _can_show_info() -> bool:
 
 
 def _announce(line: str) -> None:
-    """Log ``line`` now if a handler would show it, else keep it for :func:`announce_pending`."""
+    """Log ``line`` now if a handler would show it, else keep it for :func:`announce_pending`
+    (the plugin's line: it replaces any kept one)."""
     with _announce_lock:
         _pending[:] = [line]
     announce_pending()
 
 
+def _say(line: str) -> None:
+    """Log ``line`` (a later one: the AMX routing's decision) now if a handler would show it,
+    else keep it after the plugin's line."""
+    with _announce_lock:
+        _pending.append(line)
+    announce_pending()
+
+
 def announce_pending() -> None:
-    """Log the plugin's kept line, once, if vLLM's logging now shows INFO (our classes call
+    """Log the plugin's kept lines, once, if vLLM's logging now shows INFO (our classes call
     this when vLLM builds them: by then vLLM has set up its logging in every engine)."""
     with _announce_lock:
         if not _pending or not _can_show_info():
             return
-        line = _pending.pop()
-    logger.info("%s", line)
+        lines = list(_pending)
+        _pending.clear()
+    for line in lines:
+        logger.info("%s", line)
 
 
-def amx_note() -> str | None:
-    """What vLLM does on this CPU if it has AMX tiles (vLLM's own check), else None."""
+def amx_note(routing: str | None = "not installed") -> str | None:
+    """What happens on this CPU if it has AMX tiles (vLLM's own check), else None.
+    ``routing``: None when the AMX routing is installed, else why not."""
     try:
         import torch
 
@@ -93,9 +108,15 @@ def amx_note() -> str | None:
         return None
     if not has_amx:
         return None
+    if routing is None:
+        return ("this CPU has AMX: vLLM's AMX_MLA (its own AMX prefill and decode, which "
+                "bypass both registrations) keeps bfloat16 models until ours is measured "
+                "faster there; models it cannot serve (float32, float16) get CPU_MLA, which "
+                f"runs ours; {AMX_ENV}=ours or attention_backend='CPU_MLA' runs ours for all")
     return ("this CPU has AMX: vLLM selects AMX_MLA (its own AMX prefill and decode, which "
             "bypass both registrations) unless the engine is given "
-            "attention_backend='CPU_MLA' (--attention-backend CPU_MLA), which runs ours")
+            "attention_backend='CPU_MLA' (--attention-backend CPU_MLA), which runs ours "
+            f"(the AMX routing is off: {routing})")
 
 
 def register_vllm_plugin() -> None:
@@ -165,6 +186,7 @@ def _register() -> None:
         parts.append(f"vLLM's CPU MLA prefill (MLAPrefillBackendEnum.CPU) is now "
                      f"{PREFILL_CLASS_PATH}, running {failed[1]}")
     decode = registry.AttentionBackendEnum.CPU_MLA
+    routing: str | None = "our CPU_MLA decode is not registered"
     if (other := _foreign_override(decode, DECODE_CLASS_PATH)) is not None:
         parts.append(f"CPU_MLA is already overridden by {other}; left alone")
     elif (failed := _decode_problems())[0]:
@@ -173,6 +195,7 @@ def _register() -> None:
         registry.register_backend(decode, DECODE_CLASS_PATH)
         parts.append(f"its CPU MLA decode (AttentionBackendEnum.CPU_MLA) is now "
                      f"{DECODE_CLASS_PATH}, running {failed[1]}")
-    if (note := amx_note()) is not None:
+        routing = install_amx_routing(say=_say) if amx_note() is not None else "no AMX"
+    if (note := amx_note(routing)) is not None:
         parts.append(note)
     _announce("app: " + "; ".join(parts))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from app.bench import model as bench_model
 from app.bench.model_vllm import WholeVLLM, check_vllm_python
@@ -35,9 +36,11 @@ STAND_IN = textwrap.dedent("""
         if job["max_tokens"] == 99:
             raise RuntimeError("job refused")
         n = len(job["prompts"]) * job["max_tokens"]
+        timeline = {"first_token_seconds": [0.015], "decode_tokens": [n - len(job["prompts"])]}
         return {"name": job["name"], "seconds": [0.01 * job["max_tokens"]],
                 "generated_tokens": n if mode != "short" else n - 1,
-                "echo": llm["engine"]["max_num_seqs"]}
+                "echo": llm["engine"]["max_num_seqs"],
+                **(timeline if job.get("timeline") and mode != "bare" else {})}
 
     worker._build = build
     worker._run_job = run_job
@@ -95,15 +98,17 @@ def test_the_vllm_runner_keeps_one_worker_and_reads_only_its_answers(tmp_path: P
     try:
         assert runner.engine["max_num_seqs"] == 3 and not runner.engine["enable_prefix_caching"]
         assert runner.engine["max_model_len"] == 8 + 4 + 16
-        assert runner([[5, 6], [7, 8]], 3) == pytest.approx(0.03)
-        assert runner([[5, 6]], 1) == pytest.approx(0.01)
+        timing = runner([[5, 6], [7, 8]], 3)     # the job steps the engine: its timeline
+        assert timing.seconds == pytest.approx(0.03)
+        assert (timing.first_token_seconds, timing.decode_tokens) == (0.015, 4)
+        assert runner([[5, 6]], 1).seconds == pytest.approx(0.01)
         info = runner.describe()
         assert info["vllm_version"] == "0.0-stand-in" and info["init_s"] == 0.25
         assert info["registered"] == {"CPU_MLA": "vllm.stand.in"}
         assert info["peak_rss_bytes"] > 0
         with pytest.raises(RuntimeError, match="job refused"):
             runner([[5]], 99)
-        assert runner([[5]], 2) == pytest.approx(0.02)      # the worker is still there
+        assert runner([[5]], 2).seconds == pytest.approx(0.02)   # the worker is still there
     finally:
         runner.close()
     assert runner._proc.poll() == 0
@@ -154,7 +159,15 @@ def test_bench_model_against_a_stand_in_vllm(tiny_checkpoint: Path, tmp_path: Pa
         theirs = row["vllm"]
         assert theirs["prefill_seconds"] == pytest.approx(0.01, abs=1e-4)
         assert theirs["generate_seconds"] == pytest.approx(0.03, abs=1e-4)
+        # the stand-in says every first token came at 15 ms, then 2 tokens per request
+        assert theirs["first_token_seconds"] == pytest.approx(0.015, abs=1e-4)
+        assert theirs["decode_tokens_per_s"] == pytest.approx(
+            row["batch"] * 2 / 0.015, rel=1e-2)
+        # ours: measured inside the 3-token run, so never 0.0 however busy the machine
+        # (issue 38: it was the difference of two runs, 0.0 when the longer was no longer)
         assert row["ours"]["prefill_tokens_per_s"] > 0 and row["ours"]["decode_tokens_per_s"] > 0
+        assert row["ours"]["decode_measure"].startswith("within the run")
+        assert 0 < row["ours"]["first_token_seconds"] < row["ours"]["generate_seconds"]
     assert set(result["targets"]) == {f"{k}_speedup_at_batch_{b}" for k in ("prefill", "decode")
                                       for b in (1, 2)}
     assert result["baseline_info"]["vllm_version"] == "0.0-stand-in"
@@ -169,3 +182,30 @@ def test_bench_model_against_transformers(tiny_checkpoint: Path,
     text = capsys.readouterr().out
     assert "baseline transformers" in text and "batch   2: prefill" in text
     assert "target decode_speedup_at_batch_2" in text
+
+
+def test_decode_rates_come_from_inside_one_run_and_bare_seconds_still_work() -> None:
+    from app.bench._timing import RunTiming
+
+    # A busy machine: the 1-token run (0.5 s) took longer than the whole 4-token run (0.4 s);
+    # the difference of the two was 0.0 tokens/s, inside the run it is 6 tokens in 0.1 s.
+    inside = bench_model._rates(0.5, RunTiming(0.4, 0.3, 6), 2, 8, 4)
+    assert inside["decode_tokens_per_s"] == 60.0 and inside["decode_seconds"] == 0.1
+    assert inside["first_token_seconds"] == 0.3 and inside["prefill_tokens_per_s"] == 32.0
+    bare = bench_model._rates(0.1, RunTiming(0.4), 2, 8, 4)    # a runner of the old form
+    assert bare["decode_tokens_per_s"] == 20.0 and bare["decode_measure"].startswith("difference")
+    assert bench_model._rates(0.5, RunTiming(0.4), 2, 8, 4)["decode_tokens_per_s"] is None
+    assert bench_model._speedups(bare, {**bare, "decode_tokens_per_s": None}) == {
+        "prefill_speedup": 1.0, "decode_speedup": None}
+    runs = [RunTiming(1.0, 0.5, 10), RunTiming(0.9, 0.2, 10), RunTiming(0.8)]
+    assert bench_model._best_run(runs) == RunTiming(1.0, 0.5, 10)     # 20 tokens/s
+    assert bench_model._best_run([RunTiming(0.8), RunTiming(0.7)]) == RunTiming(0.7)
+
+
+def test_a_baseline_without_a_timeline_falls_back_to_two_runs(tmp_path: Path) -> None:
+    runner = WholeVLLM(tmp_path, torch.bfloat16, _options(_stand_in(tmp_path, "bare")))
+    try:
+        timing = runner([[5, 6], [7, 8]], 3)
+        assert timing.seconds == pytest.approx(0.03) and timing.first_token_seconds is None
+    finally:
+        runner.close()

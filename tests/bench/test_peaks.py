@@ -119,3 +119,54 @@ def test_bench_decode_reads_the_fma_peak(capsys: pytest.CaptureFixture[str]) -> 
         assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=5e-3,
                                                         abs=2e-3)
         assert row["fraction_of_peak_paired"] > 0 and row["roofline_fraction_paired"] > 0
+
+
+# -- AMX and torch's bf16 matmul, and which unit charges a dtype (issue 38) ------------------
+
+def test_the_amx_probe_loop_with_emulated_tiles() -> None:
+    """The probe's tile loop (configure, 6 chains, store) with the tiles emulated in C: the
+    sum and the FLOP count are right, and no tile operation would fault on AMX."""
+    import ctypes
+
+    from app.backends.cpu.amx_probe import amx_peak_probe_status, load_amx_peak_probe
+    from tests._support import native_compiler_or_skip
+
+    native_compiler_or_skip()
+    probe = load_amx_peak_probe(emulated=True)
+    assert probe is not None, amx_peak_probe_status(emulated=True)
+    assert probe.emulated and probe.flops_per_iter == 6 * 16 * 16 * 32 * 2
+    assert probe.call(5) == 160.0
+    assert probe.library.function("cpu_peak_amx_faults", ctypes.c_int64)() == 0
+    peaks = _peaks.PeakProbe(_peaks._status().library.cdll,  # type: ignore[union-attr]
+                             False, amx=probe)
+    assert _peaks.AMX_BF16 in peaks.kinds
+    peaks._iters[_peaks.AMX_BF16] = 2          # the emulation is slow: no calibration
+    assert peaks.rate(_peaks.AMX_BF16, threads=2, repeat=1) > 0
+
+
+def test_torch_bf16_matmul_is_measured_beside_the_probes() -> None:
+    probe = _probe()
+    peaks = _peaks.PeakProbe(_peaks._status().library.cdll,  # type: ignore[union-attr]
+                             BF16_DOT in probe.kinds, bf16_matmul=True, matmul_n=128)
+    assert _peaks.BF16_MATMUL in peaks.kinds and peaks.rate(_peaks.BF16_MATMUL, repeat=1) > 0
+    kinds = peak_kinds()
+    assert kinds[_peaks.BF16_MATMUL] == ("measured" if detect_cpu_features().fast_bfloat16
+                                         else kinds[_peaks.BF16_MATMUL])
+
+
+@pytest.mark.parametrize(("runs", "amx_cpu", "dtype", "unit"), [
+    ({"amx_bf16": [9e3], "bf16_matmul": [2e3], "bf16_dot": [1e3], "fp32_fma": [5e2]}, True,
+     torch.bfloat16, "amx_bf16"),
+    ({"bf16_matmul": [2e3], "bf16_dot": [1e3], "fp32_fma": [5e2]}, True, torch.bfloat16,
+     "bf16_matmul"),                  # tiles not probed: torch's AMX matmul stands in
+    ({"bf16_matmul": [2e3], "bf16_dot": [1e3], "fp32_fma": [5e2]}, False, torch.bfloat16,
+     "bf16_dot"),                     # no AMX: the matmul runs on the dot units themselves
+    ({"bf16_dot": [1.0], "fp32_fma": [5e2]}, False, torch.bfloat16, "bf16_dot"),  # by order
+    ({"fp32_fma": [5e2]}, False, torch.bfloat16, "fp32_fma"),
+    ({"amx_bf16": [9e3], "bf16_dot": [1e3], "fp32_fma": [5e2]}, True, torch.float32,
+     "fp32_fma"),
+    ({"amx_bf16": [9e3], "fp32_fma": [5e2]}, True, torch.float16, "fp32_fma"),
+    ({}, True, torch.bfloat16, "fallback")])
+def test_each_dtype_is_charged_at_the_fastest_unit_the_cpu_offers(
+        runs: dict[str, list[float]], amx_cpu: bool, dtype: torch.dtype, unit: str) -> None:
+    assert _peaks.fastest_unit(dtype, runs, "fallback", amx_cpu=amx_cpu) == unit

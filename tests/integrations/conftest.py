@@ -34,6 +34,11 @@ def fresh_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         _auto_select_mla_prefill_backend.cache_clear()
         _vllm_plugin._pending.clear()
 
+    from vllm.platforms.cpu import CpuPlatform
+
+    # The AMX routing wraps CpuPlatform.check_and_update_config: put vLLM's own back after.
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config",
+                        CpuPlatform.__dict__["check_and_update_config"])
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     forget()

@@ -10,7 +10,8 @@ CPU rotary kernel; ``test_vllm_rope.py`` pins the cause): there ours still equal
 In bf16 our logprobs stay as close to vLLM's float32 as vLLM's own bf16 do. ``kv_lora_rank`` 256
 (where vLLM's own CPU decode kernel fails) runs with ours and equals transformers. The default
 multiprocess engine loads the plugin in every engine process; tensor parallel 2 gives the tokens
-of 1; on an AMX CPU (faked), ``attention_backend="CPU_MLA"`` runs ours.
+of 1; on an AMX CPU (faked), a float32 model (which vLLM's AMX_MLA cannot serve) runs ours
+without being asked, and ``attention_backend="CPU_MLA"`` runs ours.
 
 Engines run in subprocesses (``app.bench.vllm_engine_worker``), several engines per process where
 the plugin setting is the same, each result computed once per module (~3-4 minutes in all).
@@ -294,13 +295,19 @@ def test_tensor_parallel_2_gives_the_tokens_of_1(
     assert len(workers) == 2
 
 
-def test_on_an_amx_cpu_attention_backend_cpu_mla_runs_ours(
+def test_on_an_amx_cpu_ours_serves_float32_and_attention_backend_cpu_mla(
         tmp: Path, models: dict[str, Path], vllms_own: dict[str, dict[str, Any]]) -> None:
-    spec = {"fake_amx": True, "engines": [_engine("amx", models["v2-lite-hub"],
-                                                  attention_backend="CPU_MLA")]}
+    """AMX faked: a float32 model, which vLLM's AMX_MLA cannot serve, gets ours without being
+    asked (issue 38); an engine given attention_backend='CPU_MLA' gets ours too."""
+    spec = {"fake_amx": True, "engines": [
+        _engine("amx-fp32", models["v2-lite-hub"]),
+        _engine("amx-asked", models["v2-lite-hub"], attention_backend="CPU_MLA")]}
     engines, log = _run(tmp, "ours-amx", spec, plugin=True)
-    engine = engines["amx"]
-    assert _ok(engine)["tokens"] == _ok(vllms_own["v2-lite-hub"])["tokens"]
-    assert engine["impl_classes"] == [OURS_IMPL]
-    assert engine["prefill_classes"] == [OURS_PREFILL]
-    assert "this CPU has AMX: vLLM selects AMX_MLA" in log
+    for label in ("amx-fp32", "amx-asked"):
+        engine = engines[label]
+        assert _ok(engine)["tokens"] == _ok(vllms_own["v2-lite-hub"])["tokens"]
+        assert engine["impl_classes"] == [OURS_IMPL]
+        assert engine["prefill_classes"] == [OURS_PREFILL]
+    assert "this CPU has AMX: vLLM's AMX_MLA (its own AMX prefill and decode" in log
+    assert "app: this CPU has AMX: vLLM's AMX_MLA cannot serve float32" in log
+    assert "app: this CPU has AMX: the engine asked for attention backend CPU_MLA" in log

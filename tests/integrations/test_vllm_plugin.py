@@ -239,11 +239,43 @@ def test_on_an_amx_cpu_vllm_keeps_amx_mla_unless_cpu_mla_is_asked_for(
     assert not AttentionBackendEnum.AMX_MLA.is_overridden()
     assert _selected_decode() == VLLM_AMX_MLA                  # vLLM's own AMX kernels
     assert _selected_decode(AttentionBackendEnum.CPU_MLA) == VLLM_DECODE_CLASS_PATH
-    assert ("this CPU has AMX: vLLM selects AMX_MLA (its own AMX prefill and decode, which "
-            "bypass both registrations) unless the engine is given "
-            "attention_backend='CPU_MLA'") in plugin_log.text
+    assert ("this CPU has AMX: vLLM's AMX_MLA (its own AMX prefill and decode, which bypass "
+            "both registrations) keeps bfloat16 models until ours is measured faster there; "
+            "models it cannot serve (float32, float16) get CPU_MLA, which runs ours"
+            ) in plugin_log.text
+    # the routing is installed on vLLM's platform: a float32 MLA config gets CPU_MLA
+    wrapped = CpuPlatform.__dict__["check_and_update_config"].__func__
+    assert getattr(wrapped, "_app_amx_routing", False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert _vllm_plugin.amx_note() is None
+
+
+def test_the_amx_routing_sets_cpu_mla_on_vllms_attention_config(
+        fresh_vllm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own AttentionConfig and enum through the rule (AMX faked): a float32 model's
+    attention backend becomes CPU_MLA, a bfloat16 one's stays unset (vLLM picks AMX_MLA); the
+    whole engine is in test_vllm_engine.py."""
+    from types import SimpleNamespace
+
+    from vllm.config import AttentionConfig
+
+    from app.integrations import _vllm_amx
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)   # faked
+    said: list[str] = []
+    assert _vllm_amx.install_amx_routing(say=said.append) is None
+    assert _vllm_amx.install_amx_routing(say=said.append) is None     # once
+    settled = []
+    for dtype in (torch.float32, torch.bfloat16):
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(use_mla=True, dtype=dtype,
+                                         hf_config=SimpleNamespace(model_type="deepseek_v2")),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            attention_config=AttentionConfig())
+        _vllm_amx.route_config(config, ("bfloat16",), AttentionBackendEnum, said.append)
+        settled.append(config.attention_config.backend)
+    assert settled == [AttentionBackendEnum.CPU_MLA, None]
+    assert "cannot serve float32" in said[0] and "has not been measured" in said[1]
 
 
 def test_our_methods_have_vllms_signatures() -> None:

@@ -47,6 +47,13 @@ fails its self-test is rebuilt once, and replaced only when the rebuilt one pass
 rebuilt one fails too, the failure is not the cached file's (the environment, the CPU) and the
 cached file is kept.
 
+A library that may crash the process rather than merely compute wrong numbers (instructions
+this machine never ran: AMX) names where its spec can be imported (``spec.child_test``,
+``"module:NAME"``): its first self-test on a machine then runs in a child process, and the
+verdict is kept beside the library, keyed by its file name and the CPU
+(:mod:`app.backends.cpu.child_verdict`); a failed verdict refuses the library at once, without
+a rebuild.
+
 Settings: every on/off switch a library or its self-test reads is listed in
 ``spec.switches`` and checked by :func:`load_native_library`, by name, before anything is
 built, loaded or deleted (``ValueError``; nothing cached). A bad value therefore never fails a
@@ -72,11 +79,14 @@ from typing import Any
 import attrs
 import torch
 
+from app.backends.cpu import child_verdict
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CACHE_DIR_ENV", "NATIVE_DIR", "NativeLibrary", "NativeLibrarySpec",
-           "NativeLibraryStatus", "cache_directories", "cpu_flags", "directory_problem",
-           "find_compiler", "load_native_library", "read_switch", "reset_native_libraries"]
+           "NativeLibraryStatus", "cache_directories", "check_library_file", "cpu_flags",
+           "directory_problem", "find_compiler", "load_native_library", "read_switch",
+           "reset_native_libraries"]
 
 #: Where the C sources and headers live.
 NATIVE_DIR = Path(__file__).with_name("csrc")
@@ -103,7 +113,9 @@ class NativeLibrarySpec:
     returns ``None`` or what is wrong; ``requirements``: returns why the library cannot run
     here (CPU, switches; a C compiler is checked by the loader); it may raise ``ValueError``
     for a bad setting; ``switches``: the on/off environment variables the library, its
-    requirements or its self-test read (``read_switch``), checked by the loader first.
+    requirements or its self-test read (``read_switch``), checked by the loader first;
+    ``child_test``: ``"module:NAME"`` where this spec can be imported, to run its first
+    self-test on a machine in a child process (see the module docstring).
     """
 
     name: str
@@ -115,6 +127,7 @@ class NativeLibrarySpec:
     self_test: Callable[[NativeLibrary], str | None] | None = None
     requirements: Callable[[], Sequence[str]] | None = None
     switches: tuple[str, ...] = ()
+    child_test: str | None = None
 
 
 class NativeLibrary:
@@ -311,7 +324,7 @@ def _build_and_open(spec: NativeLibrarySpec, compiler: str, target: Path
         if proc.returncode:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         os.chmod(out, 0o700)
-        library, problem = _open(spec, out)
+        library, problem = _open(spec, out, target)
         if library is not None:
             os.replace(out, target)
             library.path = target
@@ -374,8 +387,18 @@ def _close(cdll: ctypes.CDLL) -> None:
         _ctypes.dlclose(cdll._handle)
 
 
-def _open(spec: NativeLibrarySpec, path: Path) -> tuple[NativeLibrary | None, str]:
-    """Load ``path`` and check it; the library, or ``None`` and what is wrong."""
+def _open(spec: NativeLibrarySpec, path: Path, target: Path | None = None
+          ) -> tuple[NativeLibrary | None, str]:
+    """Load ``path`` and check it; the library, or ``None`` and what is wrong. ``target``:
+    the cache file ``path`` is (or becomes), whose verdict a ``child_test`` spec keeps."""
+    if spec.child_test and target is not None and not os.environ.get(
+            child_verdict.IN_CHILD_ENV):
+        verdict = child_verdict.read_verdict(target)
+        if verdict is None:
+            verdict = child_verdict.run_child(spec.child_test, path)
+            child_verdict.write_verdict(target, verdict)
+        if not verdict.passed:
+            return None, str(verdict.problem)
     try:
         cdll = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -407,10 +430,13 @@ def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     cached_problem: str | None = None
     try:
         target = directory / _library_file_name(spec, compiler)
+        failed = _failed_verdict(spec, target)
+        if failed is not None:  # refused on this machine before: neither run nor rebuilt
+            return NativeLibraryStatus(False, (failed,), None, tuple(notes))
         if os.path.lexists(target):
             cached_problem = _file_problem(target)
             if cached_problem is None:
-                library, problem = _open(spec, target)
+                library, problem = _open(spec, target, target)
                 if library is not None:
                     return NativeLibraryStatus(True, (), target, tuple(notes), library)
                 cached_problem = problem
@@ -428,6 +454,24 @@ def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     if cached_problem is not None:
         notes.append(f"cached {target.name} was unusable ({cached_problem}); rebuilt it")
     return NativeLibraryStatus(True, (), target, tuple(notes), library)
+
+
+def _failed_verdict(spec: NativeLibrarySpec, target: Path) -> str | None:
+    """Why ``target`` failed its child-process self-test on this machine before, or None."""
+    if not spec.child_test or os.environ.get(child_verdict.IN_CHILD_ENV):
+        return None
+    verdict = child_verdict.read_verdict(target)
+    if verdict is None or verdict.passed:
+        return None
+    return (f"{target.name} failed its self-test on this machine (kept in "
+            f"{child_verdict.verdict_path(target)}; delete it to test again): {verdict.problem}")
+
+
+def check_library_file(spec: NativeLibrarySpec, path: Path) -> str | None:
+    """Load the library file ``path`` and run ``spec``'s checks (ABI, layouts, self-test) in
+    this process, as a child-process self-test does: None when it passes, else what is
+    wrong. The library stays loaded when it passes."""
+    return _open(spec, Path(path))[1] or None
 
 
 def _check_switches(spec: NativeLibrarySpec) -> None:

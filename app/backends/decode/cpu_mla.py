@@ -8,6 +8,10 @@ kernel's names from there. bf16 / fp16 / fp32 caches, any block size, ``query_le
 of 32 (DeepSeek: 512 and 64); the step's work split is planned once per step
 (``_prepare_step``) and reused by every layer.
 
+bf16 steps (a bf16 cache and q) run on AMX-BF16 tiles where the CPU has them and the AMX
+build passes its self-tests (:mod:`app.backends.cpu.decode_kernel_amx`), on the AVX512-BF16
+dot products elsewhere; :meth:`CpuMLADecodeBackend.kernel_path` says which, and why.
+
 Built, cached and self-tested by ``app.backends.cpu.loader`` on first use;
 ``APP_CPU_NATIVE_KERNEL=0`` turns it off (as for the prefill kernel). Unavailable (no
 AVX-512, no C compiler, switched off), it says why and the selector takes TORCH_SDPA.
@@ -33,6 +37,8 @@ from app.backends.cpu.decode_kernel import (
     load_decode_kernel,
     plan_decode,
 )
+from app.backends.cpu.decode_kernel_amx import load_amx_decode_kernel
+from app.backends.cpu.kernel_paths import decode_kernel_path
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.workspaces import WorkspaceSource
@@ -60,6 +66,13 @@ class CpuMLADecodeBackend(MLADecodeBackend):
         return rank % 64 == 0 and rank > 0 and rope % 32 == 0
 
     @classmethod
+    def kernel_path(cls, dtype: torch.dtype) -> str:
+        """Which kernel path a ``dtype`` cache runs on here, and why (AMX tiles, AVX512-BF16
+        dot products or float32 FMAs): ``python -m app backends`` and the selector's
+        explanation show it."""
+        return decode_kernel_path(dtype)
+
+    @classmethod
     def unavailable_reason(cls) -> str:
         """Why the native kernel is unusable (no AVX-512, no compiler, switched off ...)."""
         return "native CPU decode kernel unavailable: " + "; ".join(
@@ -79,6 +92,7 @@ class CpuMLADecodeBackend(MLADecodeBackend):
         self._plans: tuple[MLADecodeMetadata, int, DecodePlan] | None = None
         self._plan_lock = threading.Lock()
         self._kernel: tuple[NativeMLADecodeKernel, bool] | None = None
+        self._amx: list[NativeMLADecodeKernel | None] = []  # [] until looked up
 
     def _kernel_and_dot(self) -> tuple[NativeMLADecodeKernel, bool]:
         """The kernel and whether a bf16 step runs on the bf16 dot products, looked up at
@@ -92,6 +106,12 @@ class CpuMLADecodeBackend(MLADecodeBackend):
                 raise ValueError(self.unavailable_reason())
             found = self._kernel = (kernel, has_bf16_dot())
         return found
+
+    def _amx_kernel(self) -> NativeMLADecodeKernel | None:
+        """The AMX kernel for bf16 steps, or None (looked up at the first bf16 step, kept)."""
+        if not self._amx:
+            self._amx.append(load_amx_decode_kernel())
+        return self._amx[0]
 
     def _plan_for(self, metadata: MLADecodeMetadata) -> DecodePlan:
         workers = torch.get_num_threads()
@@ -113,6 +133,8 @@ class CpuMLADecodeBackend(MLADecodeBackend):
         if q.device.type != "cpu":
             raise ValueError(f"{type(self).__name__}: expected CPU tensors, got {q.device}")
         kernel, dot = self._kernel_and_dot()
+        if kv_cache.dtype == q.dtype == torch.bfloat16 and (amx := self._amx_kernel()):
+            kernel = amx  # the same interface; bf16_dot means nothing to it
         if q.stride(-1) != 1:
             q = q.contiguous()
         kernel.run(self._plan_for(metadata), q, kv_cache, metadata.block_table_cpu,

@@ -64,6 +64,15 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
 
+    @classmethod
+    def kernel_path(cls, dtype: torch.dtype) -> str:
+        """On a CPU: float32 torch matmuls whatever the cache dtype (no bf16 unit, AMX tiles or
+        AVX512-BF16, is used: the gathered pages are converted to float32 first)."""
+        name = str(dtype).removeprefix("torch.")
+        return ("float32 torch matmuls (oneDNN's float32 GEMM; the gathered pages converted "
+                f"from {name}: neither AMX tiles nor AVX512-BF16 products are used)"
+                if dtype != torch.float32 else "float32 torch matmuls (oneDNN's float32 GEMM)")
+
     def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
                     k_scale: float) -> None:

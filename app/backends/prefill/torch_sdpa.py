@@ -13,6 +13,11 @@ probabilities rounded to bf16; ``cpu_bf16_kernel = False`` or ``APP_CPU_BF16_KER
 it off). Its speed against aten's kernel and against this CPU's measured FMA / bf16
 dot-product peaks: ``python -m app bench prefill`` and docs/benchmarks.md.
 
+**bf16 on a CPU with AMX tiles**: aten's bf16 flash kernel runs its blocks through oneDNN,
+which uses AMX there, so TORCH_SDPA times both paths once per process and takes the faster
+(:mod:`app.backends.prefill.cpu_bf16_path`; ``APP_CPU_PREFILL_PATH`` forces one or measures
+anywhere); :meth:`TorchSDPAPrefillBackend.kernel_path` says which and why.
+
 **CPU otherwise** (no AVX-512 or compiler, the native kernel switched off): aten's CPU flash
 kernel, whose quirks (equal head dims, top-left ``is_causal``, LSE 0 on rows that see no key)
 :mod:`app.backends.prefill._aten_cpu` works around, per call
@@ -44,29 +49,38 @@ No path syncs with the device per request: lengths come from the host copies of 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 import torch
 
 from app._types import DeviceCapability
+from app.backends.cpu.amx import cpu_has_amx
 from app.backends.cpu.prefill_kernel import (
     V_HEAD_DIM_MULTIPLE,
     NativeMLAPrefillKernel,
     NativePlan,
     load_native_kernel,
+    native_kernel_status,
 )
-from app.backends.cpu.prefill_kernel_bf16 import load_native_bf16_kernel
+from app.backends.cpu.prefill_kernel_bf16 import (
+    load_native_bf16_kernel,
+    native_bf16_kernel_status,
+)
 from app.backends.prefill._aten_cpu import AtenCpuPrefill, cpu_compute_dtype
 from app.backends.prefill._dense import all_finite, attend_dense
+from app.backends.prefill.cpu_bf16_path import ATEN, NATIVE, Bf16PrefillPath, bf16_prefill_path
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
+from app.backends.prefill.metadata import MLAPrefillMetadata
 
 if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
     from app.config import EngineConfig
 
-__all__ = ["LiveRows", "TorchSDPABackend", "TorchSDPAPrefillBackend", "cpu_compute_dtype",
-           "live_rows"]
+__all__ = ["LiveRows", "TorchSDPABackend", "TorchSDPAPrefillBackend", "cpu_bf16_prefill_path",
+           "cpu_compute_dtype", "live_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +163,31 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
             blocked_rows=self.cpu_blocked_rows)
         self._native: NativeMLAPrefillKernel | bool | None = False  # False: not looked up
         self._native_bf16: NativeMLAPrefillKernel | bool | None = False
+        self._bf16_path: str | None = None  # "native" / "aten" once chosen (or forced)
+
+    @classmethod
+    def kernel_path(cls, dtype: torch.dtype) -> str:
+        """On a CPU, which kernel ``dtype`` inputs run on and why: the native kernel (bf16
+        products or float32 math) or aten's flash kernel (oneDNN; AMX tiles where the CPU
+        has them), as :mod:`app.backends.prefill.cpu_bf16_path` chose for bf16."""
+        native = native_kernel_status()
+        if dtype == torch.bfloat16 and cls.cpu_native_kernel:
+            choice = cpu_bf16_prefill_path()
+            if choice.path == ATEN:
+                unit = "AMX tiles" if cpu_has_amx() else "AVX-512"
+                return (f"aten's CPU flash kernel in bf16 (oneDNN brgemm on {unit}): "
+                        f"{choice.reason}")
+            bf16 = native_bf16_kernel_status()
+            if bf16.available and cls.cpu_bf16_kernel:
+                return f"native kernel, bf16 products (vdpbf16ps): {choice.reason}"
+            why = "; ".join(bf16.reasons) or "cpu_bf16_kernel is False"
+            return f"native kernel, float32 math (bf16 build unavailable: {why}): {choice.reason}"
+        if not (native.available and cls.cpu_native_kernel):
+            why = "; ".join(native.reasons) or "cpu_native_kernel is False"
+            return f"aten's CPU flash kernel: native kernel unavailable: {why}"
+        converted = "" if dtype == torch.float32 else \
+            f", {str(dtype).removeprefix('torch.')} converted while packing"
+        return f"native kernel, float32 FMAs (AVX-512F{converted})"
 
     def _launch(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
@@ -171,6 +210,11 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
         # (which still beat aten's bf16 flash kernel).
         if not self.cpu_native_kernel or self.v_head_dim % V_HEAD_DIM_MULTIPLE:
             return None
+        if dtype == torch.bfloat16:
+            if self._bf16_path is None:
+                self._bf16_path = cpu_bf16_prefill_path().path
+            if self._bf16_path == ATEN:
+                return None
         if dtype == torch.bfloat16 and self.cpu_bf16_kernel:
             if self._native_bf16 is False:
                 self._native_bf16 = load_native_bf16_kernel()
@@ -295,6 +339,29 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
             self._copy_kernel_lse(lg, layout, lse, tokens_first=False)
         else:  # pragma: no cover - _run_cuda runs "dense" itself
             raise ValueError(f"TORCH_SDPA: no CUDA kernel {kernel!r}")
+
+
+def _time_bf16_path(path: str) -> float:
+    """Seconds of one calibration call (1 x 1024 new tokens, causal, 16 heads, 192/128 head
+    dims, bf16, with the LSE) on ``path`` ("native" or "aten")."""
+    backend = TorchSDPAPrefillBackend(num_heads=16, scale=1 / math.sqrt(192), kv_lora_rank=512,
+                                      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    backend._bf16_path = path
+    backend.prepare_metadata(MLAPrefillMetadata.build([1024], new_kv_lens=[1024]))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1024, 16, 192, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(1024, 16, 128, generator=gen).bfloat16()
+    start = time.perf_counter()
+    backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
+    return time.perf_counter() - start
+
+
+def cpu_bf16_prefill_path() -> Bf16PrefillPath:
+    """The kernel TORCH_SDPA runs bf16 prefill on here ("native" or "aten") and why
+    (:mod:`app.backends.prefill.cpu_bf16_path`: measured once per process on AMX CPUs)."""
+    native = native_kernel_status()
+    runnable = {NATIVE: None if native.available else "; ".join(native.reasons), ATEN: None}
+    return bf16_prefill_path(cpu_has_amx(), runnable, _time_bf16_path)
 
 
 #: The class's old name (deprecated alias: its name now says its kind).

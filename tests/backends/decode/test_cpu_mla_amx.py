@@ -1,6 +1,8 @@
-"""CPU_MLA on a CPU that reports AMX (faked /proc/cpuinfo flags): the package has no AMX kernel,
-so selection, the bf16 dot-product path and the benchmark's bound must behave as on any
-AVX512-BF16 CPU, and AMX without AVX512-BF16 must never reach ``vdpbf16ps``."""
+"""CPU_MLA on a CPU that reports AMX (faked /proc/cpuinfo flags). The flags alone never put a
+bf16 step on the AMX kernel: Linux must grant the tile state and the kernel pass its
+self-tests (here the real request is refused, as on any CPU without AMX), so selection, the
+bf16 dot-product path and the benchmark behave as on any AVX512-BF16 CPU and say why AMX is
+not used; AMX without AVX512-BF16 must never reach ``vdpbf16ps``."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import torch
 
 from app import _cpu as cpu_features_module
 from app.backends import explain_mla_decode_selection, get_mla_decode_backend
-from app.backends.cpu import decode_kernel
+from app.backends.cpu import amx, decode_kernel
 from app.backends.cpu.loader import cpu_flags
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend
 from app.bench import decode as bench_decode
-from app.bench._peaks import BF16_DOT, FP32_FMA, peak_kinds
+from app.bench._peaks import BF16_DOT, BF16_MATMUL, FP32_FMA, PeakMeter, peak_kinds
 from app.config import EngineConfig, ModelConfig
 from app.containers import create_container
 from app.platforms import CpuPlatform
@@ -49,6 +51,7 @@ def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         path.write_text(f"processor\t: 0\nmodel name\t: Fake Xeon\nflags\t\t: {flags}\n")
         monkeypatch.setattr(cpu_features_module, "CPUINFO_PATH", path)
         monkeypatch.setattr(decode_kernel, "cpu_flags", lambda: frozenset(flags.split()))
+        monkeypatch.setattr(amx, "cpu_flags", lambda: frozenset(flags.split()))
         cpu_features_module._reset_for_tests()
         decode_kernel._cpu_has_bf16_dot.cache_clear()
 
@@ -70,11 +73,22 @@ def test_an_amx_cpu_selects_cpu_mla_on_its_bf16_dot_products(
         assert get_mla_decode_backend(query_len=4, container=container) is CpuMLADecodeBackend
     explanation = explain_mla_decode_selection(container=container)
     assert explanation["priorities"][:2] == ["CPU_MLA", "TORCH_SDPA"]
-    # The benchmark bounds the kernel by the bf16 dot peak (it runs vdpbf16ps, not AMX tiles)
-    # and says AMX is not probed.
+    # The kernel multiplies on the bf16 dot products (not AMX tiles) ...
     assert bench_decode._bound_peak(CpuMLADecodeBackend, torch.bfloat16) == BF16_DOT
     assert bench_decode._bound_peak(CpuMLADecodeBackend, torch.float32) == FP32_FMA
-    assert "not probed" in peak_kinds()["amx_bf16"]
+    # ... but a bf16 row is charged at the fastest unit the CPU offers: with the tiles not
+    # probed (refused here), torch's bf16 matmul (oneDNN's AMX) stands in for them.
+    meter = PeakMeter(torch.device("cpu"), probe=None)
+    meter.runs = {BF16_DOT: [400.0], BF16_MATMUL: [300.0], FP32_FMA: [200.0]}
+    assert bench_decode._bound_peak(CpuMLADecodeBackend, torch.bfloat16, meter) == BF16_MATMUL
+    assert bench_decode._bound_peak(CpuMLADecodeBackend, torch.float32, meter) == FP32_FMA
+    if CpuMLADecodeBackend.is_available() and not {"amx_tile", "amx_bf16"} <= cpu_flags():
+        # this CPU has no AMX, so Linux refuses the tile state whatever the flags say
+        assert "Linux refused the AMX tile state" in peak_kinds()["amx_bf16"]
+        path = explanation["kernel_path"]
+        assert path == CpuMLADecodeBackend.kernel_path(torch.bfloat16)
+        assert path.startswith("AVX512-BF16 dot products (vdpbf16ps, float32 sums): AMX "
+                               "present but not used: Linux refused the AMX tile state")
 
 
 @needs_kernel

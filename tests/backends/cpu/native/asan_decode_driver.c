@@ -2,7 +2,8 @@
  * test_decode_kernel_asan.py) on shapes around every edge: block sizes 1..64, seq_len 1 and
  * not a multiple of the block size, query_len 1..16, head counts whose query rows are not a
  * multiple of 16, rope 0/32/64 (and DeepSeek's 512 + 64), every cache dtype, whole and split
- * requests. Every buffer (cache, table, q, out, lse, partials, scratch) is allocated at
+ * requests (built with mla_decode_amx.c and -DAPP_AMX_DRIVER: the bf16 cases only, on the AMX
+ * kernel, and no tile operation the hardware would refuse). Every buffer (cache, table, q, out, lse, partials, scratch) is allocated at
  * exactly the size the kernel is told, the unused rows of each last block hold NaN (reading
  * them would show), and the result is checked against a float64 reference. Prints
  * "<cases> cases, <bad> bad". */
@@ -14,6 +15,12 @@
 #include <string.h>
 
 #include "mla_decode_cpu.h"
+#ifdef APP_AMX_DRIVER
+#include <sys/syscall.h>
+#include <unistd.h>
+int32_t mla_decode_amx_emulated(void);
+int64_t mla_decode_amx_faults(void);
+#endif
 
 static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.f - 1.f; }
 
@@ -147,6 +154,14 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
 
 int main(void) {
   srand(1);
+#if defined(APP_AMX_DRIVER) && !defined(APP_AMX_EMULATE)
+  /* the real tiles: Linux hands out the tile state on request only (ARCH_REQ_XCOMP_PERM,
+   * XFEATURE_XTILEDATA); without it the first tile instruction is a SIGILL */
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+    printf("Linux refused the AMX tile state: not run\n");
+    return 77;
+  }
+#endif
   int cases = 0, bad = 0;
   const int dts[4] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16, APP_DT_BF16};
   const int64_t lens_a[3] = {1, 17, 70}, lens_b[2] = {16, 33}, lens_c[1] = {300};
@@ -154,7 +169,11 @@ int main(void) {
    * item's first chunk are prefetched */
   const int64_t lens_d[2] = {700, 260};
   const int has_dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#ifdef APP_AMX_DRIVER /* the AMX kernel reads bf16 caches only */
+  for (int di = 1; di < 2; ++di) {
+#else
   for (int di = 0; di < (has_dot ? 4 : 3); ++di) {
+#endif
     const int dt = dts[di];
     bf16_dot = di == 3;
     const int64_t bss[4] = {1, 5, 16, 64};
@@ -172,6 +191,13 @@ int main(void) {
       bad += run_case(dt, 1, 2, 10, 512, 64, bss[bi], lens_d + 1, 1), ++cases; /* 16 + 4 rows */
     }
   }
+#ifdef APP_AMX_DRIVER
+  if (mla_decode_amx_faults() != 0) {
+    printf("AMX: %ld tile operations the hardware would refuse\n", (long)mla_decode_amx_faults());
+    ++bad;
+  }
+  printf("AMX kernel (%s)\n", mla_decode_amx_emulated() ? "emulated tiles" : "AMX tiles");
+#endif
   printf("%d cases, %d bad\n", cases, bad);
   return bad != 0;
 }
