@@ -159,6 +159,13 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     requires_device_capability: ClassVar[bool] = True
     #: Whether the kernels need CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
+    #: No: inside a multi-token step the fa2/fa3 kernels mask a key past a row's diagonal on
+    #: the scores only; the key's value is still loaded (it is below the request's length) and
+    #: multiplied by its probability 0 over the whole KV tile, and 0 * NaN is NaN
+    #: (``mla_hopper.cuh``: ``logits_mask_``; keys past the request's length are zero-filled
+    #: at load). On an H100 a NaN in a step's last new token made all 4 rows of the request
+    #: non-finite. trtllm-gen's behaviour has not been run; declared with the others.
+    isolates_nonfinite_keys: ClassVar[bool] = False
 
     #: SM80 and newer (fa2); SM90 runs fa3, Blackwell trtllm-gen.
     compute_capabilities: ClassVar[ComputeCapabilities] = FLASHINFER_CAPABILITIES
