@@ -33,6 +33,12 @@ A step whose logits for a request are not finite (a NaN or infinite logit; NaN w
 overflow) ends that request with ``FinishReason.ERROR`` and an ``error`` naming the step and the
 first stage of the model that produced a non-finite value (found by running the step again with
 every stage checked: the check on the hot path is one look at the step's log-probabilities).
+In a speculative step no token of a row at or after the first non-finite one is emitted; the
+drafts before it that verification accepts are, and a request fails only when its next token
+needs a non-finite row, so the tokens and the error are the plain greedy run's
+(``app.mla.nonfinite``). With a decode backend that does not isolate non-finite keys
+(``isolates_nonfinite_keys = False``) the requests with a non-finite row are first run again
+one row per request, where no backend lets a later key in.
 
 ``run(requests)`` may be called from several threads at once: the calls share the steps (their
 requests are batched together) and each returns exactly its own requests' outputs, whichever
@@ -59,6 +65,12 @@ from app.containers import get_container
 from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
 from app.kvcache.kv_cache_manager import KVCacheManager
 from app.kvcache.specs import MLAAttentionSpec
+from app.mla.nonfinite import (
+    decode_rows_alone,
+    first_nonfinite_rows,
+    recheck_rows_alone,
+    verify_rows,
+)
 from app.mla.requests import (
     EngineStats,
     FinishReason,
@@ -70,7 +82,7 @@ from app.mla.requests import (
     StepOutput,
 )
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
-from app.mla.speculative import NgramDrafter, accept_greedy
+from app.mla.speculative import NgramDrafter
 from app.model.cache import check_cache_fits
 from app.model.model import (
     DeepseekModel,
@@ -369,8 +381,9 @@ class MLAEngine:
         states, q = sched.decode, sched.query_len
         k = q - 1
         with self.timer.phase("decode_metadata"):
-            plan = self.model.plan_decode([st.block_table for st in states],
-                                          [st.num_computed_tokens for st in states], q)
+            tables = [st.block_table for st in states]
+            dones = [st.num_computed_tokens for st in states]
+            plan = self.model.plan_decode(tables, dones, q)
             ids: list[int] = []
             for st in states:
                 ids.append(st.kv.token_ids[-1])
@@ -378,31 +391,39 @@ class MLAEngine:
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
         choice = self.model.greedy(hidden)
-        bad = self._non_finite(choice, lambda watch: self.model.decode(token_ids, plan,
-                                                                        watch=watch))
+        first_bad = first_nonfinite_rows(choice.logprobs, len(states), q)
+        if k and not self.decode_backend_class.isolates_nonfinite_keys \
+                and any(r is not None for r in first_bad):
+            hidden, choice, first_bad = recheck_rows_alone(
+                self.model, tables, dones, ids, q, hidden, choice, first_bad)
         count = 0
+        failing: list[int] = []
         with self.timer.phase("schedule"):
             for b, st in enumerate(states):
                 rows = slice(b * q, (b + 1) * q)
-                failed = next((bad[r] for r in range(b * q, (b + 1) * q) if r in bad), None)
-                if failed is not None:
-                    self._fail(st, failed, reasons)
-                    st.drafts = []
-                    continue
-                accepted, tokens = accept_greedy(st.drafts if k else [], choice.tokens[rows])
-                done = st.num_computed_tokens
-                out = self._emit(st, tokens, choice.margins[rows], choice.logprobs[rows],
-                                 emitted, reasons)
-                computed = 1 + min(accepted, len(out) - 1)   # the last emitted is not computed
+                verdict = verify_rows(st.drafts if k else [], choice.tokens[rows], first_bad[b])
+                done = dones[b]
+                out = self._emit(st, verdict.tokens, choice.margins[rows],
+                                 choice.logprobs[rows], emitted, reasons)
+                if verdict.error and st.request_id not in reasons:
+                    failing.append(b)    # its next token needs a non-finite row
+                computed = 1 + min(verdict.accepted, len(out) - 1)  # the last emitted is not
                 self._keep_rows(st, done, hidden[b * q:b * q + computed], RowKind.DECODE)
                 self.kv_manager.cache_blocks(st.kv, done + computed)
                 if k:
                     st.num_draft_tokens += k
-                    st.num_accepted_tokens += accepted
+                    st.num_accepted_tokens += verdict.accepted
                     self.stats.draft_tokens += k
-                    self.stats.accepted_tokens += accepted
+                    self.stats.accepted_tokens += verdict.accepted
                 st.drafts = []
                 count += len(out)
+        if failing:
+            bad_ids = [ids[b * q + i] for b in failing for i in range(q)]
+            message = self._locate(lambda watch: decode_rows_alone(
+                self.model, [tables[b] for b in failing], [dones[b] for b in failing], bad_ids,
+                q, watch))
+            for b in failing:
+                self._fail(states[b], message, reasons)
         return count
 
     def _non_finite(self, choice: GreedyChoice, rerun: Callable[[Watch], torch.Tensor]
@@ -414,11 +435,15 @@ class MLAEngine:
         rows = [i for i, logprob in enumerate(choice.logprobs) if not math.isfinite(logprob)]
         if not rows:
             return {}
+        return dict.fromkeys(rows, self._locate(rerun))
+
+    def _locate(self, rerun: Callable[[Watch], torch.Tensor]) -> str:
+        """The error of a step whose logits were not finite, naming the first stage that
+        produced a non-finite value when ``rerun(watch)`` runs (part of) the step again."""
         where = self.model.locate_non_finite(rerun)
-        message = (f"the model's logits are not finite (NaN or infinite) in step "
-                   f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "
-                   f"{where}")
-        return dict.fromkeys(rows, message)
+        return (f"the model's logits are not finite (NaN or infinite) in step "
+                f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "
+                f"{where}")
 
     def _fail(self, st: RequestState, message: str, reasons: dict[str, FinishReason]) -> None:
         """End ``st`` with ``FinishReason.ERROR`` (no token emitted from a non-finite row)."""
