@@ -33,12 +33,9 @@ A step whose logits for a request are not finite (a NaN or infinite logit; NaN w
 overflow) ends that request with ``FinishReason.ERROR`` and an ``error`` naming the step and the
 first stage of the model that produced a non-finite value (found by running the step again with
 every stage checked: the check on the hot path is one look at the step's log-probabilities).
-In a speculative step no token of a row at or after the first non-finite one is emitted; the
-drafts before it that verification accepts are, and a request fails only when its next token
-needs a non-finite row, so the tokens and the error are the plain greedy run's
-(``app.mla.nonfinite``). With a decode backend that does not isolate non-finite keys
-(``isolates_nonfinite_keys = False``) the requests with a non-finite row are first run again
-one row per request, where no backend lets a later key in.
+A speculative step emits no token of a row at or after its first non-finite row, and fails a
+request only where the plain greedy run would (``app.mla.nonfinite``, which also covers decode
+backends that do not isolate non-finite keys).
 
 ``run(requests)`` may be called from several threads at once: the calls share the steps (their
 requests are batched together) and each returns exactly its own requests' outputs, whichever
@@ -65,12 +62,7 @@ from app.containers import get_container
 from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
 from app.kvcache.kv_cache_manager import KVCacheManager
 from app.kvcache.specs import MLAAttentionSpec
-from app.mla.nonfinite import (
-    decode_rows_alone,
-    first_nonfinite_rows,
-    recheck_rows_alone,
-    verify_rows,
-)
+from app.mla import nonfinite
 from app.mla.requests import (
     EngineStats,
     FinishReason,
@@ -391,17 +383,15 @@ class MLAEngine:
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
         choice = self.model.greedy(hidden)
-        first_bad = first_nonfinite_rows(choice.logprobs, len(states), q)
-        if k and not self.decode_backend_class.isolates_nonfinite_keys \
-                and any(r is not None for r in first_bad):
-            hidden, choice, first_bad = recheck_rows_alone(
-                self.model, tables, dones, ids, q, hidden, choice, first_bad)
+        hidden, choice, first_bad = nonfinite.trusted_rows(
+            self.model, self.decode_backend_class, tables, dones, ids, q, hidden, choice)
         count = 0
         failing: list[int] = []
         with self.timer.phase("schedule"):
             for b, st in enumerate(states):
                 rows = slice(b * q, (b + 1) * q)
-                verdict = verify_rows(st.drafts if k else [], choice.tokens[rows], first_bad[b])
+                verdict = nonfinite.verify_rows(st.drafts if k else [], choice.tokens[rows],
+                                                first_bad[b])
                 done = dones[b]
                 out = self._emit(st, verdict.tokens, choice.margins[rows],
                                  choice.logprobs[rows], emitted, reasons)
@@ -418,10 +408,8 @@ class MLAEngine:
                 st.drafts = []
                 count += len(out)
         if failing:
-            bad_ids = [ids[b * q + i] for b in failing for i in range(q)]
-            message = self._locate(lambda watch: decode_rows_alone(
-                self.model, [tables[b] for b in failing], [dones[b] for b in failing], bad_ids,
-                q, watch))
+            message = self._locate(lambda watch: nonfinite.decode_rows_alone(
+                self.model, tables, dones, ids, q, watch, only=failing))
             for b in failing:
                 self._fail(states[b], message, reasons)
         return count
@@ -438,8 +426,7 @@ class MLAEngine:
         return dict.fromkeys(rows, self._locate(rerun))
 
     def _locate(self, rerun: Callable[[Watch], torch.Tensor]) -> str:
-        """The error of a step whose logits were not finite, naming the first stage that
-        produced a non-finite value when ``rerun(watch)`` runs (part of) the step again."""
+        """The error naming the first non-finite stage when ``rerun(watch)`` reruns a step."""
         where = self.model.locate_non_finite(rerun)
         return (f"the model's logits are not finite (NaN or infinite) in step "
                 f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "

@@ -29,11 +29,12 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from app.backends.decode.base import MLADecodeBackend
 from app.mla.speculative import accept_greedy
 from app.model.model import DeepseekModel, GreedyChoice, Watch
 
 __all__ = ["RowsVerdict", "decode_rows_alone", "first_nonfinite_rows", "one_row_per_request",
-           "recheck_rows_alone", "verify_rows"]
+           "recheck_rows_alone", "trusted_rows", "verify_rows"]
 
 
 @attrs.frozen
@@ -90,12 +91,33 @@ def one_row_per_request(block_tables: Sequence[torch.Tensor], num_computed: Sequ
 
 def decode_rows_alone(model: DeepseekModel, block_tables: Sequence[torch.Tensor],
                       num_computed: Sequence[int], token_ids: Sequence[int], query_len: int,
-                      watch: Watch | None = None) -> torch.Tensor:
-    """A decode step's ``query_len`` rows per request run one row per request
-    (``one_row_per_request``); the final hidden states ``[B * query_len, D]``, in order."""
-    tables, computed, ids = one_row_per_request(block_tables, num_computed, token_ids,
-                                                query_len)
+                      watch: Watch | None = None, *, only: Sequence[int] | None = None
+                      ) -> torch.Tensor:
+    """A decode step's ``query_len`` rows per request (request-major ``token_ids``) run one
+    row per request (``one_row_per_request``), of the requests ``only`` lists (default: all);
+    the final hidden states ``[len(only) * query_len, D]``, in order."""
+    q = query_len
+    picked = range(len(block_tables)) if only is None else only
+    tables, computed, ids = one_row_per_request(
+        [block_tables[b] for b in picked], [num_computed[b] for b in picked],
+        [token_ids[b * q + i] for b in picked for i in range(q)], q)
     return model.decode(ids, model.plan_decode(tables, computed, 1), watch=watch)
+
+
+def trusted_rows(model: DeepseekModel, backend: type[MLADecodeBackend],
+                 block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
+                 token_ids: Sequence[int], query_len: int, hidden: torch.Tensor,
+                 choice: GreedyChoice) -> tuple[torch.Tensor, GreedyChoice, list[int | None]]:
+    """A decode step's ``hidden`` and ``choice`` as far as they can be trusted, and each
+    request's first non-finite row (None: all finite): as they are, unless the step has
+    several rows per request, a non-finite row, and a ``backend`` that does not isolate
+    non-finite keys; then those requests' rows come from ``recheck_rows_alone``."""
+    first_bad = first_nonfinite_rows(choice.logprobs, len(block_tables), query_len)
+    if query_len == 1 or backend.isolates_nonfinite_keys \
+            or all(r is None for r in first_bad):
+        return hidden, choice, first_bad
+    return recheck_rows_alone(model, block_tables, num_computed, token_ids, query_len, hidden,
+                              choice, first_bad)
 
 
 def recheck_rows_alone(model: DeepseekModel, block_tables: Sequence[torch.Tensor],
@@ -110,9 +132,7 @@ def recheck_rows_alone(model: DeepseekModel, block_tables: Sequence[torch.Tensor
     q = query_len
     flagged = [b for b, r in enumerate(first_bad) if r is not None]
     rows = [b * q + i for b in flagged for i in range(q)]
-    again = decode_rows_alone(model, [block_tables[b] for b in flagged],
-                              [num_computed[b] for b in flagged], [token_ids[r] for r in rows],
-                              q)
+    again = decode_rows_alone(model, block_tables, num_computed, token_ids, q, only=flagged)
     redo = model.greedy(again)
     index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
     hidden = hidden.index_copy(0, index, again.to(hidden.dtype))
