@@ -42,7 +42,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import attrs
 import torch
 
 from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
@@ -138,12 +137,9 @@ def decode_kernel_for(capability: DeviceCapability, num_heads: int) -> str:
     return FA3 if capability.major == 9 else FA2
 
 
-@attrs.frozen
-class _PlanKey:
-    device: torch.device
-    page_size: int
-    q_dtype: torch.dtype
-    sm_scale: float
+#: What a plan is keyed on: device, page size, query dtype, softmax scale (a plain tuple:
+#: compared on every layer's call).
+_PlanKey = tuple[torch.device, int, torch.dtype, float]
 
 
 class FlashInferMLADecodeBackend(MLADecodeBackend):
@@ -241,6 +237,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         self.block_size = block_size
         self.workspaces: WorkspaceSource = check_workspaces(name, workspaces)
         self._wrappers: dict[torch.device, Any] = {}
+        self._scratch: dict[torch.device, torch.Tensor] = {}
         self._planned: _PlanKey | None = None
         # re-entrant: a run holds it across its plan check and launch, so another thread's
         # re-plan (a different scale) cannot swap the plan under a running call
@@ -332,7 +329,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
 
     def _ensure_plan(self, metadata: MLADecodeMetadata, device: torch.device, page_size: int,
                      q_dtype: torch.dtype, sm_scale: float) -> Any:
-        key = _PlanKey(device, page_size, q_dtype, sm_scale)
+        key: _PlanKey = (device, page_size, q_dtype, sm_scale)
         with self._lock:
             wrapper = self._wrappers.get(device)
             if self._planned == key and wrapper is not None:
@@ -344,6 +341,18 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             wrapper.plan(**self.plan_kwargs(metadata, page_size, q_dtype, sm_scale, kernels))
             self._planned = key
             return wrapper
+
+    def _lse_scratch(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Where the planned LSE goes when the caller wants none: one buffer per device, grown
+        as needed, shared by every layer and call (nobody reads it, so calls that overlap on
+        other threads or streams may write it at once)."""
+        with self._lock:
+            scratch = self._scratch.get(device)
+            if scratch is None or scratch.numel() < rows * self.num_heads:
+                scratch = torch.empty(rows * self.num_heads, dtype=torch.float32,
+                                      device=device)
+                self._scratch[device] = scratch
+            return scratch[:rows * self.num_heads]
 
     def _kernels(self) -> FlashInferMLAKernels:
         kernels = _probe()
@@ -425,8 +434,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         sm_scale = softmax_scale if fp8 else softmax_scale * k_scale
         rows = metadata.batch * metadata.query_len
         q_packed = q.contiguous().view(rows, self.num_heads, self.head_dim)
-        lse_rows = (lse if lse is not None else torch.empty(
-            out.shape[:3], dtype=torch.float32, device=q.device)).view(rows, self.num_heads)
+        lse_rows = (lse if lse is not None else self._lse_scratch(rows, q.device)).view(
+            rows, self.num_heads)
         with self._lock:
             wrapper = self._ensure_plan(metadata, q.device, int(kv_cache.shape[1]), q.dtype,
                                         sm_scale)

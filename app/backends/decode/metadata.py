@@ -188,6 +188,10 @@ class MLADecodeMetadata:
                 self._device_copies[device] = pair
             return pair
 
+    def _geometry_checked(self, block_size: int, num_blocks: int) -> bool:
+        """Whether :meth:`check_cache_geometry` passed for this geometry in this step."""
+        return (block_size, num_blocks) in self._checked_caches   # a set read: atomic
+
     def check_cache_geometry(self, what: str, block_size: int, num_blocks: int) -> None:
         """Every block a request reads exists in the table and in a cache of this geometry.
 
