@@ -265,10 +265,7 @@ class MLAEngine:
             arrival_time=time.perf_counter(), arrival_step=self.stats.steps,
             ngram_index=self.drafter.new_index(tokens) if self.drafter else None)
         if self.keep_outputs:
-            rows = len(tokens) + request.max_new_tokens
-            state.hidden = torch.zeros(rows, self.model.hidden_size,
-                                       dtype=self.config.model.dtype, device=self.device)
-            state.row_kinds = torch.zeros(rows, dtype=torch.int8)
+            state.kept_rows = []
         self._states[rid] = state
         self.scheduler.add(state)
 
@@ -349,7 +346,7 @@ class MLAEngine:
         with self.timer.phase("schedule"):
             offset = 0
             for st, done, n in sched.prefill:
-                self._keep_rows(st, done, hidden[offset:offset + n], RowKind.PREFILL)
+                st.keep_rows(done, hidden[offset:offset + n], RowKind.PREFILL)
                 self.kv_manager.cache_blocks(st.kv, done + n)
                 offset += n
                 if done + n == st.num_tokens:
@@ -398,7 +395,7 @@ class MLAEngine:
                 if verdict.error and st.request_id not in reasons:
                     failing.append(b)    # its next token needs a non-finite row
                 computed = 1 + min(verdict.accepted, len(out) - 1)  # the last emitted is not
-                self._keep_rows(st, done, hidden[b * q:b * q + computed], RowKind.DECODE)
+                st.keep_rows(done, hidden[b * q:b * q + computed], RowKind.DECODE)
                 self.kv_manager.cache_blocks(st.kv, done + computed)
                 if k:
                     st.num_draft_tokens += k
@@ -436,12 +433,6 @@ class MLAEngine:
         """End ``st`` with ``FinishReason.ERROR`` (no token emitted from a non-finite row)."""
         reasons[st.request_id] = FinishReason.ERROR
         self._errors[st.request_id] = f"request {st.request_id!r}: {message}"
-
-    def _keep_rows(self, st: RequestState, start: int, rows: torch.Tensor, kind: RowKind
-                   ) -> None:
-        if st.hidden is not None and st.row_kinds is not None:
-            st.hidden[start:start + rows.shape[0]] = rows
-            st.row_kinds[start:start + rows.shape[0]] = int(kind)
 
     def _emit(self, st: RequestState, tokens: Sequence[int], margins: Sequence[float],
               logprobs: Sequence[float], emitted: dict[str, list[int]],
@@ -486,9 +477,8 @@ class MLAEngine:
             stats.prompt_tokens += len(st.request.prompt_token_ids)
             stats.cached_tokens += max(st.num_cached_tokens, 0)
         total = st.num_tokens
-        hidden = None if st.hidden is None else st.hidden[:total]
-        kinds = None if st.row_kinds is None else st.row_kinds[:total]
-        st.hidden = st.row_kinds = None
+        hidden, kinds = st.kept_outputs(total, self.model.hidden_size, self.config.model.dtype,
+                                        self.device)
         metrics = RequestMetrics(
             arrival_time=st.arrival_time, arrival_step=st.arrival_step,
             first_token_time=st.first_token_time, first_token_step=st.first_token_step,

@@ -56,7 +56,9 @@ class RequestState:
 
     ``kv`` holds the token ids (prompt, then generated) and ``num_computed_tokens``;
     ``block_table`` int32 ``[capacity]`` the block ids of the KV-cache group (the first
-    ``num_blocks`` valid); ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
+    ``num_blocks`` valid); ``kept_rows`` the outputs kept so far when the engine keeps them
+    (``keep_rows``: views of each step's output, copied out once, by ``kept_outputs``, when
+    the request finishes); ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
     """
 
     request: Request
@@ -79,6 +81,47 @@ class RequestState:
     num_accepted_tokens: int = 0
     hidden: torch.Tensor | None = None
     row_kinds: torch.Tensor | None = None
+    kept_rows: list[tuple[int, torch.Tensor, int]] | None = None
+
+    def keep_rows(self, start: int, rows: torch.Tensor, kind: int) -> None:
+        """Keep ``rows`` (a step's output rows; a view, not copied: a step costs no copy per
+        request) as this request's output rows from ``start`` on, over whatever an earlier run
+        (before a preemption) kept there; nothing unless ``kept_rows`` is a list."""
+        kept = self.kept_rows
+        if kept is None or not rows.shape[0]:
+            return
+        while kept and kept[-1][0] >= start:
+            kept.pop()
+        if kept and kept[-1][0] + kept[-1][1].shape[0] > start:
+            first, old, old_kind = kept[-1]
+            kept[-1] = (first, old[:start - first], old_kind)
+        kept.append((start, rows, int(kind)))
+
+    def kept_outputs(self, total: int, width: int, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The kept rows as ``hidden [total, width]`` and their int8 ``row_kinds`` (0: never
+        computed for this request, e.g. a prefix-cache hit), each run of consecutive parts
+        copied with one ``cat``; ``(None, None)`` when nothing is kept. Releases the parts."""
+        kept, self.kept_rows = self.kept_rows, None
+        if kept is None:
+            return None, None
+        hidden = torch.zeros(total, width, dtype=dtype, device=device)
+        kinds = [0] * total
+        runs: list[list[tuple[int, torch.Tensor, int]]] = []
+        for piece in kept:
+            if runs and runs[-1][-1][0] + runs[-1][-1][1].shape[0] == piece[0]:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        for run in runs:
+            first = run[0][0]
+            rows = torch.cat([p[1] for p in run]) if len(run) > 1 else run[0][1]
+            n = max(0, min(int(rows.shape[0]), total - first))
+            hidden[first:first + n] = rows[:n]
+            for start, part, kind in run:
+                stop = min(start + int(part.shape[0]), total)
+                kinds[start:stop] = [kind] * max(0, stop - start)
+        return hidden, torch.tensor(kinds, dtype=torch.int8)
 
     @property
     def request_id(self) -> str:

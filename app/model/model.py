@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from app._cpu import detect_cpu_features
+from app._host import copy_to_device
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
@@ -183,6 +184,8 @@ class DeepseekModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``token_ids [T]`` int64 -> ``[T, D]`` in the model dtype on the device."""
+        if token_ids.device.type == "cpu":   # the host's ids: copied without a sync
+            token_ids = copy_to_device(token_ids, self.device)
         return self._embed.index_select(0, token_ids.to(self.device))
 
     def _input_norm(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -298,6 +301,9 @@ class DeepseekModel:
                 lse = torch.logsumexp(logits.float().scatter_(1, candidates, exact), dim=1)
                 best = torch.topk(exact, 2, dim=1)
                 values, indices = best.values, candidates.gather(1, best.indices)
-            margins = (values[:, 0] - values[:, 1]).tolist()
-            logprobs = (values[:, 0] - lse).tolist()
-            return GreedyChoice(indices[:, 0].tolist(), margins, logprobs)
+            # One readback for the three (the step's only wait for the device): token ids
+            # below 2**53 are exact in float64.
+            packed = torch.stack([indices[:, 0].double(),
+                                  (values[:, 0] - values[:, 1]).double(),
+                                  (values[:, 0] - lse).double()]).tolist()
+            return GreedyChoice([int(t) for t in packed[0]], packed[1], packed[2])
