@@ -107,12 +107,15 @@ class MLAEngine:
     per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the
     n-gram drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops
     the per-row outputs (benchmarks). ``timer`` charges each phase of each step.
+    ``decode_batch_sizes`` pads each decode step's batch up to the smallest that holds it
+    (``DeepseekModel``; none by default).
     """
 
     def __init__(self, container: Application | None = None, *, weights: ModelWeights,
                  step_tokens: int = 8192, max_num_seqs: int = 256,
                  num_speculative_tokens: int = 0, keep_outputs: bool = True,
-                 timer: PhaseTimer | None = None) -> None:
+                 timer: PhaseTimer | None = None, decode_batch_sizes: Sequence[int] = ()
+                 ) -> None:
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("max_num_seqs", max_num_seqs, 1)
         check_int("MLAEngine: num_speculative_tokens", num_speculative_tokens, 0,
@@ -171,7 +174,7 @@ class MLAEngine:
             config, weights, prefill_backend, decode_backend,
             num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
             device=device, compute_dtype=default_compute_dtype(model.dtype, device, fast_bf16),
-            timer=self.timer)
+            timer=self.timer, decode_batch_sizes=decode_batch_sizes)
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=step_tokens,
                                    max_num_seqs=max_num_seqs,
                                    num_speculative_tokens=num_speculative_tokens)

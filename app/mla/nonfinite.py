@@ -101,7 +101,7 @@ def decode_rows_alone(model: DeepseekModel, block_tables: Sequence[torch.Tensor]
     tables, computed, ids = one_row_per_request(
         [block_tables[b] for b in picked], [num_computed[b] for b in picked],
         [token_ids[b * q + i] for b in picked for i in range(q)], q)
-    return model.decode(ids, model.plan_decode(tables, computed, 1), watch=watch)
+    return model.decode(ids, model.plan_decode(tables, computed, 1, pad=False), watch=watch)
 
 
 def trusted_rows(model: DeepseekModel, backend: type[MLADecodeBackend],

@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from app._host import copy_to_device
+from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.model.attention import MLAAttention
@@ -66,12 +67,18 @@ class DecodePlan:
 
 
 def plan_decode_step(block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
-                     query_len: int, block_size: int, device: torch.device) -> DecodePlan:
+                     query_len: int, block_size: int, device: torch.device, *,
+                     pad_to: int | None = None) -> DecodePlan:
     """The plan of one decode step.
 
     ``block_tables[b]`` is request ``b``'s int32 block ids (at least enough for
     ``num_computed[b] + query_len`` tokens; extra entries are ignored), ``num_computed[b]`` its
     cached tokens. ``ValueError`` when a table is too short or the lengths disagree.
+
+    ``pad_to``: a batch size ``>= len(block_tables)`` the step is padded to (the same shapes
+    for every batch up to it, what a captured CUDA graph replays): each padding request has
+    ``query_len`` tokens in block 0 (the pool's reserved block: written and read there, never
+    a request's), its rows come after the real ones and mean nothing.
 
     Everything is computed on the host and reaches ``device`` by asynchronous copies from
     pinned memory (``app._host.copy_to_device``): planning never waits for the device, and
@@ -82,6 +89,11 @@ def plan_decode_step(block_tables: Sequence[torch.Tensor], num_computed: Sequenc
                          f"{len(num_computed)} requests")
     if query_len < 1:
         raise ValueError(f"plan_decode_step: query_len must be >= 1, got {query_len}")
+    if pad_to is not None:
+        check_int_at_least("plan_decode_step: pad_to", pad_to, len(block_tables))
+        null = torch.zeros(-(-query_len // block_size), dtype=torch.int32)
+        block_tables = [*block_tables, *[null] * (pad_to - len(block_tables))]
+        num_computed = [*num_computed, *[0] * (pad_to - len(num_computed))]
     ends = [n + query_len for n in num_computed]
     widths = [-(-e // block_size) for e in ends]
     for b, (table, width) in enumerate(zip(block_tables, widths, strict=True)):

@@ -51,13 +51,13 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedCuda]:
         yield simulated
 
 
-def _engine(spec: int) -> MLAEngine:
+def _engine(spec: int, sizes: tuple[int, ...] = ()) -> MLAEngine:
     arch = random_config(ModelConfig(dtype=torch.bfloat16, **DIMS), num_layers=1,
                          vocab_size=97, moe=True)
     base = EngineConfig.from_dict({"cache": {"block_size": 16, "num_blocks": 64}})
     config = EngineConfig(model=arch.model_config(torch.bfloat16), cache=base.cache)
     return MLAEngine(create_container(config), weights=random_weights(arch, torch.bfloat16, 0),
-                     step_tokens=256, num_speculative_tokens=spec)
+                     step_tokens=256, num_speculative_tokens=spec, decode_batch_sizes=sizes)
 
 
 def _decode_step(engine: MLAEngine, sim: SimulatedCuda) -> Any:
@@ -74,9 +74,11 @@ def _decode_step(engine: MLAEngine, sim: SimulatedCuda) -> Any:
     return out
 
 
-@pytest.mark.parametrize("spec", [0, 3])
-def test_a_decode_step_waits_for_the_device_once(sim: SimulatedCuda, spec: int) -> None:
-    engine = _engine(spec)
+@pytest.mark.parametrize(("spec", "sizes"), [(0, ()), (3, ()), (3, (8,))])
+def test_a_decode_step_waits_for_the_device_once(sim: SimulatedCuda, spec: int,
+                                                 sizes: tuple[int, ...]) -> None:
+    """Plain and speculative steps, and a step padded to a batch of 8 (graph-ready shapes)."""
+    engine = _engine(spec, sizes)
     assert engine.decode_backend_class is fim_mod.FlashInferMLADecodeBackend
     assert engine.backend_class is fi_mod.FlashInferPrefillBackend
     assert isinstance(engine.model.caches[0].data, SimTensor)     # the cache is "on the GPU"
