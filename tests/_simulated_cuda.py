@@ -147,6 +147,10 @@ class SimulatedCuda:
                 return fn(*args, **kwargs)
         return run
 
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` is (simulated) pinned memory."""
+        return id(host) in self._pinned
+
     def waits(self) -> list[Event]:
         """The recorded events that make the host wait for the device."""
         return [e for e in self.events if e.waits]

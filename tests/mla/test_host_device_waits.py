@@ -88,6 +88,10 @@ def test_a_decode_step_waits_for_the_device_once(sim: SimulatedCuda, spec: int,
     assert waits[0].kind == "readback" and "greedy" in waits[0].where
     uploads = [e for e in sim.events if e.kind == "async upload"]
     assert uploads, "the step's inputs reach the device by asynchronous copies"
+    # flashinfer's plan copies the CSR metadata with non_blocking=True: from pinned memory
+    plan = fim_mod._probe().plans[-1]["metadata"]
+    assert all(sim.is_pinned(t) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
+                                          plan.kv_len_arr))
 
 
 def test_the_harness_sees_what_used_to_wait(sim: SimulatedCuda,

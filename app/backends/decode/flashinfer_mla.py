@@ -312,11 +312,17 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         }
 
     def plan_kwargs(self, metadata: MLADecodeMetadata, page_size: int, q_dtype: torch.dtype,
-                    sm_scale: float, kernels: FlashInferMLAKernels) -> dict[str, Any]:
-        """The keyword arguments of ``BatchMLAPagedAttentionWrapper.plan`` for the step."""
+                    sm_scale: float, kernels: FlashInferMLAKernels, *, pinned: bool = False
+                    ) -> dict[str, Any]:
+        """The keyword arguments of ``BatchMLAPagedAttentionWrapper.plan`` for the step;
+        ``pinned``: the CSR metadata in pinned memory (the wrapper copies it to the GPU with
+        ``non_blocking=True``, which waits for nothing only from pinned memory)."""
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
+        csr = self.csr_metadata(metadata, page_size)
+        if pinned:
+            csr = {name: t.pin_memory() for name, t in csr.items()}
         return {
-            "metadata": kernels.plan_metadata.csr(**self.csr_metadata(metadata, page_size)),
+            "metadata": kernels.plan_metadata.csr(**csr),
             "num_heads": self.num_heads, "head_dim_ckv": self.kv_lora_rank,
             "head_dim_kpe": self.qk_rope_head_dim, "page_size": page_size,
             # causal only matters inside a multi-token step (bottom-right aligned,
@@ -338,7 +344,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             if wrapper is None:
                 wrapper = kernels.wrapper_cls(self.workspace(device), backend=self.kernel)
                 self._wrappers[device] = wrapper
-            wrapper.plan(**self.plan_kwargs(metadata, page_size, q_dtype, sm_scale, kernels))
+            wrapper.plan(**self.plan_kwargs(metadata, page_size, q_dtype, sm_scale, kernels,
+                                            pinned=device.type == "cuda"))
             self._planned = key
             return wrapper
 
