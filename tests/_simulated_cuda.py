@@ -102,6 +102,8 @@ class SimulatedCuda:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.monkeypatch = monkeypatch
         self.events: list[Event] = []
+        #: Ops on device tensors while recording (outside kernels): launches and views.
+        self.device_ops = 0
         self._recording = False
         self._kernel_depth = 0
         self._pinned: set[int] = set()   # ids of live simulated pinned tensors
@@ -217,6 +219,8 @@ class _Dispatch(TorchDispatchMode):
             if big_hosts and not name.startswith("aten.copy_"):
                 self.sim.record("mixed", f"{name} with a host tensor of shape "
                                          f"{list(big_hosts[0].shape)}")
+        if (sims or to_cuda) and self.sim._recording and not self.sim._kernel_depth:
+            self.sim.device_ops += 1
         inner_args, inner_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
         out = func(*inner_args, **inner_kwargs)
         if not (sims or to_cuda):
