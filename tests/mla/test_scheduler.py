@@ -152,3 +152,25 @@ def test_kept_rows_are_views_until_the_request_finishes() -> None:
     want[2:4], want[4:6], want[6] = step[0:2], step[5:7], step[7]
     assert torch.equal(hidden, want)
     assert kinds.tolist() == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_kept_views_are_merged_every_kept_views_steps() -> None:
+    """A long request does not keep every step's output alive (each also holds other
+    requests' rows): past ``KEPT_VIEWS`` views they are merged into one tensor of its own."""
+    from app.mla.scheduler import KEPT_VIEWS
+
+    state = RequestState(request=Request("r", [1], max_new_tokens=64),
+                         kv=None, block_table=torch.zeros(4, dtype=torch.int32),  # type: ignore[arg-type]
+                         arrival_time=0.0, arrival_step=0, kept_rows=[])
+    steps = [torch.full((8, 2), float(i)) for i in range(KEPT_VIEWS + 5)]
+    for i, step in enumerate(steps):
+        state.keep_rows(i, step[3:4], 2)
+    assert state.kept_rows is not None
+    views = [part for part in state.kept_rows if not part[2]]
+    assert len(views) <= KEPT_VIEWS and len(state.kept_rows) < len(steps)
+    held = {part[1].untyped_storage().data_ptr() for part in state.kept_rows}
+    assert steps[0].untyped_storage().data_ptr() not in held   # the first steps released
+    hidden, kinds = state.kept_outputs(len(steps), 2, torch.float32, torch.device("cpu"))
+    assert hidden is not None and kinds is not None
+    assert hidden[:, 0].tolist() == [float(i) for i in range(len(steps))]
+    assert set(kinds.tolist()) == {2}
