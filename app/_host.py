@@ -1,10 +1,26 @@
-"""What the host has: the memory a new allocation can get now (read, never assumed)."""
+"""What the host has: the memory a new allocation can get now (read, never assumed); and how
+host values reach a device without the host waiting for it."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-__all__ = ["available_host_bytes", "physical_memory_bytes"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["available_host_bytes", "copy_to_device", "physical_memory_bytes"]
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The CPU tensor ``host`` on ``device``, without a host-device synchronisation: ``host``
+    itself on the CPU; elsewhere an asynchronous copy from pinned memory (a plain ``.to(device)``
+    of pageable memory waits for every kernel queued before it). The copy is queued on the
+    current stream, before any kernel that reads it; the pinned staging buffer is not reused
+    until the copy is done (torch's caching host allocator records that)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def physical_memory_bytes() -> int | None:

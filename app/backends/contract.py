@@ -55,6 +55,8 @@ def check_attention_scale(who: str, name: str, value: object, *,
     """``value`` as a float if it is a real number (not a bool) in ``[FLOAT32_TINY, upper]``
     (``upper`` at most ``FLOAT32_MAX``); else ``ValueError`` naming ``who``, ``name``, the range
     and the value. ``tensor_ok``: a one-element float tensor is read on the host."""
+    if type(value) is float and FLOAT32_TINY <= value <= upper:   # every call's own scale
+        return value
     number = _number(who, name, value, tensor_ok)
     if number is not None and FLOAT32_TINY <= number <= upper:
         return number

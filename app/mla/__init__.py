@@ -7,6 +7,8 @@ model of ``app.model`` (which holds the layers, the paged latent cache and the e
 - ``requests``: ``Request`` (prompt, ``max_new_tokens``, stop tokens) and ``RequestOutput``;
 - ``engine``: ``MLAEngine``: ``add_request`` / ``step`` / ``abort``; everything built from its
   container once at start-up;
+- ``nonfinite``: what a (speculative) decode step may emit when some of its rows are not
+  finite, whichever decode backend computed them;
 - ``checks``: teacher-forced checks of finished requests against the float64 model;
 - ``workload``: synthetic requests with shared prefixes; ``process``: allocator tuning for the
   command-line jobs.

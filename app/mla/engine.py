@@ -33,6 +33,9 @@ A step whose logits for a request are not finite (a NaN or infinite logit; NaN w
 overflow) ends that request with ``FinishReason.ERROR`` and an ``error`` naming the step and the
 first stage of the model that produced a non-finite value (found by running the step again with
 every stage checked: the check on the hot path is one look at the step's log-probabilities).
+A speculative step emits no token of a row at or after its first non-finite row, and fails a
+request only where the plain greedy run would (``app.mla.nonfinite``, which also covers decode
+backends that do not isolate non-finite keys).
 
 ``run(requests)`` may be called from several threads at once: the calls share the steps (their
 requests are batched together) and each returns exactly its own requests' outputs, whichever
@@ -59,6 +62,7 @@ from app.containers import get_container
 from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
 from app.kvcache.kv_cache_manager import KVCacheManager
 from app.kvcache.specs import MLAAttentionSpec
+from app.mla import nonfinite
 from app.mla.requests import (
     EngineStats,
     FinishReason,
@@ -70,7 +74,7 @@ from app.mla.requests import (
     StepOutput,
 )
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
-from app.mla.speculative import NgramDrafter, accept_greedy
+from app.mla.speculative import NgramDrafter
 from app.model.cache import check_cache_fits
 from app.model.model import (
     DeepseekModel,
@@ -103,12 +107,15 @@ class MLAEngine:
     per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the
     n-gram drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops
     the per-row outputs (benchmarks). ``timer`` charges each phase of each step.
+    ``decode_batch_sizes`` pads each decode step's batch up to the smallest that holds it
+    (``DeepseekModel``; none by default).
     """
 
     def __init__(self, container: Application | None = None, *, weights: ModelWeights,
                  step_tokens: int = 8192, max_num_seqs: int = 256,
                  num_speculative_tokens: int = 0, keep_outputs: bool = True,
-                 timer: PhaseTimer | None = None) -> None:
+                 timer: PhaseTimer | None = None, decode_batch_sizes: Sequence[int] = ()
+                 ) -> None:
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("max_num_seqs", max_num_seqs, 1)
         check_int("MLAEngine: num_speculative_tokens", num_speculative_tokens, 0,
@@ -167,7 +174,7 @@ class MLAEngine:
             config, weights, prefill_backend, decode_backend,
             num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
             device=device, compute_dtype=default_compute_dtype(model.dtype, device, fast_bf16),
-            timer=self.timer)
+            timer=self.timer, decode_batch_sizes=decode_batch_sizes)
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=step_tokens,
                                    max_num_seqs=max_num_seqs,
                                    num_speculative_tokens=num_speculative_tokens)
@@ -261,10 +268,7 @@ class MLAEngine:
             arrival_time=time.perf_counter(), arrival_step=self.stats.steps,
             ngram_index=self.drafter.new_index(tokens) if self.drafter else None)
         if self.keep_outputs:
-            rows = len(tokens) + request.max_new_tokens
-            state.hidden = torch.zeros(rows, self.model.hidden_size,
-                                       dtype=self.config.model.dtype, device=self.device)
-            state.row_kinds = torch.zeros(rows, dtype=torch.int8)
+            state.kept_rows = []
         self._states[rid] = state
         self.scheduler.add(state)
 
@@ -345,7 +349,7 @@ class MLAEngine:
         with self.timer.phase("schedule"):
             offset = 0
             for st, done, n in sched.prefill:
-                self._keep_rows(st, done, hidden[offset:offset + n], RowKind.PREFILL)
+                st.keep_rows(done, hidden[offset:offset + n], RowKind.PREFILL)
                 self.kv_manager.cache_blocks(st.kv, done + n)
                 offset += n
                 if done + n == st.num_tokens:
@@ -369,8 +373,9 @@ class MLAEngine:
         states, q = sched.decode, sched.query_len
         k = q - 1
         with self.timer.phase("decode_metadata"):
-            plan = self.model.plan_decode([st.block_table for st in states],
-                                          [st.num_computed_tokens for st in states], q)
+            tables = [st.block_table for st in states]
+            dones = [st.num_computed_tokens for st in states]
+            plan = self.model.plan_decode(tables, dones, q)
             ids: list[int] = []
             for st in states:
                 ids.append(st.kv.token_ids[-1])
@@ -378,31 +383,35 @@ class MLAEngine:
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
         choice = self.model.greedy(hidden)
-        bad = self._non_finite(choice, lambda watch: self.model.decode(token_ids, plan,
-                                                                        watch=watch))
+        hidden, choice, first_bad = nonfinite.trusted_rows(
+            self.model, self.decode_backend_class, tables, dones, ids, q, hidden, choice)
         count = 0
+        failing: list[int] = []
         with self.timer.phase("schedule"):
             for b, st in enumerate(states):
                 rows = slice(b * q, (b + 1) * q)
-                failed = next((bad[r] for r in range(b * q, (b + 1) * q) if r in bad), None)
-                if failed is not None:
-                    self._fail(st, failed, reasons)
-                    st.drafts = []
-                    continue
-                accepted, tokens = accept_greedy(st.drafts if k else [], choice.tokens[rows])
-                done = st.num_computed_tokens
-                out = self._emit(st, tokens, choice.margins[rows], choice.logprobs[rows],
-                                 emitted, reasons)
-                computed = 1 + min(accepted, len(out) - 1)   # the last emitted is not computed
-                self._keep_rows(st, done, hidden[b * q:b * q + computed], RowKind.DECODE)
+                verdict = nonfinite.verify_rows(st.drafts if k else [], choice.tokens[rows],
+                                                first_bad[b])
+                done = dones[b]
+                out = self._emit(st, verdict.tokens, choice.margins[rows],
+                                 choice.logprobs[rows], emitted, reasons)
+                if verdict.error and st.request_id not in reasons:
+                    failing.append(b)    # its next token needs a non-finite row
+                computed = 1 + min(verdict.accepted, len(out) - 1)  # the last emitted is not
+                st.keep_rows(done, hidden[b * q:b * q + computed], RowKind.DECODE)
                 self.kv_manager.cache_blocks(st.kv, done + computed)
                 if k:
                     st.num_draft_tokens += k
-                    st.num_accepted_tokens += accepted
+                    st.num_accepted_tokens += verdict.accepted
                     self.stats.draft_tokens += k
-                    self.stats.accepted_tokens += accepted
+                    self.stats.accepted_tokens += verdict.accepted
                 st.drafts = []
                 count += len(out)
+        if failing:
+            message = self._locate(lambda watch: nonfinite.decode_rows_alone(
+                self.model, tables, dones, ids, q, watch, only=failing))
+            for b in failing:
+                self._fail(states[b], message, reasons)
         return count
 
     def _non_finite(self, choice: GreedyChoice, rerun: Callable[[Watch], torch.Tensor]
@@ -414,22 +423,19 @@ class MLAEngine:
         rows = [i for i, logprob in enumerate(choice.logprobs) if not math.isfinite(logprob)]
         if not rows:
             return {}
+        return dict.fromkeys(rows, self._locate(rerun))
+
+    def _locate(self, rerun: Callable[[Watch], torch.Tensor]) -> str:
+        """The error naming the first non-finite stage when ``rerun(watch)`` reruns a step."""
         where = self.model.locate_non_finite(rerun)
-        message = (f"the model's logits are not finite (NaN or infinite) in step "
-                   f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "
-                   f"{where}")
-        return dict.fromkeys(rows, message)
+        return (f"the model's logits are not finite (NaN or infinite) in step "
+                f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "
+                f"{where}")
 
     def _fail(self, st: RequestState, message: str, reasons: dict[str, FinishReason]) -> None:
         """End ``st`` with ``FinishReason.ERROR`` (no token emitted from a non-finite row)."""
         reasons[st.request_id] = FinishReason.ERROR
         self._errors[st.request_id] = f"request {st.request_id!r}: {message}"
-
-    def _keep_rows(self, st: RequestState, start: int, rows: torch.Tensor, kind: RowKind
-                   ) -> None:
-        if st.hidden is not None and st.row_kinds is not None:
-            st.hidden[start:start + rows.shape[0]] = rows
-            st.row_kinds[start:start + rows.shape[0]] = int(kind)
 
     def _emit(self, st: RequestState, tokens: Sequence[int], margins: Sequence[float],
               logprobs: Sequence[float], emitted: dict[str, list[int]],
@@ -474,9 +480,8 @@ class MLAEngine:
             stats.prompt_tokens += len(st.request.prompt_token_ids)
             stats.cached_tokens += max(st.num_cached_tokens, 0)
         total = st.num_tokens
-        hidden = None if st.hidden is None else st.hidden[:total]
-        kinds = None if st.row_kinds is None else st.row_kinds[:total]
-        st.hidden = st.row_kinds = None
+        hidden, kinds = st.kept_outputs(total, self.model.hidden_size, self.config.model.dtype,
+                                        self.device)
         metrics = RequestMetrics(
             arrival_time=st.arrival_time, arrival_step=st.arrival_step,
             first_token_time=st.first_token_time, first_token_step=st.first_token_step,

@@ -39,7 +39,26 @@ from app.kvcache.request import KVCacheRequest
 from app.mla.requests import Request
 from app.mla.speculative import NgramIndex
 
-__all__ = ["RequestState", "RequestStatus", "Scheduler", "SchedulerOutput"]
+__all__ = ["KEPT_VIEWS", "RequestState", "RequestStatus", "Scheduler", "SchedulerOutput"]
+
+
+#: Output rows a request keeps as views of the steps' outputs before merging them into one
+#: tensor of its own (``RequestState.keep_rows``): bounds what finished requests' rows the
+#: step tensors they share keep alive, at one copy per request every this many steps.
+KEPT_VIEWS = 16
+
+
+def _merged(parts: list[tuple[int, torch.Tensor, bool]]) -> list[tuple[int, torch.Tensor]]:
+    """``(start, rows)`` per run of consecutive parts, each run's rows in one tensor."""
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    end = -1
+    for first, rows, _ in parts:
+        if runs and first == end:
+            runs[-1][1].append(rows)
+        else:
+            runs.append((first, [rows]))
+        end = first + int(rows.shape[0])
+    return [(first, torch.cat(rows) if len(rows) > 1 else rows[0]) for first, rows in runs]
 
 
 class RequestStatus(enum.Enum):
@@ -56,7 +75,10 @@ class RequestState:
 
     ``kv`` holds the token ids (prompt, then generated) and ``num_computed_tokens``;
     ``block_table`` int32 ``[capacity]`` the block ids of the KV-cache group (the first
-    ``num_blocks`` valid); ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
+    ``num_blocks`` valid); ``kept_rows`` / ``kept_kinds`` the outputs kept so far when the
+    engine keeps them (``keep_rows``: views of the steps' outputs, merged every
+    ``KEPT_VIEWS`` steps and copied out by ``kept_outputs`` when the request finishes);
+    ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
     """
 
     request: Request
@@ -79,6 +101,49 @@ class RequestState:
     num_accepted_tokens: int = 0
     hidden: torch.Tensor | None = None
     row_kinds: torch.Tensor | None = None
+    kept_rows: list[tuple[int, torch.Tensor, bool]] | None = None
+    kept_kinds: list[int] = attrs.field(factory=list)
+
+    def keep_rows(self, start: int, rows: torch.Tensor, kind: int) -> None:
+        """Keep ``rows`` (a step's output rows; a view, not copied: a step costs no copy per
+        request) as this request's output rows from ``start`` on, over whatever an earlier run
+        (before a preemption) kept there; nothing unless ``kept_rows`` is a list. Every
+        ``KEPT_VIEWS`` views are merged into one tensor of the request's own (one copy), so a
+        request never holds more than that many steps' outputs alive."""
+        kept = self.kept_rows
+        if kept is None or not rows.shape[0]:
+            return
+        while kept and kept[-1][0] >= start:
+            kept.pop()
+        if kept and kept[-1][0] + kept[-1][1].shape[0] > start:
+            first, old, owned = kept[-1]
+            kept[-1] = (first, old[:start - first], owned)
+        kept.append((start, rows, False))
+        kinds = self.kept_kinds
+        del kinds[start:]
+        kinds.extend([0] * (start - len(kinds)))
+        kinds.extend([int(kind)] * int(rows.shape[0]))
+        views = [i for i, part in enumerate(kept) if not part[2]]
+        if len(views) > KEPT_VIEWS:
+            tail = _merged(kept[views[0]:])
+            kept[views[0]:] = [(first, part, True) for first, part in tail]
+
+    def kept_outputs(self, total: int, width: int, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The kept rows as ``hidden [total, width]`` and their int8 ``row_kinds`` (0: never
+        computed for this request, e.g. a prefix-cache hit), each run of consecutive parts
+        copied with one ``cat``; ``(None, None)`` when nothing is kept. Releases the parts."""
+        kept, self.kept_rows = self.kept_rows, None
+        if kept is None:
+            return None, None
+        hidden = torch.zeros(total, width, dtype=dtype, device=device)
+        for first, rows in _merged(kept):
+            n = max(0, min(int(rows.shape[0]), total - first))
+            hidden[first:first + n] = rows[:n]
+        kinds = self.kept_kinds[:total]
+        kinds += [0] * (total - len(kinds))
+        self.kept_kinds = []
+        return hidden, torch.tensor(kinds, dtype=torch.int8)
 
     @property
     def request_id(self) -> str:

@@ -111,15 +111,19 @@ class PagedLatentCache:
                              f"{self.device}, got {slots.dtype} {tuple(slots.shape)} on "
                              f"{slots.device}")
 
-    def write(self, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """Store ``latent [T, latent_dim]`` (cast to the cache dtype) at ``slots [T]``."""
+    def write(self, slots: torch.Tensor, latent: torch.Tensor, *,
+              bounds: tuple[int, int] | None = None) -> None:
+        """Store ``latent [T, latent_dim]`` (cast to the cache dtype) at ``slots [T]``.
+
+        ``bounds``: the ``(min, max)`` of ``slots`` where the caller computed them on the host
+        (a decode plan does): checked instead of reading the slots back from the device."""
         self._check_slots(slots)
         if latent.dim() != 2 or latent.shape[1] != self.latent_dim or \
                 latent.shape[0] != slots.shape[0]:
             raise ValueError(f"PagedLatentCache.write: expected latent [{slots.shape[0]}, "
                              f"{self.latent_dim}], got {list(latent.shape)}")
         if slots.numel():
-            lo, hi = int(slots.min()), int(slots.max())
+            lo, hi = bounds if bounds is not None else (int(slots.min()), int(slots.max()))
             if lo < 0 or hi >= self.num_slots:
                 raise ValueError(f"PagedLatentCache.write: slots must be in [0, "
                                  f"{self.num_slots}), got [{lo}, {hi}]")

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from app._host import copy_to_device
+from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.model.attention import MLAAttention
@@ -38,9 +40,10 @@ class DecodePlan:
     """A decode step's layout, shared by every layer.
 
     ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]``, checked into
-    ``metadata`` (what the decode backend's ``prepare_metadata`` takes), ``positions`` and
-    ``slots`` int64 ``[B * query_len]`` (request-major), ``max_position`` their host-side
-    maximum.
+    ``metadata`` (what the decode backend's ``prepare_metadata`` takes; built from them when
+    not given), ``positions`` and ``slots`` int64 ``[B * query_len]`` (request-major),
+    ``max_position`` their host-side maximum, ``slot_bounds`` the host-side ``(min, max)`` of
+    ``slots`` (None: not known on the host; the cache then reads them from the device).
     """
 
     block_table: torch.Tensor
@@ -49,11 +52,13 @@ class DecodePlan:
     slots: torch.Tensor
     max_position: int
     query_len: int
-    metadata: MLADecodeMetadata = attrs.field(init=False)
+    metadata: MLADecodeMetadata = attrs.field(default=None)
+    slot_bounds: tuple[int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "metadata", MLADecodeMetadata.build(
-            self.block_table, self.seq_lens, self.query_len, what="plan_decode_step"))
+        if self.metadata is None:
+            object.__setattr__(self, "metadata", MLADecodeMetadata.build(
+                self.block_table, self.seq_lens, self.query_len, what="plan_decode_step"))
 
     @property
     def batch(self) -> int:
@@ -62,18 +67,33 @@ class DecodePlan:
 
 
 def plan_decode_step(block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
-                     query_len: int, block_size: int, device: torch.device) -> DecodePlan:
+                     query_len: int, block_size: int, device: torch.device, *,
+                     pad_to: int | None = None) -> DecodePlan:
     """The plan of one decode step.
 
     ``block_tables[b]`` is request ``b``'s int32 block ids (at least enough for
     ``num_computed[b] + query_len`` tokens; extra entries are ignored), ``num_computed[b]`` its
     cached tokens. ``ValueError`` when a table is too short or the lengths disagree.
+
+    ``pad_to``: a batch size ``>= len(block_tables)`` the step is padded to (the same shapes
+    for every batch up to it, what a captured CUDA graph replays): each padding request has
+    ``query_len`` tokens in block 0 (the pool's reserved block: written and read there, never
+    a request's), its rows come after the real ones and mean nothing.
+
+    Everything is computed on the host and reaches ``device`` by asynchronous copies from
+    pinned memory (``app._host.copy_to_device``): planning never waits for the device, and
+    nothing is read back from it.
     """
     if len(block_tables) != len(num_computed):
         raise ValueError(f"plan_decode_step: {len(block_tables)} block tables for "
                          f"{len(num_computed)} requests")
     if query_len < 1:
         raise ValueError(f"plan_decode_step: query_len must be >= 1, got {query_len}")
+    if pad_to is not None:
+        check_int_at_least("plan_decode_step: pad_to", pad_to, len(block_tables))
+        null = torch.zeros(-(-query_len // block_size), dtype=torch.int32)
+        block_tables = [*block_tables, *[null] * (pad_to - len(block_tables))]
+        num_computed = [*num_computed, *[0] * (pad_to - len(num_computed))]
     ends = [n + query_len for n in num_computed]
     widths = [-(-e // block_size) for e in ends]
     for b, (table, width) in enumerate(zip(block_tables, widths, strict=True)):
@@ -89,9 +109,13 @@ def plan_decode_step(block_tables: Sequence[torch.Tensor], num_computed: Sequenc
     rows = torch.arange(len(block_tables), dtype=torch.int64).repeat_interleave(query_len)
     slots = table[rows, positions // block_size].to(torch.int64) * block_size \
         + positions % block_size
-    return DecodePlan(block_table=table.to(device), seq_lens=torch.tensor(
-        ends, dtype=torch.int32).to(device), positions=positions.to(device),
-        slots=slots.to(device), max_position=max(ends, default=1) - 1, query_len=query_len)
+    metadata = MLADecodeMetadata.build(table, torch.tensor(ends, dtype=torch.int32),
+                                       query_len, what="plan_decode_step", device=device)
+    both = copy_to_device(torch.stack([positions, slots]), device)   # one copy for the two
+    bounds = (int(slots.min()), int(slots.max())) if slots.numel() else None
+    return DecodePlan(block_table=metadata.block_table, seq_lens=metadata.seq_lens,
+                      positions=both[0], slots=both[1], max_position=max(ends, default=1) - 1,
+                      query_len=query_len, metadata=metadata, slot_bounds=bounds)
 
 
 class MLADecodeExecutor:
@@ -130,7 +154,7 @@ class MLADecodeExecutor:
         with timer.phase("projection"):
             q, latent = layer.project(x, plan.positions, plan.max_position)
         with timer.phase("cache_write"):
-            self.cache.write(plan.slots, latent)
+            self.cache.write(plan.slots, latent, bounds=plan.slot_bounds)
         with timer.phase("absorption"):
             q_abs = layer.absorb_query(q)
         b, n = plan.batch, plan.query_len

@@ -27,6 +27,8 @@ import attrs
 import torch
 
 from app._cpu import detect_cpu_features
+from app._host import copy_to_device
+from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
@@ -70,6 +72,15 @@ def _stop_at_non_finite(where: str, h: torch.Tensor) -> None:
         raise _NonFinite(where)
 
 
+def _batch_sizes(sizes: object) -> tuple[int, ...]:
+    """``sizes`` as a sorted tuple of distinct ints >= 1 (``TypeError`` / ``ValueError``)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"decode_batch_sizes must be a sequence of ints, got {sizes!r}")
+    for n in sizes:
+        check_int_at_least("decode_batch_sizes", n, 1)
+    return tuple(sorted(set(sizes)))
+
+
 def default_compute_dtype(dtype: torch.dtype, device: torch.device | str,
                           fast_low_precision: bool | None = None) -> torch.dtype:
     """The dtype projections, MLPs and the LM head run in: ``dtype``, or float32 for a 16-bit
@@ -108,12 +119,15 @@ class DeepseekModel:
     ``weights`` must match ``config.model`` (heads, dims, softmax scale); the caches have
     ``num_blocks`` blocks of ``block_size`` tokens in the model dtype (``config.model.dtype``);
     ``compute_dtype`` is the dtype of the projections, MLPs and LM head.
+    ``decode_batch_sizes``: batch sizes a decode step is padded up to (``plan_decode``; the
+    same shapes for every batch up to one of them, as a CUDA graph needs; default none).
     """
 
     def __init__(self, config: EngineConfig, weights: ModelWeights,
                  prefill_backend: MLAPrefillBackend, decode_backend: MLADecodeBackend, *,
                  num_blocks: int, block_size: int, device: torch.device,
-                 compute_dtype: torch.dtype, timer: PhaseTimer | None = None) -> None:
+                 compute_dtype: torch.dtype, timer: PhaseTimer | None = None,
+                 decode_batch_sizes: Sequence[int] = ()) -> None:
         arch = weights.config
         arch.check_model_config(config.model)
         self.config = config
@@ -124,6 +138,7 @@ class DeepseekModel:
         self.compute_dtype = compute_dtype
         self.eps = arch.rms_norm_eps
         self.timer = timer if timer is not None else NULL_TIMER
+        self.decode_batch_sizes = _batch_sizes(decode_batch_sizes)
         rope = RotaryEmbedding(arch.rope, arch.qk_rope_head_dim, compute_dtype, device,
                                interleaved=arch.rope_interleave)
         self.attention = [MLAAttention(arch, layer.attention, dtype=self.dtype,
@@ -183,6 +198,8 @@ class DeepseekModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``token_ids [T]`` int64 -> ``[T, D]`` in the model dtype on the device."""
+        if token_ids.device.type == "cpu":   # the host's ids: copied without a sync
+            token_ids = copy_to_device(token_ids, self.device)
         return self._embed.index_select(0, token_ids.to(self.device))
 
     def _input_norm(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -208,10 +225,15 @@ class DeepseekModel:
         return self.prefill_executors[0].plan(batch)
 
     def plan_decode(self, block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
-                    query_len: int) -> DecodePlan:
-        """The plan of a decode step (``plan_decode_step`` on this model's caches)."""
+                    query_len: int, *, pad: bool = True) -> DecodePlan:
+        """The plan of a decode step (``plan_decode_step`` on this model's caches), padded
+        (unless ``pad`` is False) to the smallest of ``decode_batch_sizes`` that holds the
+        batch (none: not padded)."""
+        batch = len(block_tables)
+        pad_to = next((n for n in self.decode_batch_sizes if n >= batch), None) if pad else None
         return plan_decode_step(block_tables, num_computed, query_len,
-                                self.caches[0].block_size, self.device)
+                                self.caches[0].block_size, self.device,
+                                pad_to=None if pad_to == batch else pad_to)
 
     def _layers(self, h: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
                 watch: Watch | None) -> torch.Tensor:
@@ -264,7 +286,11 @@ class DeepseekModel:
                watch: Watch | None = None) -> torch.Tensor:
         """A decode step of every layer over a planned batch (``plan_decode``): ``token_ids
         [B * query_len]`` (request-major). Returns the final normed hidden states
-        ``[B * query_len, D]`` (``watch``: see ``Watch``)."""
+        ``[B * query_len, D]`` (``watch``: see ``Watch``); of a padded plan, ``[plan.batch *
+        query_len, D]``, the padding's rows (token 0) after the real ones."""
+        rows = plan.slots.shape[0]
+        if token_ids.dim() == 1 and token_ids.shape[0] < rows:
+            token_ids = torch.cat([token_ids, token_ids.new_zeros(rows - token_ids.shape[0])])
         with self.timer.phase("decode_metadata"):
             self.decode_backend.prepare_metadata(plan.metadata)
             h = self.embed(token_ids)
@@ -298,6 +324,9 @@ class DeepseekModel:
                 lse = torch.logsumexp(logits.float().scatter_(1, candidates, exact), dim=1)
                 best = torch.topk(exact, 2, dim=1)
                 values, indices = best.values, candidates.gather(1, best.indices)
-            margins = (values[:, 0] - values[:, 1]).tolist()
-            logprobs = (values[:, 0] - lse).tolist()
-            return GreedyChoice(indices[:, 0].tolist(), margins, logprobs)
+            # One readback for the three (the step's only wait for the device): token ids
+            # below 2**53 are exact in float64.
+            packed = torch.stack([indices[:, 0].double(),
+                                  (values[:, 0] - values[:, 1]).double(),
+                                  (values[:, 0] - lse).double()]).tolist()
+            return GreedyChoice([int(t) for t in packed[0]], packed[1], packed[2])

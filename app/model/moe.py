@@ -16,7 +16,12 @@
 
 Experts run grouped: the ``(token, expert)`` pairs are sorted by expert once, and each expert
 with work runs one matmul over all its tokens (no per-token loop), accumulated in float32 (or
-the compute dtype when wider).
+the compute dtype when wider). Grouping reads the per-expert counts on the host, a wait for
+the device; off the CPU (``sync_free``) a small batch (a decode step: at most
+``DENSE_EXPERT_ROWS`` token-expert rows) runs every expert on every token instead, weighted by
+the routing weights (0 for the experts not chosen): two batched matmuls, no wait, the same
+shapes every step (what a CUDA graph needs). A decode step reads every expert's weights
+either way, so on a GPU the extra products cost little next to that.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from app.model.config import MoEConfig
 from app.model.linear import Linear
 from app.model.weights import MLPWeights, MoEWeights
 
-__all__ = ["MoE", "Routing", "SwiGLU", "route", "swiglu"]
+__all__ = ["DENSE_EXPERT_ROWS", "MoE", "Routing", "SwiGLU", "route", "swiglu"]
+
+#: Off the CPU, a batch of at most this many (token, expert) rows runs every expert densely.
+DENSE_EXPERT_ROWS = 8192
 
 
 class SwiGLU:
@@ -104,8 +112,11 @@ class MoE:
     ``compute_dtype`` (each expert's two matmuls a ``Linear``)."""
 
     def __init__(self, moe: MoEConfig, weights: MoEWeights, compute_dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, sync_free: bool | None = None) -> None:
+        """``sync_free``: small batches run every expert (module docstring); default: off the
+        CPU."""
         self.config = moe
+        self.sync_free = torch.device(device).type != "cpu" if sync_free is None else sync_free
         self.compute_dtype = compute_dtype
         self._gate = weights.gate.to(device=device, dtype=torch.float32)
         self._bias = None if weights.score_bias is None else weights.score_bias.to(
@@ -114,6 +125,8 @@ class MoE:
         down = weights.experts_down.to(device=device, dtype=compute_dtype)
         self._gate_up = [Linear(w) for w in gate_up.unbind(0)]
         self._down = [Linear(w) for w in down.unbind(0)]
+        # [E, 2I, D] and [E, D, I], the tensors the Linears view (no copy off the CPU).
+        self._stacked = (gate_up, down)
         self.intermediate_size = int(down.shape[2])
         self.shared = None if weights.shared is None else SwiGLU(weights.shared, compute_dtype,
                                                                  device)
@@ -133,6 +146,8 @@ class MoE:
         if t == 0:
             return xc.new_zeros(xc.shape)
         routing = self.route(x)
+        if self.sync_free and t * self.config.n_routed_experts <= DENSE_EXPERT_ROWS:
+            return self._every_expert(xc, routing)
         k = routing.experts.shape[1]
         flat_experts = routing.experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
@@ -154,7 +169,24 @@ class MoE:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0], device=order.device)
         out = weighted.index_select(0, inverse).view(t, k, -1).sum(dim=1)
+        return self._plus_shared(out, xc)
+
+    def _plus_shared(self, out: torch.Tensor, xc: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
-            out += self.shared(xc).to(acc)
+            out += self.shared(xc).to(out.dtype)
         return out.to(self.compute_dtype)
+
+    def _every_expert(self, xc: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every expert on every token of ``xc [T, D]``, summed with the routing weights (0
+        for an expert not chosen): static shapes, nothing read on the host."""
+        gate_up, down = self._stacked
+        hidden = torch.matmul(xc, gate_up.transpose(1, 2))                 # [E, T, 2I]
+        experts, t = hidden.shape[0], hidden.shape[1]
+        act = swiglu(hidden.view(experts * t, -1), self.intermediate_size)
+        ys = torch.bmm(act.view(experts, t, -1), down.transpose(1, 2))     # [E, T, D]
+        acc = torch.promote_types(self.compute_dtype, torch.float32)
+        dense = torch.zeros(t, experts, dtype=acc, device=xc.device).scatter_(
+            1, routing.experts, routing.weights.to(acc))
+        out = torch.einsum("etd,te->td", ys.to(acc), dense)
+        return self._plus_shared(out, xc)
 

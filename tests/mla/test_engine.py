@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import attrs
 import pytest
@@ -399,3 +400,33 @@ def test_the_feed_forward_in_chunks_gives_the_same_outputs(
         assert a.hidden is not None and b.hidden is not None
         # float32 matmuls of fewer rows may round differently (MKL's kernels depend on M)
         torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_decode_batch_gives_the_same_outputs() -> None:
+    """Issue 35 (graph-ready decode): with ``decode_batch_sizes`` each decode step is padded
+    to the smallest size that holds its batch (padding requests in the pool's reserved block
+    0); the outputs are those of the unpadded engine, speculative steps included, and no
+    block leaks."""
+    requests = _requests((6, 9, 13), new=7)
+    for spec in (0, 2):
+        plain = tiny_engine(spec=spec).run(requests)
+        cfg, weights = tiny_config()
+        engine = MLAEngine(tiny_container(cfg), weights=weights, step_tokens=64,
+                           num_speculative_tokens=spec, decode_batch_sizes=(4, 16))
+        batches: list[int] = []
+        real_plan = engine.model.plan_decode
+
+        def plan(*args: object, real_plan: Any = real_plan, batches: list[int] = batches,
+                 **kwargs: object) -> object:
+            made = real_plan(*args, **kwargs)
+            batches.append(made.batch)
+            return made
+
+        engine.model.plan_decode = plan  # type: ignore[method-assign]
+        padded = engine.run(requests)
+        assert set(batches) == {4}
+        assert {o.request_id: o.output_token_ids for o in padded} == \
+            {o.request_id: o.output_token_ids for o in plain}
+        assert engine.kv_manager.num_free_blocks == engine.initial_free_blocks
+    with pytest.raises(ValueError, match="decode_batch_sizes"):
+        MLAEngine(tiny_container(cfg), weights=weights, decode_batch_sizes=(0, 4))

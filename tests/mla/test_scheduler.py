@@ -128,3 +128,49 @@ def test_bad_scheduler_settings() -> None:
     with pytest.raises(ValueError, match="must fit one decode step"):
         Scheduler(_manager(8), max_num_batched_tokens=3, max_num_seqs=1,
                   num_speculative_tokens=3)
+
+
+def test_kept_rows_are_views_until_the_request_finishes() -> None:
+    """Issue 35: a step keeps each request's output rows as views (no copy per request and
+    step); they are copied out once, at the end, each run of consecutive parts with one cat.
+    A run again after a preemption replaces what the earlier run kept from its start on; rows
+    never computed here (a prefix-cache hit) stay 0 with kind 0."""
+    state = RequestState(request=Request("r", [1, 2, 3], max_new_tokens=8),
+                         kv=None, block_table=torch.zeros(4, dtype=torch.int32),  # type: ignore[arg-type]
+                         arrival_time=0.0, arrival_step=0)
+    assert state.kept_outputs(5, 2, torch.float32, torch.device("cpu")) == (None, None)
+    state.kept_rows = []
+    step = torch.arange(20.0).view(10, 2)
+    state.keep_rows(2, step[0:3], 1)          # rows 2..4 (0..1 hit the prefix cache)
+    state.keep_rows(5, step[3:4], 2)          # row 5, decode
+    state.keep_rows(4, step[5:7], 2)          # preempted, run again from row 4: rows 4..5
+    state.keep_rows(6, step[7:8], 2)
+    assert step.data_ptr() == state.kept_rows[0][1].data_ptr()   # views, not copies
+    hidden, kinds = state.kept_outputs(7, 2, torch.float32, torch.device("cpu"))
+    assert hidden is not None and kinds is not None and state.kept_rows is None
+    want = torch.zeros(7, 2)
+    want[2:4], want[4:6], want[6] = step[0:2], step[5:7], step[7]
+    assert torch.equal(hidden, want)
+    assert kinds.tolist() == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_kept_views_are_merged_every_kept_views_steps() -> None:
+    """A long request does not keep every step's output alive (each also holds other
+    requests' rows): past ``KEPT_VIEWS`` views they are merged into one tensor of its own."""
+    from app.mla.scheduler import KEPT_VIEWS
+
+    state = RequestState(request=Request("r", [1], max_new_tokens=64),
+                         kv=None, block_table=torch.zeros(4, dtype=torch.int32),  # type: ignore[arg-type]
+                         arrival_time=0.0, arrival_step=0, kept_rows=[])
+    steps = [torch.full((8, 2), float(i)) for i in range(KEPT_VIEWS + 5)]
+    for i, step in enumerate(steps):
+        state.keep_rows(i, step[3:4], 2)
+    assert state.kept_rows is not None
+    views = [part for part in state.kept_rows if not part[2]]
+    assert len(views) <= KEPT_VIEWS and len(state.kept_rows) < len(steps)
+    held = {part[1].untyped_storage().data_ptr() for part in state.kept_rows}
+    assert steps[0].untyped_storage().data_ptr() not in held   # the first steps released
+    hidden, kinds = state.kept_outputs(len(steps), 2, torch.float32, torch.device("cpu"))
+    assert hidden is not None and kinds is not None
+    assert hidden[:, 0].tolist() == [float(i) for i in range(len(steps))]
+    assert set(kinds.tolist()) == {2}

@@ -165,3 +165,17 @@ def test_reference_tolerances() -> None:
         reference_tolerance(torch.float64)
     arch, _ = tiny_model()
     assert arch.model_config().scale == arch.softmax_scale
+
+
+def test_a_write_with_host_bounds_reads_nothing_back_and_still_refuses() -> None:
+    """Issue 35: a decode plan knows its slots' bounds on the host; the cache checks those
+    instead of reading the slots back from the device, and refuses them the same way."""
+    from app.model.cache import PagedLatentCache
+
+    cache = PagedLatentCache(4, 2, 3, torch.float32)
+    slots = torch.tensor([1, 6])
+    latent = torch.ones(2, 3)
+    cache.write(slots, latent, bounds=(1, 6))
+    assert cache.data.view(8, 3)[6].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"slots must be in \[0, 8\), got \[1, 8\]"):
+        cache.write(slots, latent, bounds=(1, 8))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -56,7 +57,10 @@ def test_v2_softmax_greedy_and_group_limited_greedy() -> None:
     assert sorted(r.experts[0].tolist()) == [1, 2]
 
 
-def test_grouped_dispatch_equals_a_per_token_loop() -> None:
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_grouped_dispatch_equals_a_per_token_loop(sync_free: bool) -> None:
+    """The grouped experts, and (``sync_free``, what runs off the CPU for a small batch: issue
+    35) every expert on every token weighted by the routing: both equal the per-token sum."""
     torch.manual_seed(0)
     cfg = _v3(n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
               n_shared_experts=1)
@@ -67,7 +71,7 @@ def test_grouped_dispatch_equals_a_per_token_loop() -> None:
                          experts_down=torch.randn(8, d, inter, dtype=torch.float64),
                          shared=MLPWeights(torch.randn(2 * inter, d, dtype=torch.float64),
                                            torch.randn(d, inter, dtype=torch.float64)))
-    moe = MoE(cfg, weights, torch.float64, torch.device("cpu"))
+    moe = MoE(cfg, weights, torch.float64, torch.device("cpu"), sync_free=sync_free)
     x = torch.randn(11, d, dtype=torch.float64)
     got = moe(x)
     routing = moe.route(x)
@@ -83,3 +87,24 @@ def test_grouped_dispatch_equals_a_per_token_loop() -> None:
     # No rows (an empty chunk): no expert runs, the shape is kept.
     empty = moe(x[:0])
     assert empty.shape == (0, d) and empty.dtype == torch.float64
+
+
+def test_the_dense_experts_only_below_their_row_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU by default; a batch beyond ``DENSE_EXPERT_ROWS`` token-expert rows (a long
+    prefill) goes back to the grouped experts."""
+    import app.model.moe as moe_module
+
+    cfg = _v3()
+    weights = MoEWeights(gate=torch.randn(8, 16), score_bias=None,
+                         experts_gate_up=torch.randn(8, 8, 16),
+                         experts_down=torch.randn(8, 16, 4), shared=None)
+    assert not MoE(cfg, weights, torch.float32, torch.device("cpu")).sync_free
+    assert MoE(cfg, weights, torch.float32, torch.device("meta")).sync_free
+    moe = MoE(cfg, weights, torch.float32, torch.device("cpu"), sync_free=True)
+    calls: list[int] = []
+    real = moe._every_expert
+    monkeypatch.setattr(moe, "_every_expert", lambda x, r: calls.append(len(x)) or real(x, r))
+    monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 8 * 3)
+    moe(torch.randn(3, 16))
+    moe(torch.randn(4, 16))
+    assert calls == [3]

@@ -23,6 +23,19 @@ logits are ``softmax_scale * k_scale * (q . k)`` and the output is
 is an argument of every call; nothing is cached from an earlier call (a profiling run's
 placeholder scales must never leak into later calls).
 
+**Non-finite keys.** A NaN or infinity in a key makes the rows that see it non-finite; a key a
+row does not see must not change that row, so that a speculative step's rows before a poisoned
+draft keep their (accepted) tokens. A backend declares whether its kernel keeps to that inside
+a multi-token step: ``isolates_nonfinite_keys = True`` (the default): exactly the rows that see
+the key are non-finite. ``False``: the rows that see it are non-finite, and rows of the same
+request and step that do not see it may be non-finite too (a kernel that multiplies a masked
+key's value by its probability 0 over a whole tile: ``0 * NaN`` is NaN; flashinfer's fa2/fa3
+MLA kernels, measured on an H100), but never finite and wrong. Keys past a request's
+``seq_lens`` (the unused rows of its last block) must change nothing, on every backend: so a
+step of ``query_len`` 1 isolates everywhere. The conformance kit's ``nonfinite_keys`` case
+holds each backend to its declaration; ``MLAEngine`` reads it to decide which rows of a
+speculative step it may trust (``app.mla.engine``).
+
 The base is the template, as the prefill base is for prefill: ``prepare_metadata(metadata)``
 checks the step once and calls the step hook ``_prepare_step``; ``run_decode`` checks every
 tensor and scale, takes ``out=`` (written after the kernel when it shares memory with an
@@ -79,6 +92,7 @@ _DECODE_DECLARATIONS: tuple[DeclarationRule, ...] = (
     ("supported_head_dims", _latent_pairs,
      "a tuple of (kv_lora_rank, qk_rope_head_dim) int pairs (empty: any)"),
     ("max_query_len", is_int, "an int"),
+    ("isolates_nonfinite_keys", lambda v: isinstance(v, bool), "a bool"),
 )
 
 
@@ -132,8 +146,9 @@ class MLADecodeBackend(BackendDeclarations):
     ``install_hint``); ``supported_block_sizes`` (empty = any); ``supported_mla_dimensions``
     (``MLADimensions(kv_lora_rank=..., qk_rope_head_dim=...)``, empty = any, as prefill declares
     its own; ``supports_mla_dimensions(dims)`` reads them; the old ``supported_head_dims``
-    pairs still work, deprecated); ``max_query_len``; ``validate_configuration`` lists every
-    reason it cannot run.
+    pairs still work, deprecated); ``max_query_len``; ``isolates_nonfinite_keys`` (whether a
+    non-finite key leaves the rows that do not see it alone inside a multi-token step; see the
+    module docstring); ``validate_configuration`` lists every reason it cannot run.
 
     **Instance API**: ``__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim,
     kv_cache_dtype, *, device_capability=None, workspaces=None)``;
@@ -170,6 +185,10 @@ class MLADecodeBackend(BackendDeclarations):
     supported_head_dims: ClassVar[Sequence[tuple[int, int]]] = ()
     #: The largest uniform query length per request.
     max_query_len: ClassVar[int] = MAX_QUERY_LEN
+    #: Whether a non-finite key leaves every row that does not see it untouched inside a
+    #: multi-token step (False: other rows of the same request and step may turn non-finite,
+    #: never finite and wrong; see the module docstring).
+    isolates_nonfinite_keys: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -196,8 +215,8 @@ class MLADecodeBackend(BackendDeclarations):
     @classmethod
     def declaration_problems(cls) -> list[str]:
         """The base's problems, then those of ``supported_block_sizes``,
-        ``supported_mla_dimensions`` (or the old ``supported_head_dims``) and
-        ``max_query_len``."""
+        ``supported_mla_dimensions`` (or the old ``supported_head_dims``), ``max_query_len``
+        and ``isolates_nonfinite_keys``."""
         return (super().declaration_problems()
                 + find_declaration_problems(cls, _DECODE_DECLARATIONS))
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import attrs
 import torch
 
 from app._types import ComputeCapabilities, DeviceCapability, MLADimensions
@@ -138,12 +137,9 @@ def decode_kernel_for(capability: DeviceCapability, num_heads: int) -> str:
     return FA3 if capability.major == 9 else FA2
 
 
-@attrs.frozen
-class _PlanKey:
-    device: torch.device
-    page_size: int
-    q_dtype: torch.dtype
-    sm_scale: float
+#: What a plan is keyed on: device, page size, query dtype, softmax scale (a plain tuple:
+#: compared on every layer's call).
+_PlanKey = tuple[torch.device, int, torch.dtype, float]
 
 
 class FlashInferMLADecodeBackend(MLADecodeBackend):
@@ -159,6 +155,13 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     requires_device_capability: ClassVar[bool] = True
     #: Whether the kernels need CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
+    #: No: inside a multi-token step the fa2/fa3 kernels mask a key past a row's diagonal on
+    #: the scores only; the key's value is still loaded (it is below the request's length) and
+    #: multiplied by its probability 0 over the whole KV tile, and 0 * NaN is NaN
+    #: (``mla_hopper.cuh``: ``logits_mask_``; keys past the request's length are zero-filled
+    #: at load). On an H100 a NaN in a step's last new token made all 4 rows of the request
+    #: non-finite. trtllm-gen's behaviour has not been run; declared with the others.
+    isolates_nonfinite_keys: ClassVar[bool] = False
 
     #: SM80 and newer (fa2); SM90 runs fa3, Blackwell trtllm-gen.
     compute_capabilities: ClassVar[ComputeCapabilities] = FLASHINFER_CAPABILITIES
@@ -234,6 +237,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         self.block_size = block_size
         self.workspaces: WorkspaceSource = check_workspaces(name, workspaces)
         self._wrappers: dict[torch.device, Any] = {}
+        self._scratch: dict[torch.device, torch.Tensor] = {}
         self._planned: _PlanKey | None = None
         # re-entrant: a run holds it across its plan check and launch, so another thread's
         # re-plan (a different scale) cannot swap the plan under a running call
@@ -308,11 +312,17 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         }
 
     def plan_kwargs(self, metadata: MLADecodeMetadata, page_size: int, q_dtype: torch.dtype,
-                    sm_scale: float, kernels: FlashInferMLAKernels) -> dict[str, Any]:
-        """The keyword arguments of ``BatchMLAPagedAttentionWrapper.plan`` for the step."""
+                    sm_scale: float, kernels: FlashInferMLAKernels, *, pinned: bool = False
+                    ) -> dict[str, Any]:
+        """The keyword arguments of ``BatchMLAPagedAttentionWrapper.plan`` for the step;
+        ``pinned``: the CSR metadata in pinned memory (the wrapper copies it to the GPU with
+        ``non_blocking=True``, which waits for nothing only from pinned memory)."""
         fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
+        csr = self.csr_metadata(metadata, page_size)
+        if pinned:
+            csr = {name: t.pin_memory() for name, t in csr.items()}
         return {
-            "metadata": kernels.plan_metadata.csr(**self.csr_metadata(metadata, page_size)),
+            "metadata": kernels.plan_metadata.csr(**csr),
             "num_heads": self.num_heads, "head_dim_ckv": self.kv_lora_rank,
             "head_dim_kpe": self.qk_rope_head_dim, "page_size": page_size,
             # causal only matters inside a multi-token step (bottom-right aligned,
@@ -325,7 +335,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
 
     def _ensure_plan(self, metadata: MLADecodeMetadata, device: torch.device, page_size: int,
                      q_dtype: torch.dtype, sm_scale: float) -> Any:
-        key = _PlanKey(device, page_size, q_dtype, sm_scale)
+        key: _PlanKey = (device, page_size, q_dtype, sm_scale)
         with self._lock:
             wrapper = self._wrappers.get(device)
             if self._planned == key and wrapper is not None:
@@ -334,9 +344,22 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             if wrapper is None:
                 wrapper = kernels.wrapper_cls(self.workspace(device), backend=self.kernel)
                 self._wrappers[device] = wrapper
-            wrapper.plan(**self.plan_kwargs(metadata, page_size, q_dtype, sm_scale, kernels))
+            wrapper.plan(**self.plan_kwargs(metadata, page_size, q_dtype, sm_scale, kernels,
+                                            pinned=device.type == "cuda"))
             self._planned = key
             return wrapper
+
+    def _lse_scratch(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Where the planned LSE goes when the caller wants none: one buffer per device, grown
+        as needed, shared by every layer and call (nobody reads it, so calls that overlap on
+        other threads or streams may write it at once)."""
+        with self._lock:
+            scratch = self._scratch.get(device)
+            if scratch is None or scratch.numel() < rows * self.num_heads:
+                scratch = torch.empty(rows * self.num_heads, dtype=torch.float32,
+                                      device=device)
+                self._scratch[device] = scratch
+            return scratch[:rows * self.num_heads]
 
     def _kernels(self) -> FlashInferMLAKernels:
         kernels = _probe()
@@ -418,8 +441,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         sm_scale = softmax_scale if fp8 else softmax_scale * k_scale
         rows = metadata.batch * metadata.query_len
         q_packed = q.contiguous().view(rows, self.num_heads, self.head_dim)
-        lse_rows = (lse if lse is not None else torch.empty(
-            out.shape[:3], dtype=torch.float32, device=q.device)).view(rows, self.num_heads)
+        lse_rows = (lse if lse is not None else self._lse_scratch(rows, q.device)).view(
+            rows, self.num_heads)
         with self._lock:
             wrapper = self._ensure_plan(metadata, q.device, int(kv_cache.shape[1]), q.dtype,
                                         sm_scale)

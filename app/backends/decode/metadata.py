@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from app._host import copy_to_device
 from app._validation import INT32_MAX, check_dense, is_int
 
 __all__ = [
@@ -128,14 +129,21 @@ class MLADecodeMetadata:
 
     @classmethod
     def build(cls, block_table: object, seq_lens: object, query_len: object = 1, *,
-              max_query_len: int = MAX_QUERY_LEN, what: str = "MLADecodeMetadata.build"
-              ) -> MLADecodeMetadata:
+              max_query_len: int = MAX_QUERY_LEN, what: str = "MLADecodeMetadata.build",
+              device: torch.device | str | None = None) -> MLADecodeMetadata:
         """Check the step's layout and keep host copies of it.
 
         ``block_table`` int32 (or int64 within int32) ``[B, max_blocks]``, ``seq_lens`` ``[B]``
         (each ``>= query_len``: they count the step's new tokens), ``query_len`` an int in
         1..``max_query_len`` or one equal length per request (a sequence or a 1-D int tensor).
-        ``ValueError`` / ``TypeError`` naming ``what`` and the bad value otherwise."""
+        ``ValueError`` / ``TypeError`` naming ``what`` and the bad value otherwise.
+
+        ``device``: where the kernels run, for a caller that has the layout on the host (an
+        engine's planner): ``block_table`` / ``seq_lens`` on the CPU are checked there and
+        copied to ``device`` once, asynchronously (``app._host.copy_to_device``), never read
+        back; those copies are ``block_table`` / ``seq_lens`` and ``on_device(device)``.
+        Without it, the tensors given are kept as they are (host snapshots are read from
+        them: a readback when they live on a GPU)."""
         bt = _check_int_tensor(f"{what}: block_table", block_table, 2)
         sl = _check_int_tensor(f"{what}: seq_lens", seq_lens, 1)
         if bt.shape[0] != sl.shape[0]:
@@ -149,10 +157,19 @@ class MLADecodeMetadata:
             if n < qlen:
                 raise ValueError(f"{what}: seq_lens[{b}] = {n} is less than query_len {qlen} "
                                  f"(seq_lens count this step's new tokens)")
-        return cls(block_table=bt, seq_lens=sl,
-                   block_table_cpu=host_int32_snapshot(f"{what}: block_table", bt),
-                   seq_lens_cpu=sl_cpu, query_len=qlen, seq_lens_list=lens,
-                   max_seq_len=max(lens, default=0))
+        table_cpu = host_int32_snapshot(f"{what}: block_table", bt)
+        target = None if device is None else torch.device(device)
+        copied = False
+        if target is not None and target.type != "cpu" \
+                and bt.device.type == sl.device.type == "cpu":
+            # our own copies of the snapshots: safe to hand every layer
+            bt, sl = copy_to_device(table_cpu, target), copy_to_device(sl_cpu, target)
+            copied = True
+        step = cls(block_table=bt, seq_lens=sl, block_table_cpu=table_cpu, seq_lens_cpu=sl_cpu,
+                   query_len=qlen, seq_lens_list=lens, max_seq_len=max(lens, default=0))
+        if copied:
+            step._device_copies[bt.device] = (bt, sl)
+        return step
 
     def check_step(self, what: str, max_query_len: int) -> MLADecodeMetadata:
         """``self`` if its ``query_len`` is in 1..``max_query_len`` (a backend's own limit) and
@@ -187,6 +204,10 @@ class MLADecodeMetadata:
                     pair = (self.block_table_cpu.to(device), self.seq_lens_cpu.to(device))
                 self._device_copies[device] = pair
             return pair
+
+    def _geometry_checked(self, block_size: int, num_blocks: int) -> bool:
+        """Whether :meth:`check_cache_geometry` passed for this geometry in this step."""
+        return (block_size, num_blocks) in self._checked_caches   # a set read: atomic
 
     def check_cache_geometry(self, what: str, block_size: int, num_blocks: int) -> None:
         """Every block a request reads exists in the table and in a cache of this geometry.

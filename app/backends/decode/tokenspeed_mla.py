@@ -106,6 +106,10 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
     supported_mla_dimensions: ClassVar[tuple[MLADimensions, ...]] = (
         MLADimensions(kv_lora_rank=512, qk_rope_head_dim=64),)
     requires_device_capability: ClassVar[bool] = True
+    #: Not run on a GPU: whether its kernel leaves rows that do not see a non-finite key of
+    #: the step alone is unknown, so it is not claimed (the engine then trusts no row of a
+    #: request whose step turned non-finite; see ``MLADecodeBackend``).
+    isolates_nonfinite_keys: ClassVar[bool] = False
     #: Whether the kernel needs CUDA tensors (contract tests lift it to run stand-ins on CPU).
     requires_cuda: ClassVar[bool] = True
 

@@ -93,6 +93,7 @@ class MLAPrefillSelectorConfig:
 
 
 _T = TypeVar("_T")
+_MISSING = object()
 
 
 class StepCache:
@@ -107,10 +108,10 @@ class StepCache:
     def get(self, layout: RaggedLayout, what: str, make: Callable[[], _T]) -> _T:
         """The ``what`` of ``layout`` (one of this step's layouts), made on first use."""
         key = (id(layout), what)
-        with self._lock:
-            if key in self._entries:
-                found: _T = self._entries[key]
-                return found
+        found: Any = self._entries.get(key, _MISSING)   # a dict read is atomic: no lock
+        if found is not _MISSING:
+            hit: _T = found
+            return hit
         value = make()
         with self._lock:
             kept: _T = self._entries.setdefault(key, value)
@@ -307,8 +308,9 @@ class MLAPrefillBackend(BackendDeclarations):
         into ``out=`` when given), and with ``return_softmax_lse`` also ``lse [H, total_q]``
         float32, natural log.
         """
-        check_return_flag(f"{self._label()}.run_prefill_new_tokens", "return_softmax_lse",
-                          return_softmax_lse)
+        if not isinstance(return_softmax_lse, bool):   # the label only for the message
+            check_return_flag(f"{self._label()}.run_prefill_new_tokens",
+                              "return_softmax_lse", return_softmax_lse)
         result, lse = self._run(-1, self._step().new_tokens, q, k, v, True, out,
                                 return_softmax_lse)
         if not return_softmax_lse:
@@ -384,8 +386,9 @@ class MLAPrefillBackend(BackendDeclarations):
 
     def _empty_mask(self, layout: RaggedLayout, causal: bool,
                     device: torch.device) -> torch.Tensor | None:
-        return self._step_cache.get(layout, f"empty-{causal}", lambda: empty_rows_mask(
-            layout.empty_rows(causal), layout.total_q, device))
+        return self._step_cache.get(layout, "empty-causal" if causal else "empty",
+                                    lambda: empty_rows_mask(layout.empty_rows(causal),
+                                                            layout.total_q, device))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_heads={self.num_heads}, "

@@ -34,6 +34,23 @@ def _paged_reference(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
     return out * bmm2, lse.permute(1, 2, 0)                      # kernels' [B, Q, H]
 
 
+def _poison_like_fa3(out: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
+                     seq_lens: list[int], rank: int) -> None:
+    """What flashinfer's fa2/fa3 MLA kernels make of a non-finite value in a multi-token
+    step: a key past a row's diagonal but below the request's length is masked on the scores
+    only, and its value still enters ``P @ V`` with probability 0 over the KV tile
+    (``mla_hopper.cuh``, ``logits_mask_``), so ``0 * NaN`` reaches every row of the request
+    (the H100 run: all 4 rows). Keys past the length are zero-filled at load: no effect."""
+    batch, qlen = out.shape[0], out.shape[1]
+    bs = kv.shape[1]
+    for b in range(batch):
+        n = seq_lens[b]
+        pos = torch.arange(n - qlen + 1, n)            # masked for some row of the step
+        values = kv[table[b][pos // bs].long(), pos % bs, :rank]
+        if not bool(torch.isfinite(values).all()):
+            out[b] = float("nan")
+
+
 class FakeFlashInferMLA:
     """Stand-ins for ``BatchMLAPagedAttentionWrapper``, ``MLAPlanMetadata`` and
     ``trtllm_batch_decode_with_kv_cache_mla``, recording every call."""
@@ -48,6 +65,10 @@ class FakeFlashInferMLA:
         self.plans: list[dict[str, Any]] = []
         self.runs: list[dict[str, Any]] = []
         self.trtllm_calls: list[dict[str, Any]] = []
+        #: Whether the wrapper's causal steps do what the fa2/fa3 kernels do with a masked
+        #: key (its value still multiplied by probability 0 over the tile; see
+        #: ``_poison_like_fa3``): on by default, as the H100 run measured.
+        self.tile_wide_nonfinite_values = True
         self.plan_metadata = MLAPlanMetadata
         real_trtllm = trtllm_batch_decode_with_kv_cache_mla
         fake = self
@@ -131,6 +152,8 @@ class FakeFlashInferMLA:
         out, lse = _paged_reference(q.view(batch, qlen, heads, -1), kvf, table, lens,
                                     p["head_dim_ckv"], p["sm_scale"], 1.0,
                                     causal=p["causal"] or qlen == 1)
+        if self.tile_wide_nonfinite_values and qlen > 1:
+            _poison_like_fa3(out, kvf, table, lens, p["head_dim_ckv"])
         o = a.get("out")
         if o is None:
             o = torch.empty(q.shape[0], heads, p["head_dim_ckv"], dtype=q.dtype)

@@ -387,6 +387,52 @@ def test_tokenspeed_plumbing_conforms(fake_tokenspeed: list[dict[str, Any]],
     assert {c["is_var_seq"] for c in fake_tokenspeed} == {True, False}
 
 
+def test_fa3_nonfinite_rows_reproduce_the_h100_and_the_declaration_passes_the_kit(
+        fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
+    """The stand-in does what the fa3 kernel's source does with a masked key's value (the
+    H100 run: a NaN in the last new token made all 4 rows of the request non-finite). Held
+    to isolation, FLASHINFER_MLA fails ``nonfinite_keys`` as on the H100; with its
+    declaration (``isolates_nonfinite_keys = False``) the kit holds it to what it promises."""
+    assert FlashInferMLADecodeBackend.isolates_nonfinite_keys is False
+    cls = support.on_cpu(FlashInferMLADecodeBackend, SM90)
+    assert_decode_conformance(cls, dtype=torch.bfloat16, num_heads=8,
+                              cases=["nonfinite_keys"])
+    claimed = type("Isolating", (cls,), {"isolates_nonfinite_keys": True})
+    report = run_decode_conformance(claimed, dtype=torch.bfloat16, num_heads=8,
+                                    cases=["nonfinite_keys"])
+    assert not report.passed
+    assert "must make exactly its last query row non-finite" in report.format()
+
+
+def test_a_non_isolating_backend_must_still_poison_the_rows_that_see_the_key(
+        fake_flashinfer: fakes.FakeFlashInferMLA, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``isolates_nonfinite_keys = False`` allows more non-finite rows, never fewer: a kernel
+    that leaves the poisoned row finite (dropping the key) fails, as does one whose rows of
+    another request turn non-finite."""
+    cls = support.on_cpu(FlashInferMLADecodeBackend, SM90)
+    fake_flashinfer.tile_wide_nonfinite_values = False
+    real = fakes._paged_reference
+
+    def drops_nonfinite_keys(q, kv, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return real(q, torch.nan_to_num(kv.float(), nan=0.0), *args, **kwargs)
+
+    monkeypatch.setattr(fakes, "_paged_reference", drops_nonfinite_keys)
+    report = run_decode_conformance(cls, dtype=torch.bfloat16, num_heads=8,
+                                    cases=["nonfinite_keys"])
+    assert not report.passed and "must make its last query row non-finite" in report.format()
+
+    def poisons_everything(q, kv, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out, lse = real(q, kv, *args, **kwargs)
+        if not bool(torch.isfinite(kv.float()[..., :512]).all()):
+            out[:] = float("nan")
+        return out, lse
+
+    monkeypatch.setattr(fakes, "_paged_reference", poisons_everything)
+    report = run_decode_conformance(cls, dtype=torch.bfloat16, num_heads=8,
+                                    cases=["nonfinite_keys"])
+    assert not report.passed and "no row of another request" in report.format()
+
+
 def test_a_base2_lse_left_unconverted_fails_the_kit(fake_tokenspeed: list[dict[str, Any]],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ts_mod, "base2_to_natural", lambda src, dst: dst.copy_(src))

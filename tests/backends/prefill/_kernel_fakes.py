@@ -200,3 +200,66 @@ class FakeFlashInfer:
 
         Wrapper.run.__signature__ = run_sig  # type: ignore[attr-defined]
         self.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
+
+
+class RealRunFlashInfer:
+    """A stand-in ``flashinfer`` module whose ``BatchPrefillWithRaggedKVCacheWrapper`` keeps
+    the installed package's own ``run`` (its argument checks, LSE staging and base/layout
+    conversion: ``_stage_lse`` / ``_finish_lse``), with a stand-in compiled module under it:
+    ``ragged_run`` writes the output and a base-2 ``[T, H]`` LSE, as the fa2/fa3 kernels do.
+    ``plan`` (which needs a GPU: pinned memory) records its arguments and sets what ``run``
+    reads. ``kernel_calls`` counts the kernel launches; ``in_kernel`` is True inside one."""
+
+    def __init__(self) -> None:
+        from flashinfer.prefill import BatchPrefillWithRaggedKVCacheWrapper as Real
+        from flashinfer.utils import MaskMode
+
+        self.kernel_calls = 0
+        self.in_kernel = False
+        fake = self
+        causal_mode = MaskMode.CAUSAL.value
+
+        class Module:
+            def ragged_run(self, *args: Any) -> None:
+                fake.kernel_calls += 1
+                fake.in_kernel = True
+                try:
+                    (q, k, v, cu_q, cu_kv, out, lse, mask_mode) = (args[3], args[4], args[5],
+                                                                  args[6], args[7], args[8],
+                                                                  args[9], args[10])
+                    scale = args[21]
+                    ref, lg, dead = _attention(q, k, v, cu_q, cu_kv, mask_mode == causal_mode,
+                                               scale)
+                    _garble(ref, lg, dead, float("-inf"))
+                    out.copy_(ref)
+                    if lse is not None:   # the kernels' own convention: base 2, [T, H]
+                        lse.copy_((lg * LOG2E).t())
+                finally:
+                    fake.in_kernel = False
+
+        class Wrapper(Real):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                inspect.signature(Real.__init__).bind(self, *args, **kwargs)
+                self._backend = kwargs.get("backend", "auto")
+                self._kv_layout = kwargs.get("kv_layout", args[1] if len(args) > 1 else "NHD")
+                self._cached_module = Module()
+
+            def plan(self, *args: Any, **kwargs: Any) -> None:
+                a = inspect.signature(Real.plan).bind(self, *args, **kwargs).arguments
+                self._qo_indptr_buf, self._kv_indptr_buf = a["qo_indptr"], a["kv_indptr"]
+                self._qo_indptr_last = int(a["qo_indptr"][-1])
+                self._causal = a.get("causal", False)
+                self._sm_scale = a.get("sm_scale")
+                self._cached_q_data_type = a.get("q_data_type")
+                self._cached_kv_data_type = a.get("kv_data_type") or a.get("q_data_type")
+                self._cached_o_data_type = a.get("o_data_type") or a.get("q_data_type")
+                self._window_left, self._logits_soft_cap = -1, None
+                self._rope_scale = self._rope_theta = None
+                self._custom_mask_buf = self._mask_indptr_buf = None
+                self._variant_owns_mask, self._jit_module = False, None
+                self._prefix_len_ptr = self._token_pos_in_items_ptr = None
+                self._max_item_len_ptr, self._token_pos_in_items_len = None, 0
+                self._float_workspace_buffer = self._int_workspace_buffer = None
+                self._plan_info, self.device = [], a["qo_indptr"].device
+
+        self.BatchPrefillWithRaggedKVCacheWrapper = Wrapper
