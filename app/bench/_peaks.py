@@ -56,10 +56,31 @@ from app.backends.cpu.loader import (
 )
 from app.bench._timing import time_calls
 
-__all__ = ["AMX_BF16", "BF16_DOT", "BF16_MATMUL", "CPU_MATMUL_N", "CPU_UNITS", "FP16_MATMUL",
-           "FP32_FMA", "FP32_MATMUL", "GPU_PEAK_BYTES", "MATMUL_N", "GpuPeakProbe", "PeakMeter",
-           "PeakProbe", "PeakProbeStatus", "fastest_unit", "load_peak_probe", "matmul_kind",
-           "peak_kinds", "peak_lines", "peak_probe_status"]
+__all__ = [
+    "AMX_BF16",
+    "BF16_DOT",
+    "BF16_MATMUL",
+    "CPU_MATMUL_N",
+    "CPU_UNITS",
+    "FP16_MATMUL",
+    "FP32_FMA",
+    "FP32_MATMUL",
+    "GPU_PEAK_BYTES",
+    "MATMUL_N",
+    "GpuPeakProbe",
+    "PeakMeter",
+    "PeakProbe",
+    "PeakProbeStatus",
+    "device_sync",
+    "fastest_unit",
+    "load_peak_probe",
+    "matmul_call",
+    "matmul_kind",
+    "matmul_rate",
+    "peak_kinds",
+    "peak_lines",
+    "peak_probe_status",
+]
 
 #: The peak kinds: float32 FMA, bf16 pair dot product into float32, AMX-BF16 tiles.
 FP32_FMA = "fp32_fma"
@@ -542,3 +563,31 @@ def peak_lines(peaks: dict[str, Any] | None) -> list[str]:
             f"{peaks['threads']} threads; peaks: {rates or 'none measured'}"
             + (f"; not measured: {missing}" if missing else ""),
             "target measure: fraction of the bounding peak, paired (x matmul kept beside it)"]
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What to run before each clock read on ``device`` (CUDA's synchronize; nothing on a CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def matmul_call(device: torch.device, n: int = CPU_MATMUL_N) -> Callable[[], object]:
+    """One float32 ``torch.mm`` of ``n x n`` matrices per call (TF32 off on CUDA)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def call() -> object:
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            return torch.mm(a, b)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return call
+
+
+def matmul_rate(device: torch.device, n: int = CPU_MATMUL_N, repeat: int = 10) -> float:
+    """Best float32 ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
+    best = time_calls(matmul_call(device, n), repeat=repeat, sync=device_sync(device))["min_s"]
+    return 2.0 * n ** 3 / best / 1e9

@@ -74,9 +74,15 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_vllm import compare_with_vllm
-from app.bench._peaks import AMX_BF16, BF16_DOT, FP32_FMA, GPU_PEAK_BYTES, PeakMeter
+from app.bench._peaks import (
+    AMX_BF16,
+    BF16_DOT,
+    FP32_FMA,
+    GPU_PEAK_BYTES,
+    PeakMeter,
+    matmul_rate,
+)
 from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
-from app.bench.prefill import matmul_rate
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV
 from app.commands._args import (
     bench_device,

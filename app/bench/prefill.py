@@ -52,7 +52,18 @@ import torch
 
 from app._types import MLADimensions
 from app.backends.prefill.base import MLAPrefillBackend, MLAPrefillMetadata
-from app.bench._peaks import AMX_BF16, BF16_DOT, FP32_FMA, PeakMeter, peak_lines
+from app.bench._peaks import (
+    AMX_BF16,
+    BF16_DOT,
+    FP32_FMA,
+    PeakMeter,
+    matmul_call,
+    matmul_rate,
+    peak_lines,
+)
+from app.bench._peaks import (
+    device_sync as _sync,
+)
 from app.bench._timing import time_calls, time_interleaved
 from app.commands._args import bench_device, int_in, positive_int, resolve_device
 
@@ -124,33 +135,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention heads (default 16)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the dense matmul-softmax-matmul baseline")
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def matmul_call(device: torch.device, n: int = MATMUL_N) -> Callable[[], object]:
-    """One float32 ``torch.mm`` of ``n x n`` matrices per call (TF32 off on CUDA)."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-
-    def call() -> object:
-        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            return torch.mm(a, b)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    return call
-
-
-def matmul_rate(device: torch.device, n: int = MATMUL_N, repeat: int = 10) -> float:
-    """Best float32 ``torch.mm`` GFLOP/s on ``n x n`` matrices (TF32 off on CUDA)."""
-    best = time_calls(matmul_call(device, n), repeat=repeat, sync=_sync(device))["min_s"]
-    return 2.0 * n ** 3 / best / 1e9
 
 
 def dense_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int],
