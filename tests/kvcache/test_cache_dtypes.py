@@ -150,7 +150,7 @@ def test_the_config_names_the_cache_dtype() -> None:
     config = EngineConfig.from_dict({"cache": {"kv_cache_dtype": " FP8_DS_MLA "}})
     assert config.cache.kv_cache_dtype == "fp8_ds_mla"
     assert EngineConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ValueError, match="CacheConfig.kv_cache_dtype.*allowed: auto, fp8"):
+    with pytest.raises(ValueError, match=r"CacheConfig\.kv_cache_dtype.*allowed: auto, fp8"):
         CacheConfig(kv_cache_dtype="fp8_e5m2")
-    with pytest.raises(TypeError, match="CacheConfig.kv_cache_dtype"):
+    with pytest.raises(TypeError, match=r"CacheConfig\.kv_cache_dtype"):
         CacheConfig(kv_cache_dtype=8)  # type: ignore[arg-type]

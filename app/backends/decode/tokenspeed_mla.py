@@ -101,6 +101,11 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+    #: e4m3 with one scale per layer (the query quantised per call); not FlashMLA's row.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8", "fp8_e4m3")
+    kv_cache_dtype_notes: ClassVar[dict[str, str]] = {
+        "fp8_ds_mla": "tokenspeed-mla 2.0.4 reads one cache dtype per call (fp16, bf16 or "
+                      "e4m3 with one scale), not the 656-byte FlashMLA row"}
     #: Divisors of the kernel's 128-key tile, except 1 (mla_decode_fp16.py:3990).
     supported_block_sizes: ClassVar[tuple[int, ...]] = (2, 4, 8, 16, 32, 64, 128)
     supported_mla_dimensions: ClassVar[tuple[MLADimensions, ...]] = (
@@ -126,7 +131,7 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         return insert_reasons(cls, device_capability, selector_config, dimensions=extra)
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
-                 kv_cache_dtype: torch.dtype, *,
+                 kv_cache_dtype: torch.dtype | str, *,
                  device_capability: DeviceCapability | None = None,
                  workspaces: WorkspaceSource | None = None) -> None:
         """``workspaces``: shared kernel workspaces (the container's; default: this
