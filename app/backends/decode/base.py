@@ -297,6 +297,13 @@ class MLADecodeBackend(BackendDeclarations):
         return {"capability": capability, "dtype": dtypes, "availability": availability,
                 "dimensions": dimensions, "block_size": block_size, "query_len": query_len}
 
+    def fp8_query(self) -> bool:
+        """Whether the kernel reads the query quantised to e4m3 (one scale per call,
+        ``amax / 448``) with this instance's cache dtype: the decode conformance kit's FP8
+        bounds then take the query as the kernel sees it. False unless a backend says so
+        (FLASHINFER_MLA's trtllm-gen and TOKENSPEED_MLA on an FP8 cache)."""
+        return False
+
     @classmethod
     def _kv_cache_dtype_reasons(cls, selector_config: MLADecodeSelectorConfig) -> list[str]:
         """The reason for the ``dtype`` slot when the selector's cache dtype is not read."""

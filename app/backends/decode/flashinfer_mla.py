@@ -50,6 +50,7 @@ from app._validation import check_int_at_least
 from app.backends.decode._gpu import (
     check_query_dtype,
     check_workspaces,
+    fp8_query_reasons,
     insert_reasons,
     quantize_query_fp8,
 )
@@ -201,7 +202,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             f"block size {cfg.block_size} not supported by flashinfer's {kernel} MLA kernel "
             f"on SM{device_capability.to_int()} (supported: "
             f"{', '.join(str(s) for s in sizes)})"]
-        reasons = insert_reasons(cls, device_capability, cfg, dtype=dtype, block_size=block)
+        reasons = insert_reasons(cls, device_capability, cfg,
+                                 dtype=dtype + fp8_query_reasons(cfg), block_size=block)
         if kernel != TRTLLM_GEN and not causal_tiles_fit(cfg.num_heads, cfg.query_len):
             reasons.append(f"query_len {cfg.query_len} with {cfg.num_heads} heads not "
                            f"supported by flashinfer's {kernel} MLA kernel (its causal query "
@@ -281,6 +283,10 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         if self.kv_cache_dtype == torch.float8_e4m3fn or self.kernel == TRTLLM_GEN:
             return (torch.bfloat16,)
         return (self.kv_cache_dtype,)
+
+    def fp8_query(self) -> bool:
+        """trtllm-gen reads an FP8 cache with an FP8 query (quantised per call)."""
+        return self._kernel_q_dtype() == torch.float8_e4m3fn
 
     def _kernel_q_dtype(self) -> torch.dtype:
         """The query dtype the kernel is handed (FP8 when trtllm-gen reads an FP8 cache)."""

@@ -48,6 +48,7 @@ from app.backends.decode._gpu import (
     base2_to_natural,
     check_query_dtype,
     check_workspaces,
+    fp8_query_reasons,
     insert_reasons,
     quantize_query_fp8,
 )
@@ -128,7 +129,8 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         heads = selector_config.num_heads
         extra = [] if heads <= MAX_HEADS else [
             f"{heads} query heads not supported (at most {MAX_HEADS})"]
-        return insert_reasons(cls, device_capability, selector_config, dimensions=extra)
+        return insert_reasons(cls, device_capability, selector_config, dimensions=extra,
+                              dtype=fp8_query_reasons(selector_config))
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype | str, *,
@@ -153,6 +155,10 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         self.workspaces: WorkspaceSource = check_workspaces(name, workspaces)
         self._num_sms: dict[torch.device, int] = {}
         self._lock = threading.Lock()
+
+    def fp8_query(self) -> bool:
+        """An FP8 cache is read with the query quantised to e4m3 per call."""
+        return self.kv_cache_dtype == torch.float8_e4m3fn
 
     def query_dtypes(self) -> tuple[torch.dtype, ...]:
         """The query dtypes the kernel reads with this backend's cache dtype."""
