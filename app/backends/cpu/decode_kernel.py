@@ -7,7 +7,9 @@ writes the output and the natural-log LSE. On a CPU with AVX512-BF16, a bf16 cac
 bf16 q runs on its bf16 dot products (bf16 products summed in float32, p rounded to bf16 for
 p.v, as GPU kernels do): twice the multiply-adds per instruction of float32 FMAs
 (``APP_CPU_DECODE_BF16_DOT=0`` keeps the float32 path). bf16 /
-fp16 / fp32 caches, any block size,
+fp16 / fp32 caches, and the FP8 ones (``kv_cache_format``: float8_e4m3fn rows with the layer's
+scale in ``k_scale``, or DeepSeek's ``fp8_ds_mla`` uint8 rows; each chunk of keys is
+dequantised once into a per-thread tile, ``csrc/mla_decode_cpu_fp8.h``), any block size,
 ``query_len`` 1..16 (causal inside the step), ``kv_lora_rank`` a multiple of 64 and
 ``qk_rope_head_dim`` a multiple of 32 (DeepSeek: 512 and 64). vLLM's CPU decode kernel handles
 only head size 576, block size 16 and returns no LSE.
