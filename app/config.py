@@ -28,12 +28,14 @@ from app.catalog import CATALOGS
 
 __all__ = [
     "DTYPE_ALIASES",
+    "KV_CACHE_DTYPES",
     "AttentionConfig",
     "CacheConfig",
     "EngineConfig",
     "ModelConfig",
     "dtype_name",
     "parse_dtype",
+    "parse_kv_cache_dtype",
 ]
 
 #: Accepted dtype names, mapped to the torch dtype they mean.
@@ -69,6 +71,34 @@ def parse_dtype(value: object, field: str = "dtype") -> torch.dtype:
         return DTYPE_ALIASES[key]
     raise TypeError(f"{field}: expected a dtype name or torch.dtype, got {value!r} "
                     f"({type(value).__name__})")
+
+
+#: The latent cache's dtypes, named as vLLM names them (``--kv-cache-dtype``): ``auto`` (the
+#: model's dtype), ``fp8`` / ``fp8_e4m3`` (every value in float8 e4m3 with one scale per
+#: layer: what the GPU backends read) and ``fp8_ds_mla`` (DeepSeek's FlashMLA row: the latent
+#: in e4m3 with a float32 scale per 128 values, the rope part in bf16; 656 bytes per token at
+#: DeepSeek's dims). ``app.kvcache.cache_dtypes`` defines the layouts.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+
+
+def parse_kv_cache_dtype(value: object, field: str = "kv_cache_dtype") -> str:
+    """A cache dtype name of ``KV_CACHE_DTYPES`` (case and surrounding blanks ignored; None
+    means ``"auto"``). ``ValueError`` naming ``field`` for another name, ``TypeError`` for a
+    value that is not a string."""
+    if value is None:
+        return "auto"
+    if not isinstance(value, str):
+        raise TypeError(f"{field}: expected a cache dtype name ({', '.join(KV_CACHE_DTYPES)}), "
+                        f"got {value!r} ({type(value).__name__})")
+    name = value.strip().lower()
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"{field}: unknown cache dtype {value!r}; allowed: "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return name
+
+
+def _cache_dtype(value: object) -> str:
+    return parse_kv_cache_dtype(value, "CacheConfig.kv_cache_dtype")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -203,7 +233,9 @@ class AttentionConfig:
 
 @attrs.frozen(kw_only=True)
 class CacheConfig:
-    """The paged KV cache: tokens per block, blocks in the pool (block 0 is the null block)."""
+    """The paged KV cache: tokens per block, blocks in the pool (block 0 is the null block),
+    prefix caching, and the latent cache's dtype (``kv_cache_dtype``, one of
+    ``KV_CACHE_DTYPES``: ``"auto"`` keeps the model's dtype)."""
 
     block_size: int = attrs.field(default=16, validator=[_int_in(1, MAX_HEAD_DIM),
                                                          _power_of_two])
@@ -211,6 +243,7 @@ class CacheConfig:
     #: (``python -m app run`` says how much memory they need and how much there is).
     num_blocks: int = attrs.field(default=16384, validator=_int_in(2, INT32_MAX))
     enable_prefix_caching: bool = attrs.field(default=True, validator=_bool_field)
+    kv_cache_dtype: str = attrs.field(default="auto", converter=_cache_dtype)
 
 
 _SECTIONS: dict[str, type[Any]] = {

@@ -40,6 +40,7 @@ from app.deployment import load
 from app.kvcache import (
     FullAttentionSpec,
     KVCacheSpecRegistry,
+    MLAAttentionSpec,
     SlidingWindowManager,
     SlidingWindowSpec,
     get_kv_cache_groups,
@@ -204,6 +205,13 @@ def _decode_metadata(table: list[list[int]], seq_lens: list[int]) -> Callable[[]
     return run
 
 
+def _ds_mla_rank_64() -> object:
+    from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
+
+    return TorchSDPADecodeBackend(num_heads=2, scale=0.1, kv_lora_rank=64, qk_rope_head_dim=32,
+                                  kv_cache_dtype="fp8_ds_mla")
+
+
 def _decode_scale() -> object:
     backend = _decode_metadata([[0, 1]], [20])()
     return backend.run_decode(  # type: ignore[attr-defined]
@@ -346,6 +354,14 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("config", "`ModelConfig(softmax_scale=-1.0)`", lambda: ModelConfig(softmax_scale=-1.0)),
     ("config", "`CacheConfig(block_size=24)`", lambda: CacheConfig(block_size=24)),
     ("config", "`CacheConfig(num_blocks=1)`", lambda: CacheConfig(num_blocks=1)),
+    ("config", "`CacheConfig(kv_cache_dtype=\"fp8_e5m2\")` (issue 36)",
+     lambda: CacheConfig(kv_cache_dtype="fp8_e5m2")),
+    ("kv cache", "an fp8_ds_mla spec whose latent is not a multiple of 128",
+     lambda: MLAAttentionSpec(block_size=16, head_size=100, dtype="uint8",
+                              cache_dtype_str="fp8_ds_mla")),
+    ("decode", "an fp8_ds_mla decode backend with kv_lora_rank 64", _ds_mla_rank_64),
+    ("CLI", "`python -m app backends --kind decode --kv-cache-dtype fp4`",
+     _cli("backends", "--kind", "decode", "--kv-cache-dtype", "fp4")),
     ("config", "`AttentionConfig(mla_prefill_backend=\"NOT A NAME\")`",
      lambda: AttentionConfig(mla_prefill_backend="NOT A NAME")),
     ("config", "`mla_prefill_backend = \"NOPE\"` (an unknown name, as vLLM: when the config "

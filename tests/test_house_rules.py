@@ -443,8 +443,11 @@ def test_config_and_specs_sit_at_the_bottom(bottom: str) -> None:
         if name not in seen:
             seen.add(name)
             todo.extend(_imports_of(name, modules[name], modules))
+    # app.kvcache.cache_dtypes: the cache dtypes' row layouts, over app.config alone (a spec's
+    # page size follows its dtype)
     assert seen - {bottom} <= {"app._files", "app._types", "app._validation",
-                               "app.catalog", "app.config"}, sorted(seen)
+                               "app.catalog", "app.config",
+                               "app.kvcache.cache_dtypes"}, sorted(seen)
 
 
 def test_only_the_catalog_names_built_in_backend_classes() -> None:

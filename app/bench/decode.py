@@ -34,6 +34,10 @@ GPU's (``app.bench._peaks.GpuPeakProbe``): the matmul rate of the cache's dtype 
 against the bf16 matmul) and a device-to-device copy's bandwidth, both measured in the run
 and beside every call as on the CPU.
 
+``--kv-cache-dtype fp8_ds_mla`` (or ``fp8``) times the backends that read that FP8 cache
+instead, each row beside the same backend on the bf16 cache of the same requests
+(``speedup_vs_bf16_cache``; ``app.bench._decode_fp8``, with its targets).
+
 ``--vllm-python PATH`` adds vLLM's own CPU decode kernel on the same cache contents
 (``app.bench._decode_vllm``: every query_len-1 case at block size 16, every dtype).
 
@@ -73,6 +77,7 @@ from app.bench._decode_cases import (
     default_cases,
     make_step,
 )
+from app.bench._decode_fp8 import fp8_targets, run_fp8_case
 from app.bench._decode_vllm import compare_with_vllm
 from app.bench._peaks import (
     AMX_BF16,
@@ -85,6 +90,7 @@ from app.bench._peaks import (
 from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
 from app.bench.vllm_prefill import VLLM_PYTHON_ENV
 from app.commands._args import (
+    add_kv_cache_dtype_argument,
     bench_device,
     buffer_gib,
     positive_float,
@@ -135,6 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"kernel on the same cache (default ${VLLM_PYTHON_ENV})")
     parser.add_argument("--vllm-timeout", type=positive_float, default=600.0,
                         help="seconds the vLLM side may take per answer (default 600)")
+    add_kv_cache_dtype_argument(parser, "auto", "auto: the --dtypes caches; an FP8 one is "
+                                "timed beside the bf16 cache of the same requests")
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -254,13 +262,15 @@ def _dtypes(text: str) -> dict[str, torch.dtype]:
 
 
 def _backend(cls: type[MLADecodeBackend], case: Case, step: Step,
-             device: torch.device) -> MLADecodeBackend:
+             device: torch.device, kv_cache_dtype: torch.dtype | str | None = None
+             ) -> MLADecodeBackend:
     # a backend told the block size plans in prepare_metadata (FLASHINFER_MLA), as the
     # engine's does (from_config): the step's plan is then timed apart from the layer's run
     extra: dict[str, Any] = ({"block_size": int(step.cache.shape[1])}
                              if "block_size" in inspect.signature(cls).parameters else {})
     be = cls(num_heads=case.heads, scale=1 / (128 + ROPE) ** 0.5, kv_lora_rank=RANK,
-             qk_rope_head_dim=ROPE, kv_cache_dtype=step.cache.dtype,
+             qk_rope_head_dim=ROPE,
+             kv_cache_dtype=step.cache.dtype if kv_cache_dtype is None else kv_cache_dtype,
              device_capability=_capability(device), **extra)
     be.prepare_metadata(step.block_table, step.seq_lens, case.query_len)
     return be
@@ -351,6 +361,33 @@ def _run_case(cls: type[MLADecodeBackend], case: Case, dtype_name: str, block_si
         row.update({"baseline": baseline.get_name() if baseline else None,
                     "baseline_ms": round(tb * 1e3, 3), "speedup_vs_baseline": round(tb / t, 2),
                     "baseline_peak_extra_mb": _mb(peak_extra_bytes(fns["baseline"], device))})
+    return row
+
+
+def _run_fp8(cls: type[MLADecodeBackend], case: Case, dtype_name: str, kv_cache_dtype: str,
+             block_size: int, device: torch.device, repeat: int, meter: PeakMeter,
+             stream: StreamProbe) -> dict[str, Any]:
+    """An FP8-cache row (``app.bench._decode_fp8``) with the peak and stream probes beside
+    each round and the paired roofline, as ``_run_case``'s."""
+    dtype = _DTYPES[dtype_name]
+    peak_kind = _bound_peak(cls, dtype, meter)
+    peak_s: list[float] = []
+    stream_s: list[float] = []
+    probes = {"peak": meter.beside(peak_kind, peak_s),
+              "stream": stream.beside(stream_s)} if meter.enabled else {}
+    row = run_fp8_case(cls, case, dtype, dtype_name, kv_cache_dtype, block_size, device,
+                       repeat, _backend, probes, _sync(device))
+    calls = row.pop("fp8_calls_s")
+    if meter.enabled:
+        meter.annotate(row, peak_kind, case.flops(), calls, peak_s)
+        cache_bytes = row["cache_mb"] * 1e6
+        paired = [max(cache_bytes / (bw * 1e9), case.flops() / (peak * 1e9)) / call
+                  for call, peak, bw in zip(calls, peak_s[-repeat:], stream_s[-repeat:],
+                                            strict=False)]
+        row["roofline_fraction_paired"] = (round(statistics.median(paired), 3)
+                                           if len(paired) == repeat else None)
+        row["stream_gbs_paired"] = [round(x, 1) for x in stream_s]
+    row["peak_extra_mb"] = None
     return row
 
 
@@ -455,9 +492,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stream = StreamProbe(device, min(gib, _PAIRED_STREAM_GIB), meter)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
+    fp8 = str(getattr(args, "kv_cache_dtype", "auto") or "auto")
+    if fp8 != "auto":    # the backends that read it, each beside itself on the bf16 cache
+        skipped.update({c.get_name(): [f"kv_cache_dtype {fp8!r} not supported"]
+                        for c in classes if not c.supports_kv_cache_dtype(fp8)})
+        classes = [c for c in classes if c.supports_kv_cache_dtype(fp8)]
     for dtype_name in dtypes:
         for case in default_cases(args.quick):
             for cls in classes:
+                if fp8 != "auto":
+                    try:
+                        rows.append(_run_fp8(cls, case, dtype_name, fp8, args.block_size,
+                                             device, repeat, meter, stream))
+                    except (RuntimeError, ValueError) as exc:
+                        errors.append(f"{cls.get_name()} {case.name} {dtype_name} {fp8}: {exc}")
+                    continue
                 if cls is baseline and len(classes) > 1:
                     continue  # timed beside every other backend
                 if not args.quick:
@@ -477,7 +526,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paired_bw = [x for row in rows for x in row.get("stream_gbs_paired", [])]
     mm, bw = max(mm_runs), max(bw_runs + paired_bw)
     _rooflines(rows, bw, mm, meter)
-    targets = _targets(rows) if device.type == "cpu" and not args.quick else []
+    targets = ((fp8_targets(rows) if fp8 != "auto" else _targets(rows))
+               if device.type == "cpu" and not args.quick else [])
     vllm = None
     if args.vllm_python and device.type == "cpu":
         vllm = compare_with_vllm(str(args.vllm_python),
@@ -490,7 +540,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "decode", "device": str(device), "cpu": _cpu(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "python": _pyplatform.python_version(),
-        "quick": bool(args.quick), "cache_dtypes": list(dtypes), "kv_lora_rank": RANK,
+        "quick": bool(args.quick), "cache_dtypes": list(dtypes), "kv_cache_dtype": fp8,
+        "kv_lora_rank": RANK,
         "qk_rope_head_dim": ROPE, "block_size": args.block_size,
         "stream_gbs": round(bw, 2), "stream_gbs_runs": [round(x, 2) for x in bw_runs],
         "stream_gib": gib, "stream_probe": stream.kind,
@@ -523,8 +574,11 @@ def render(result: dict[str, Any]) -> str:
                      f"{r['cache_gbs']:6.1f} {r['gflops']:7.1f} "
                      f"{_fmt(r.get('bound_peak')):>8s} {r['roofline_fraction']:8.3f} "
                      f"{_fmt(r.get('roofline_fraction_paired')):>6s} "
-                     f"{_fmt(r['peak_extra_mb']):>7s} {_fmt(r.get('baseline_ms')):>13s} "
-                     f"{_fmt(r.get('speedup_vs_baseline')):>8s}")
+                     f"{_fmt(r['peak_extra_mb']):>7s} "
+                     f"{_fmt(r.get('baseline_ms', r.get('bf16_cache_ms'))):>13s} "
+                     f"{_fmt(r.get('speedup_vs_baseline', r.get('speedup_vs_bf16_cache'))):>8s}"
+                     + (f" ({r['kv_cache_dtype']} vs the bf16 cache)"
+                        if "bf16_cache_ms" in r else ""))
     vllm = result.get("vllm_comparison") or {}
     for r in vllm.get("results", []):
         lines.append(f"vs vLLM {r['case']:11s} {r['dtype']:5s} block {r['block_size']}: ours "

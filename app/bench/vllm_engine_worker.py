@@ -170,6 +170,8 @@ def _build(engine: dict[str, Any]) -> tuple[Any, float]:
         kwargs["max_num_batched_tokens"] = int(engine["max_num_batched_tokens"])
     if "enable_prefix_caching" in engine:
         kwargs["enable_prefix_caching"] = bool(engine["enable_prefix_caching"])
+    if engine.get("kv_cache_dtype"):     # an FP8 latent cache (issue 36)
+        kwargs["kv_cache_dtype"] = str(engine["kv_cache_dtype"])
     start = time.perf_counter()
     llm = LLM(**kwargs)
     return llm, round(time.perf_counter() - start, 2)

@@ -15,8 +15,8 @@ from app._host import available_host_bytes
 from app._validation import INT32_MAX
 from app.platforms.detect import default_device
 
-__all__ = ["bench_device", "buffer_gib", "int_in", "output_file", "positive_float",
-           "positive_int", "resolve_device"]
+__all__ = ["add_kv_cache_dtype_argument", "bench_device", "buffer_gib", "int_in",
+           "output_file", "positive_float", "positive_int", "resolve_device"]
 
 
 def int_in(minimum: int, maximum: int = INT32_MAX) -> Callable[[str], int]:
@@ -41,6 +41,19 @@ def int_in(minimum: int, maximum: int = INT32_MAX) -> Callable[[str], int]:
 
 #: An argparse ``type``: an int in ``[1, 2**31 - 1]``.
 positive_int = int_in(1)
+
+
+def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser, default: str | None = None,
+                                help_default: str = "the config's") -> None:
+    """``--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_ds_mla`` (the latent cache's dtype, named as
+    vLLM names them; ``app.kvcache.cache_dtypes``)."""
+    from app.config import KV_CACHE_DTYPES
+
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default,
+                        help="the latent cache's dtype: auto (the model's), fp8 / fp8_e4m3 "
+                             "(e4m3, one scale per layer: 576 B per token at 512 + 64), "
+                             "fp8_ds_mla (DeepSeek's FlashMLA row: e4m3 with a float32 scale "
+                             f"per 128 values, rope in bf16: 656 B) (default: {help_default})")
 
 
 def positive_float(text: str) -> float:

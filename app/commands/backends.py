@@ -17,7 +17,7 @@ import argparse
 from typing import Any
 
 from app._types import DeviceCapability
-from app.commands._args import int_in
+from app.commands._args import add_kv_cache_dtype_argument, int_in
 from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show which MLA backends are valid here, why not, and which one is chosen"
@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. 9.0, 10.0), or 'cpu'")
     parser.add_argument("--deployment", metavar="TOML", default=None,
                         help="explain for this deployment file's container (app.deployment)")
+    add_kv_cache_dtype_argument(parser)
     parser.add_argument("--mla-dimensions", metavar="NOPE,ROPE,V", default=None,
                         help="the model's qk_nope_head_dim,qk_rope_head_dim,v_head_dim "
                              "(e.g. 192,64,256)")
@@ -83,6 +84,8 @@ def build_config(args: argparse.Namespace, base: Any) -> Any:
         data["model"]["dtype"] = args.dtype
     if args.mla_dimensions is not None:
         data["model"].update(_parse_dimensions(args.mla_dimensions))
+    if getattr(args, "kv_cache_dtype", None) is not None:
+        data["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
     if args.backend is not None:
         for name in _kinds(args):
             kind = BACKEND_KINDS[name]

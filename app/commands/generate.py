@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.commands._args import positive_int
+from app.commands._args import add_kv_cache_dtype_argument, positive_int
 from app.commands._model import add_model_arguments, build_model, model_line
 from app.commands._output import json_text, print_text, raise_for_errors
 from app.commands._tokenizer import CheckpointTokenizer
@@ -66,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not stop at the checkpoint's eos token(s)")
     parser.add_argument("--block-size", type=positive_int, default=16,
                         help="tokens per KV-cache block (default: %(default)s)")
+    add_kv_cache_dtype_argument(parser, "auto", "%(default)s")
     parser.add_argument("--no-progress", action="store_true",
                         help="no loading progress bar on stderr")
 
@@ -100,7 +101,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("a --prompt tokenized to no tokens")
     blocks = sum(-(-(len(p) + args.max_new_tokens) // args.block_size) for p in prompts)
     config = attrs.evolve(built.config, cache=attrs.evolve(
-        built.config.cache, block_size=args.block_size, num_blocks=blocks + _SPARE_BLOCKS))
+        built.config.cache, block_size=args.block_size, num_blocks=blocks + _SPARE_BLOCKS,
+        kv_cache_dtype=args.kv_cache_dtype))
     engine = MLAEngine(create_container(config), weights=built.weights,
                        step_tokens=max(8192, max(len(p) for p in prompts)), keep_outputs=False)
     stop = () if args.ignore_eos else built.eos_token_ids
@@ -137,6 +139,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
                                      engine.model.compute_dtype)},
         "backends": {"prefill": engine.backend_class.get_name(),
                      "decode": engine.decode_backend_class.get_name()},
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
         "stop_token_ids": list(stop),
     }
 

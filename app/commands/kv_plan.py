@@ -170,8 +170,20 @@ def _int_fields(cls: type[Any]) -> set[str]:
     return {f.name for f in attrs.fields(cls) if f.type in ("int", "int | None", int)}
 
 
+def _cache_dtype_fields(cls: type[Any], given: dict[str, Any], kv_cache_dtype: str) -> None:
+    """``[cache] kv_cache_dtype`` on an MLA layer that does not name its own
+    ``cache_dtype_str``: the FP8 dtypes store the layer in FP8 (``app.kvcache.cache_dtypes``;
+    ``fp8_ds_mla``: 656-byte rows at 512 + 64)."""
+    fields = {f.name for f in attrs.fields(cls)}
+    if kv_cache_dtype == "auto" or "cache_dtype_str" not in fields \
+            or "cache_dtype_str" in given:
+        return
+    given["cache_dtype_str"] = kv_cache_dtype
+    given.setdefault("dtype", "uint8" if kv_cache_dtype == "fp8_ds_mla" else "fp8")
+
+
 def _build_spec(cls: type[Any], entry: Mapping[str, Any], defaults: Mapping[str, Any],
-                block_size: int, where: str) -> Any:
+                block_size: int, where: str, kv_cache_dtype: str = "auto") -> Any:
     fields = {f.name for f in attrs.fields(cls)}
     given = {k: v for k, v in entry.items() if k not in _LAYER_KEYS}
     if "kv_lora_rank" in given or "qk_rope_head_dim" in given:
@@ -181,9 +193,13 @@ def _build_spec(cls: type[Any], entry: Mapping[str, Any], defaults: Mapping[str,
             if key not in given:
                 raise ValueError(f"{where}: {key} is missing (MLA head_size is "
                                  f"kv_lora_rank + qk_rope_head_dim)")
+        rope = check_int(f"{where}.qk_rope_head_dim", given.pop("qk_rope_head_dim"), 0,
+                         _MAX_DIM)
         given["head_size"] = (
-            check_int(f"{where}.kv_lora_rank", given.pop("kv_lora_rank"), 1, _MAX_DIM)
-            + check_int(f"{where}.qk_rope_head_dim", given.pop("qk_rope_head_dim"), 0, _MAX_DIM))
+            check_int(f"{where}.kv_lora_rank", given.pop("kv_lora_rank"), 1, _MAX_DIM) + rope)
+        if "qk_rope_head_dim" in fields:   # an MLA spec keeps it (fp8_ds_mla rows need it)
+            given["qk_rope_head_dim"] = rope
+    _cache_dtype_fields(cls, given, kv_cache_dtype)
     unknown = sorted(set(given) - fields)
     if unknown:
         raise ValueError(f"{where}: {cls.__name__} has no field(s) {unknown}; "
@@ -246,7 +262,8 @@ def load_plan_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if len(specs) + len(names) > _MAX_LAYERS:
             raise ValueError(f"{where}: the file names more than {_MAX_LAYERS} layers in all")
         cls = _spec_class(entry.get("spec"), where)
-        spec = _build_spec(cls, entry, defaults, cache.block_size, where)
+        spec = _build_spec(cls, entry, defaults, cache.block_size, where,
+                           cache.kv_cache_dtype)
         for name in names:
             if name in specs:
                 raise ValueError(f"{where}: layer {name!r} is listed twice")
@@ -279,6 +296,8 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
             "layers": list(group.layer_names),
             "block_size": group.block_size,
             "page_size_bytes_per_layer": sorted({s.page_size_bytes for s in group.layer_specs}),
+            "bytes_per_token_per_layer": sorted({s.page_size_bytes // group.block_size
+                                                 for s in group.layer_specs}),
         }
         if isinstance(group.kv_cache_spec, SinkFullAttentionSpec):
             reserved += group.kv_cache_spec.sink_len // group.block_size
@@ -320,11 +339,12 @@ def render_plan(plan: dict[str, Any]) -> str:
         layers = g["layers"]
         shown = ", ".join(layers[:2]) + (f", ... ({len(layers)})" if len(layers) > 2 else "")
         row = [g["group"], g["manager"], g["spec"]["type"], g["block_size"],
-               "/".join(str(p) for p in g["page_size_bytes_per_layer"]), shown]
+               "/".join(str(p) for p in g["page_size_bytes_per_layer"]),
+               "/".join(str(p) for p in g["bytes_per_token_per_layer"]), shown]
         if "blocks_per_request" in g:
             row.append(g["blocks_per_request"])
         rows.append(row)
-    headers = ["group", "manager", "spec", "block", "page B/layer", "layers"]
+    headers = ["group", "manager", "spec", "block", "page B/layer", "B/token/layer", "layers"]
     if "max_model_len" in plan:
         headers.append("blocks/request")
     lines = [f"{plan['num_layers']} layers in {len(plan['groups'])} KV-cache group(s)",

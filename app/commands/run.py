@@ -33,7 +33,7 @@ import torch
 from dependency_injector import providers
 
 from app import deployment
-from app.commands._args import int_in, positive_int
+from app.commands._args import add_kv_cache_dtype_argument, int_in, positive_int
 from app.commands._memory import check_cache_fits, check_request_fits
 from app.commands._model import add_model_arguments, build_model, model_line
 from app.commands._output import ProgressBar, print_json, print_text, raise_for_errors
@@ -94,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the config's)")
     parser.add_argument("--block-size", type=positive_int, default=None,
                         help="tokens per KV-cache block (default: the config's)")
+    add_kv_cache_dtype_argument(parser)
+    parser.add_argument("--cache-memory", default=None, metavar="SIZE",
+                        help="size the pool by memory instead of --num-blocks: as many blocks "
+                             "as fit in SIZE (e.g. 2GiB) with the cache dtype's bytes per "
+                             "token, so an FP8 cache holds more tokens in the same memory")
     parser.add_argument("--chunk-tokens", type=positive_int, default=None,
                         help="most context tokens gathered and up-projected at once "
                              "(default: the config's attention.context_chunk_tokens)")
@@ -127,7 +132,37 @@ def build_config(args: argparse.Namespace, base: EngineConfig) -> EngineConfig:
         cache = attrs.evolve(cache, num_blocks=args.num_blocks)
     if args.block_size is not None:
         cache = attrs.evolve(cache, block_size=args.block_size)
+    if getattr(args, "kv_cache_dtype", None) is not None:
+        cache = attrs.evolve(cache, kv_cache_dtype=args.kv_cache_dtype)
     return EngineConfig(model=model, attention=attention, cache=cache)
+
+
+def _blocks_in_memory(config: EngineConfig, memory: str, num_layers: int) -> EngineConfig:
+    """``config`` with as many cache blocks as fit in ``memory`` (``--cache-memory``)."""
+    from app.commands.kv_plan import parse_memory
+    from app.kvcache.cache_dtypes import LatentCacheFormat
+
+    m, cache = config.model, config.cache
+    per_token = LatentCacheFormat.from_name(cache.kv_cache_dtype, m.dtype, m.kv_lora_rank,
+                                            m.qk_rope_head_dim).bytes_per_token
+    per_block = per_token * cache.block_size * num_layers
+    blocks = parse_memory(memory, "--cache-memory") // per_block
+    if blocks < 2:
+        raise ValueError(f"--cache-memory {memory}: a block takes {per_block} B "
+                         f"({num_layers} layer(s) x {cache.block_size} tokens x {per_token} "
+                         f"B); that holds {blocks}, the pool needs at least 2")
+    return attrs.evolve(config, cache=attrs.evolve(cache, num_blocks=int(blocks)))
+
+
+def _pool_capacity(config: EngineConfig, pool: dict[str, Any]) -> dict[str, Any]:
+    """How many tokens the pool holds, and how many the same memory would hold in the model
+    dtype: an FP8 cache holds 1152 / 656 = 1.76x (fp8_ds_mla) or 2x (fp8) as many."""
+    m = config.model
+    model_bytes = (m.kv_lora_rank + m.qk_rope_head_dim) * m.dtype.itemsize
+    ratio = model_bytes / pool["bytes_per_token_per_layer"]
+    tokens = (pool["num_blocks"] - 1) * pool["block_size"]
+    return {"tokens": tokens, "tokens_if_model_dtype": int(tokens / ratio),
+            "tokens_vs_model_dtype": round(ratio, 4)}
 
 
 def _why_not(explanation: Any) -> dict[str, list[str]]:
@@ -192,11 +227,13 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
 def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
                dtype: torch.dtype) -> dict[str, Any]:
     from app.mla.checks import check_generations, derived_tolerance, tolerance_rule
-    from app.model.reference import ReferenceModel, reference_tolerance
+    from app.model.reference import ReferenceModel, reference_tolerance, routing_tolerance
 
     start = time.perf_counter()
     reference = ReferenceModel(engine.weights)
-    plain = ReferenceModel(engine.weights, dtype=dtype)   # what the dtype alone costs
+    cache_dtype = engine.config.cache.kv_cache_dtype
+    # what the dtype (and an FP8 cache) alone cost
+    plain = ReferenceModel(engine.weights, dtype=dtype, kv_cache_dtype=cache_dtype)
     keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
             "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
             "token_mismatches", "routing_near_ties")
@@ -207,6 +244,7 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
     results = check_generations(reference, sorted(outputs, key=lambda o: o.token_ids),
                                 None if prefill_rows < 0 else prefill_rows,
                                 None if decode_rows < 0 else decode_rows,
+                                routing_tolerance=routing_tolerance(dtype, cache_dtype),
                                 dtype_reference=plain)
     for result in results:
         for key in keys:
@@ -232,7 +270,9 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
             "prefill_max_abs_error": prefill_abs, "decode_max_abs_error": decode_abs,
             "ref_max_abs": scale, "max_relative_error": max(prefill_err, decode_err),
             "dtype_max_relative_error": dtype_err, "tolerance": tolerance,
-            "tolerance_floor": reference_tolerance(dtype), "tolerance_rule": tolerance_rule(dtype),
+            "tolerance_floor": reference_tolerance(dtype),
+            "tolerance_rule": tolerance_rule(dtype, cache_dtype),
+            "routing_tolerance": routing_tolerance(dtype, cache_dtype),
             "passed": passed,
             "reference_tokens_reused": reference.reused_tokens,
             "reference_tokens_computed": reference.computed_tokens,
@@ -262,6 +302,8 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
             raise
         raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     config = built.config
+    if args.cache_memory is not None:
+        config = _blocks_in_memory(config, args.cache_memory, built.weights.num_layers)
     if container is None:
         container = create_container(config)
     else:   # the deployment's container, with the one config this run uses
@@ -294,7 +336,8 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     dtype = config.model.dtype
     check: dict[str, Any] = {"enabled": False, "passed": None, "seconds": 0.0,
                              "tolerance": reference_tolerance(dtype),
-                             "tolerance_rule": tolerance_rule(dtype)}
+                             "tolerance_rule": tolerance_rule(dtype,
+                                                              config.cache.kv_cache_dtype)}
     if not args.no_check:
         check = _check_all(engine, outputs, args.check_prefill_rows, args.check_decode_rows,
                            dtype)
@@ -329,6 +372,9 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
                                      engine.model.compute_dtype)},
         "kv_cache": {"groups": engine.describe_kv_cache_groups(),
                      "pool": engine.pool_usage(), "leaked_blocks": leaked,
+                     "capacity": _pool_capacity(config, engine.pool_usage()),
+                     "k_scales": [c.k_scale for c in engine.model.caches]
+                     if engine.model.caches[0].format.per_layer_scale else None,
                      "context_chunk_tokens": config.attention.context_chunk_tokens},
         "workload": {"num_requests": len(workload), "min_len": args.min_len,
                      "max_len": args.max_len, "min_new_tokens": args.min_new_tokens,
@@ -405,6 +451,13 @@ def render(result: dict[str, Any]) -> str:
                  f" MiB), peak used {pool['peak_used_blocks']} ({pool['peak_use']:.1%}), "
                  f"cached {pool['cached_blocks']}, free at end {pool['free_blocks']}, "
                  f"leaked {leaked}")
+    capacity = result["kv_cache"]["capacity"]
+    lines.append(f"kv cache dtype  {pool['kv_cache_dtype']}: {pool['bytes_per_token_per_layer']}"
+                 f" B per token and layer; the pool holds {capacity['tokens']} tokens, "
+                 f"{capacity['tokens_vs_model_dtype']:.2f}x the {capacity['tokens_if_model_dtype']}"
+                 f" the same memory holds in {model['dtype']}"
+                 + ("" if not pool["fp8_overflows"] else
+                    f"; {pool['fp8_overflows']} values saturated by the fp8 scale"))
     wl = result["workload"]
     spec = result["speculative"]
     summary = {
@@ -443,7 +496,8 @@ def render(result: dict[str, Any]) -> str:
                              f"float64 argmax, {check['near_ties']} near-ties (either token "
                              f"within rounding), {check['token_mismatches']} mismatches; "
                              f"{check['routing_near_ties']} rows with a routing near-tie "
-                             "(experts within rounding) not compared")
+                             f"(experts within {check['routing_tolerance']:g}: rounding) not "
+                             "compared")
         summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
                                  f"of the wall time)")
     else:

@@ -79,6 +79,9 @@ DECODE_METHODS: dict[tuple[tuple[str, ...], str, str], tuple[str, ...]] = {
         "kv_sharing_target_layer_name", "**mla_args"),
     (_CPU_MLA_SOURCE, "CPUMLAImpl", "forward_mqa"): (
         "self", "q", "kv_c_and_k_pe_cache", "attn_metadata", "layer"),
+    (_CPU_MLA_SOURCE, "CPUMLAImpl", "do_kv_cache_update"): (
+        "self", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping", "kv_cache_dtype",
+        "k_scale"),
     (_CPU_MLA_SOURCE, "CPUMLABackend", "get_name"): (),
     (_CPU_MLA_SOURCE, "CPUMLABackend", "get_impl_cls"): (),
     (_CPU_MLA_SOURCE, "CPUMLABackend", "supports_block_size"): ("cls", "block_size"),

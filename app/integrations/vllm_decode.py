@@ -21,6 +21,19 @@ registry, vLLM's ``forward_impl`` around them) and run the decode on our CPU_MLA
   size 16 for CPU_MLA (``CpuPlatform.check_and_update_config``); the head-size limits of vLLM's
   own MLA metadata (320, 512, 576) are lifted by :class:`AppMLAMetadata`.
 
+**FP8 latent caches** (issue 36): vLLM's CPU build cannot keep an FP8 MLA cache: with
+``kv_cache_dtype="fp8"`` its ``CPUMLAImpl.do_kv_cache_update`` casts the latent to the cache's
+dtype without its scale and ``torch.ops._C.mla_decode_kvcache`` then refuses the cache
+("expected scalar type BFloat16 but found Float8_e4m3fn"); with ``"fp8_ds_mla"`` the write
+fails at once (``kv_cache.view(-1, 576)`` of 656-byte rows). Ours writes and reads both:
+:meth:`AppCPUMLAImpl.do_kv_cache_update` quantises each new token's latent once, as this
+package's engine does (``app.kvcache.cache_dtypes``: ``fp8`` / ``fp8_e4m3`` with the layer's
+``k_scale``, the value vLLM keeps in ``layer._k_scale``, a finite value beyond ``448 x
+k_scale`` saturated and logged; ``fp8_ds_mla``: DeepSeek's FlashMLA row, a power-of-two scale
+per 128 values), into vLLM's uint8 cache in place; the decode reads the rows as they are
+(CPU_MLA's FP8 paths). vLLM's CPU platform runs no chunked prefill or prefix caching for MLA,
+so no prefill reads the cache back.
+
 ``get_name()`` stays ``"CPU_MLA"``: vLLM selected that name. vLLM imports this module by class
 path once the general plugin has registered it; importing it needs vLLM (``ImportError``).
 """
@@ -28,6 +41,7 @@ path once the general plugin has registered it; importing it needs vLLM (``Impor
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, ClassVar
 
 import torch
@@ -49,9 +63,25 @@ from app._types import MLADimensions
 from app.backends.decode.base import MLADecodeBackend
 from app.integrations import _vllm_backends
 from app.integrations._vllm_plugin import announce_pending
+from app.kvcache.cache_dtypes import quantize_fp8_ds_mla, quantize_fp8_per_layer
 
 __all__ = ["AppCPUMLABackend", "AppCPUMLAImpl", "AppCPUMLAMetadataBuilder",
            "AppMLADecodeMetadata", "AppMLAMetadata"]
+
+logger = logging.getLogger("vllm.plugins.app")
+
+
+def _fp8_name(kv_cache_dtype: object) -> str | None:
+    """``"fp8"`` or ``"fp8_ds_mla"`` for vLLM's FP8 cache dtype names we serve, else None."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    return "fp8_ds_mla" if kv_cache_dtype == "fp8_ds_mla" else None
+
+
+def _cache_dtype_of(spec: Any) -> torch.dtype | str:
+    """Our decode backend's ``kv_cache_dtype`` for vLLM's KV-cache spec (its
+    ``cache_dtype_str`` names an FP8 cache; vLLM stores both as uint8)."""
+    return _fp8_name(getattr(spec, "cache_dtype_str", None)) or spec.dtype
 
 
 def _head_size_ok(head_size: int) -> bool:
@@ -92,7 +122,7 @@ class AppCPUMLAMetadataBuilder(MLACommonMetadataBuilder):  # type: ignore[misc,u
             num_heads=self.num_heads,
             scale=(dims.qk_nope_head_dim + dims.qk_rope_head_dim) ** -0.5,
             kv_lora_rank=dims.kv_lora_rank, qk_rope_head_dim=dims.qk_rope_head_dim,
-            kv_cache_dtype=self.kv_cache_spec.dtype)
+            kv_cache_dtype=_cache_dtype_of(self.kv_cache_spec))
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any,
               fast_build: bool = False) -> AppMLAMetadata:
@@ -146,11 +176,47 @@ class AppCPUMLAImpl(CPUMLAImpl):  # type: ignore[misc,unused-ignore]
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         step = backend.metadata
+        cache, k_scale = kv_c_and_k_pe_cache, None
+        fmt = _fp8_name(self.kv_cache_dtype)
+        if fmt is not None:   # vLLM's uint8 (or float8) bytes, read as our FP8 rows
+            cache = cache.view(torch.uint8).view(
+                torch.float8_e4m3fn if fmt == "fp8" else torch.uint8)
+            k_scale = float(layer._k_scale) if fmt == "fp8" else None
         out = backend.run_decode(q.view(step.batch, step.query_len, *q.shape[1:]),
-                                 kv_c_and_k_pe_cache, softmax_scale=self.scale)
+                                 cache, softmax_scale=self.scale, k_scale=k_scale)
         if not isinstance(out, torch.Tensor):  # only with return_softmax_lse
             raise TypeError(f"{type(backend).__name__}.run_decode returned {type(out)}")
         return out.view(step.batch * step.query_len, *out.shape[2:]), None
+
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+        """vLLM's write for its own cache dtypes; an FP8 one quantised by ours (see the
+        module docstring), slots of -1 (padding) skipped as vLLM skips them."""
+        fmt = _fp8_name(kv_cache_dtype)
+        if fmt is None:
+            super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping,
+                                       kv_cache_dtype, k_scale)
+            return
+        if kv_cache.numel() == 0:
+            return
+        latent = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], dim=-1)
+        slots = slot_mapping.flatten().to(torch.long)
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, latent = slots[valid], latent[valid]
+        if fmt == "fp8_ds_mla":
+            rows = quantize_fp8_ds_mla(latent, self.kv_lora_rank)
+        else:
+            q8, overflow = quantize_fp8_per_layer(latent, float(k_scale))
+            rows = q8.view(torch.uint8)
+            if int(overflow):
+                logger.warning("app: %d latent value(s) beyond 448 x k_scale (%g) were "
+                               "saturated in vLLM's fp8 KV cache", int(overflow),
+                               float(k_scale))
+        flat = kv_cache.view(torch.uint8).view(-1, rows.shape[-1])
+        flat.index_copy_(0, slots, rows)
 
 
 class AppCPUMLABackend(CPUMLABackend):  # type: ignore[misc,unused-ignore]
@@ -160,6 +226,8 @@ class AppCPUMLABackend(CPUMLABackend):  # type: ignore[misc,unused-ignore]
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                       torch.float32]
+    #: vLLM's cache dtype names: the model's, and the FP8 caches our write and decode serve.
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "fp8", "fp8_e4m3", "fp8_ds_mla"]
 
     @staticmethod
     def get_impl_cls() -> type[AppCPUMLAImpl]:

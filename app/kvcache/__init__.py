@@ -81,6 +81,12 @@ grouping puts in effect, else the active container's.
 
 from app.kvcache.bindings import KVCacheSpecBindings, KVCacheSpecMetadata
 from app.kvcache.block_pool import BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from app.kvcache.cache_dtypes import (
+    LatentCacheFormat,
+    dequantize_fp8_ds_mla,
+    ds_mla_row_bytes,
+    quantize_fp8_ds_mla,
+)
 from app.kvcache.grouping import (
     KVCacheGroupSpec,
     get_kv_cache_bytes_per_block,
@@ -141,6 +147,7 @@ __all__ = [
     "KVCacheSpecBindings",
     "KVCacheSpecMetadata",
     "KVCacheSpecRegistry",
+    "LatentCacheFormat",
     "MLAAttentionSpec",
     "MambaManager",
     "MambaSpec",
@@ -152,9 +159,12 @@ __all__ = [
     "SlidingWindowSpec",
     "StaleCacheHitError",
     "TQFullAttentionSpec",
+    "dequantize_fp8_ds_mla",
+    "ds_mla_row_bytes",
     "get_kv_cache_bytes_per_block",
     "get_kv_cache_groups",
     "hash_block_tokens",
+    "quantize_fp8_ds_mla",
     "register_kv_cache_spec",
     "unify_kv_cache_spec_page_size",
 ]

@@ -15,7 +15,9 @@ Page sizes:
   ``2 * block_size * num_kv_heads * head_size * dtype_size``.
 - MLA (and sliding-window MLA, hidden states): one latent vector per token,
   ``block_size * num_kv_heads * head_size * dtype_size`` with ``num_kv_heads = 1`` and
-  ``head_size = kv_lora_rank + qk_rope_head_dim`` (DeepSeek: 512 + 64 = 576).
+  ``head_size = kv_lora_rank + qk_rope_head_dim`` (DeepSeek: 512 + 64 = 576); an MLA spec with
+  ``cache_dtype_str = "fp8_ds_mla"`` stores one FlashMLA row per token instead (656 bytes at
+  DeepSeek's dims; ``app.kvcache.cache_dtypes``).
 - TurboQuant full attention: ``block_size * num_kv_heads * tq_slot_size`` (the slot holds the
   quantized K and V of one token and head).
 - Mamba: the state tensors, ``sum(prod(shape) * dtype_size)``, whatever the block size.
@@ -36,7 +38,8 @@ import attrs
 import torch
 
 from app._validation import check_int, is_int
-from app.config import DTYPE_ALIASES
+from app.config import DTYPE_ALIASES, parse_kv_cache_dtype
+from app.kvcache.cache_dtypes import ds_mla_row_bytes
 
 __all__ = [
     "AttentionSpec",
@@ -296,35 +299,83 @@ class FullAttentionSpec(AttentionSpec):
     """Causal attention over every earlier token: blocks are held until the request ends."""
 
 
+def _cache_dtype_str(value: object) -> str | None:
+    """vLLM's ``cache_dtype_str``: None, or a name of ``app.config.KV_CACHE_DTYPES``."""
+    if value is None:
+        return None
+    return parse_kv_cache_dtype(value, "MLAAttentionSpec.cache_dtype_str")
+
+
+#: DeepSeek's rope dims: what an ``fp8_ds_mla`` spec assumes when it is not told (vLLM's 656).
+_DS_MLA_DEFAULT_ROPE = 64
+
+
 @attrs.frozen(kw_only=True)
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention: one latent "head" per token, no separate V.
 
     ``head_size`` is ``kv_lora_rank + qk_rope_head_dim`` (DeepSeek: 576); build one from the
     model's dimensions with ``MLAAttentionSpec.from_dims`` or ``from_model_config``.
+    ``cache_dtype_str`` (vLLM's field) names the cache dtype (``app.config.KV_CACHE_DTYPES``;
+    None: ``dtype`` says all): with ``"fp8_ds_mla"`` a token takes one FlashMLA row
+    (``app.kvcache.cache_dtypes``: 656 bytes at 512 + 64; ``dtype`` is then the row's
+    ``uint8``), for which ``qk_rope_head_dim`` (default 64) splits ``head_size``.
     """
 
     num_kv_heads: int = attrs.field(default=1, validator=_positive)
+    cache_dtype_str: str | None = attrs.field(default=None, converter=_cache_dtype_str)
+    qk_rope_head_dim: int | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0))))
+
+    def __attrs_post_init__(self) -> None:
+        if self.cache_dtype_str == "fp8_ds_mla":
+            ds_mla_row_bytes(*self._ds_mla_dims())   # a ValueError for dims it cannot hold
+        super().__attrs_post_init__()
+
+    def _ds_mla_dims(self) -> tuple[int, int]:
+        rope = _DS_MLA_DEFAULT_ROPE if self.qk_rope_head_dim is None else self.qk_rope_head_dim
+        return self.head_size - rope, rope
 
     @property
     def real_page_size_bytes(self) -> int:
-        """``block_size * num_kv_heads * head_size * dtype_size`` (one vector per token)."""
+        """``block_size * num_kv_heads * head_size * dtype_size`` (one vector per token); for
+        ``fp8_ds_mla``, ``block_size * num_kv_heads`` FlashMLA rows (656 bytes each at
+        512 + 64)."""
+        if self.cache_dtype_str == "fp8_ds_mla":
+            return self.block_size * self.num_kv_heads * ds_mla_row_bytes(*self._ds_mla_dims())
         return self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in one layer (padding excluded): 1152 for 576 values in bf16,
+        576 in fp8, 656 in fp8_ds_mla."""
+        return self.real_page_size_bytes // self.block_size
 
     @classmethod
     def from_dims(cls, *, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                  dtype: torch.dtype | str) -> MLAAttentionSpec:
-        """The spec of a latent cache of ``kv_lora_rank + qk_rope_head_dim`` per token."""
+                  dtype: torch.dtype | str, kv_cache_dtype: str | None = None
+                  ) -> MLAAttentionSpec:
+        """The spec of a latent cache of ``kv_lora_rank + qk_rope_head_dim`` per token;
+        ``kv_cache_dtype`` (``"auto"``/None: ``dtype``; ``"fp8"``, ``"fp8_e4m3"``,
+        ``"fp8_ds_mla"``) stores it in FP8 (``app.kvcache.cache_dtypes``)."""
+        name = None if kv_cache_dtype is None else _cache_dtype_str(kv_cache_dtype)
+        if name in (None, "auto"):
+            return cls(block_size=block_size, head_size=kv_lora_rank + qk_rope_head_dim,
+                       dtype=to_kv_dtype(dtype))
+        storage = torch.uint8 if name == "fp8_ds_mla" else torch.float8_e4m3fn
         return cls(block_size=block_size, head_size=kv_lora_rank + qk_rope_head_dim,
-                   dtype=to_kv_dtype(dtype))
+                   dtype=storage, cache_dtype_str=name, qk_rope_head_dim=qk_rope_head_dim)
 
     @classmethod
     def from_model_config(cls, model_config: Any, *, block_size: int,
-                          dtype: torch.dtype | str | None = None) -> MLAAttentionSpec:
-        """The spec for an ``app.config.ModelConfig`` (its dtype unless ``dtype`` is given)."""
+                          dtype: torch.dtype | str | None = None,
+                          kv_cache_dtype: str | None = None) -> MLAAttentionSpec:
+        """The spec for an ``app.config.ModelConfig`` (its dtype unless ``dtype`` is given;
+        ``kv_cache_dtype`` as ``from_dims``)."""
         return cls.from_dims(block_size=block_size, kv_lora_rank=model_config.kv_lora_rank,
                              qk_rope_head_dim=model_config.qk_rope_head_dim,
-                             dtype=model_config.dtype if dtype is None else dtype)
+                             dtype=model_config.dtype if dtype is None else dtype,
+                             kv_cache_dtype=kv_cache_dtype)
 
 
 @attrs.frozen(kw_only=True)

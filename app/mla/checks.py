@@ -15,7 +15,9 @@ and the first left out, in any MoE layer) is within the engine dtype's rounding
 near-ties and left out of the error and the token check.
 
 The tolerance follows the dtype (``derived_tolerance``): the same dense model computed plainly in
-the engine's dtype (``ReferenceModel(weights, dtype)``, as transformers computes it) is
+the engine's dtype (``ReferenceModel(weights, dtype)``, as transformers computes it; with an
+FP8 latent cache, ``ReferenceModel(weights, dtype, kv_cache_dtype=...)``, its keys and values
+through that cache as the engine writes it: e4m3's 2^-4 is measured, not guessed) is
 compared with float64 on the same rows (``check_generations(..., dtype_reference=...)``), and the
 engine may be ``DTYPE_ERROR_FACTOR`` times that far, never held below the dtype's few units of
 rounding (``REFERENCE_TOLERANCES``): a model whose own rounding in its dtype is large (a random
@@ -66,11 +68,16 @@ def derived_tolerance(dtype: torch.dtype, dtype_relative_error: float) -> float:
     return max(floor, DTYPE_ERROR_FACTOR * dtype_relative_error)
 
 
-def tolerance_rule(dtype: torch.dtype) -> str:
-    """``derived_tolerance``'s rule in words, for a report."""
+def tolerance_rule(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+    """``derived_tolerance``'s rule in words, for a report; with an FP8 ``kv_cache_dtype`` the
+    dense model measured passes its keys and values through that cache
+    (``ReferenceModel(..., kv_cache_dtype=...)``): what the dtype and the cache cost."""
     name = str(dtype).removeprefix("torch.")
+    cache = "" if kv_cache_dtype == "auto" else (
+        f" with its keys and values through the {kv_cache_dtype} cache")
     return (f"max({reference_tolerance(dtype):.0e}, {DTYPE_ERROR_FACTOR:g} x the relative error "
-            f"of the same dense model computed in {name} against float64 on the rows checked)")
+            f"of the same dense model computed in {name}{cache} against float64 on the rows "
+            f"checked)")
 
 
 def _strided(rows: torch.Tensor, head: int, tail: int, most: int | None) -> torch.Tensor:

@@ -44,6 +44,7 @@ call's step finished them (see ``run``).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -97,6 +98,9 @@ __all__ = [
     "RequestTooLargeError",
     "StepOutput",
 ]
+
+logger = logging.getLogger(__name__)
+
 
 class MLAEngine:
     """Queue, scheduler, paged latent cache and a DeepSeek model (``weights``).
@@ -153,7 +157,8 @@ class MLAEngine:
         self.decode_backend_class: type[MLADecodeBackend] = type(decode_backend)
         num_layers = weights.num_layers
         spec = MLAAttentionSpec.from_model_config(config.model,
-                                                  block_size=config.cache.block_size)
+                                                  block_size=config.cache.block_size,
+                                                  kv_cache_dtype=config.cache.kv_cache_dtype)
         check_cache_fits(config, device, num_layers)
         bindings = container.kv_cache_spec_bindings()
         self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
@@ -328,6 +333,8 @@ class MLAEngine:
         stats.prefill_tokens += sched.num_prefill_tokens
         stats.decode_tokens += sched.num_decode_tokens
         stats.step_seconds += seconds
+        if self.model.caches[0].format.per_layer_scale:
+            self._check_fp8_overflow()
         return StepOutput(step=stats.steps,
                           new_tokens={rid: tuple(t) for rid, t in emitted.items()},
                           finished=finished, preempted=sched.preempted,
@@ -570,6 +577,18 @@ class MLAEngine:
 
     # -- introspection ------------------------------------------------------------------
 
+    def _check_fp8_overflow(self) -> None:
+        """An ``fp8`` cache's per-layer scale is derived so that nothing saturates
+        (``DeepseekModel.latent_scales``); if a value did anyway, say so once per growth (the
+        count is in ``stats.fp8_overflows``): those tokens' keys were clipped to +-448 x scale."""
+        total = int(self.model.fp8_overflows.sum())
+        if total > self.stats.fp8_overflows:
+            per_layer = self.model.fp8_overflows.tolist()
+            logger.warning("fp8 KV cache: %d latent value(s) beyond their layer's scale were "
+                           "saturated so far (per layer: %s); the scales are %s",
+                           total, per_layer, [c.k_scale for c in self.model.caches])
+            self.stats.fp8_overflows = total
+
     def pool_usage(self) -> dict[str, Any]:
         """Blocks of the pool: total, free now, used now, peak used, cached (prefix cache)."""
         pool = self.kv_manager.block_pool
@@ -578,7 +597,10 @@ class MLAEngine:
                 "peak_used_blocks": self.stats.peak_used_blocks,
                 "peak_use": round(self.stats.peak_used_blocks / max(pool.num_blocks - 1, 1), 4),
                 "cached_blocks": pool.num_cached_blocks,
-                "cache_bytes": self.model.cache_bytes}
+                "cache_bytes": self.model.cache_bytes,
+                "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+                "bytes_per_token_per_layer": self.model.caches[0].format.bytes_per_token,
+                "fp8_overflows": self.stats.fp8_overflows}
 
     def describe_kv_cache_groups(self) -> list[dict[str, Any]]:
         """The KV-cache groups: layers, spec, manager class, page size."""

@@ -193,6 +193,8 @@ class EngineStats:
     step_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    #: Latent values an ``fp8`` cache's per-layer scale saturated (0 by construction).
+    fp8_overflows: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

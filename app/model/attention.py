@@ -21,14 +21,17 @@ latent cache, q/k/v handed to attention, the layer output).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from app.kvcache.cache_dtypes import fp8_power_of_two_scale
 from app.model.config import DeepseekConfig
 from app.model.linear import Linear, packed_linear_available
 from app.model.rope import RotaryEmbedding
-from app.model.weights import AttentionWeights
+from app.model.weights import AttentionWeights, LayerWeights
 
-__all__ = ["MLAAttention", "rms_norm"]
+__all__ = ["MLAAttention", "fp8_cache_scale", "latent_bound", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,6 +40,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def latent_bound(weights: AttentionWeights, input_norm: torch.Tensor, kv_lora_rank: int,
+                 rope_scale: float) -> float:
+    """A bound on ``|value|`` of every latent value an MLA layer can write to the cache,
+    whatever its input: what an ``fp8`` cache's per-layer scale is derived from, so that no
+    later token is clipped (``app.kvcache.cache_dtypes``). ``input_norm``: the decoder layer's
+    ``input_layernorm`` weight ``[D]`` (it normalises the attention's input ``x``);
+    ``rope_scale``: the rope's cos/sin factor (yarn's attention factor).
+
+    ``kv_c = RMSNorm(c[:L]) * w``: an RMS-normalised vector of ``L`` values has none beyond
+    ``sqrt(L)``, so ``|kv_c_i| <= sqrt(L) max|w|``. ``k_pe`` rotates pairs of ``c_j = W_j . x``
+    (each output at most the pair's norm) and scales them by ``rope_scale``; ``||x|| <=
+    sqrt(D) max|input_norm|`` for the same reason, so ``|k_pe_j| <= rope_scale sqrt(2)
+    max_j ||W_j|| sqrt(D) max|input_norm|`` (Cauchy-Schwarz). The result is raised by 2^-4 for
+    the roundings on the way (each at most a 16-bit dtype's 2^-8). Infinite or NaN where the
+    weights are."""
+    dim = int(input_norm.shape[-1])
+    x_norm = math.sqrt(dim) * float(input_norm.double().abs().max())
+    latent = math.sqrt(kv_lora_rank) * float(weights.kv_a_layernorm.double().abs().max())
+    rope_rows = weights.kv_a_proj[kv_lora_rank:].double()
+    row_norm = float(rope_rows.norm(dim=1).max()) if rope_rows.numel() else 0.0
+    rope = abs(rope_scale) * math.sqrt(2.0) * row_norm * x_norm
+    return max(latent, rope) * (1.0 + 2.0**-4)
+
+
+def fp8_cache_scale(config: DeepseekConfig, layer: LayerWeights) -> float:
+    """A layer's ``fp8`` cache scale: the smallest power of two at or above its
+    ``latent_bound`` over 448, so that no value the layer writes is clipped (1 where the bound
+    is not finite: NaN weights make NaN values anyway). The engine's caches and the
+    reference's quantised latent (``app.model.ReferenceModel``) use the same."""
+    bound = latent_bound(layer.attention, layer.input_layernorm, config.kv_lora_rank,
+                         float(config.rope.cos_sin_scale))
+    if not math.isfinite(bound):
+        return 1.0
+    return float(fp8_power_of_two_scale(torch.tensor(bound, dtype=torch.float64)))
 
 
 def _on(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -95,6 +134,13 @@ class MLAAttention:
                                           self.kv_lora_rank)
         self._w_uk_t = per_head[:, :self.qk_nope_head_dim].transpose(1, 2).contiguous()
         self._w_uv = per_head[:, self.qk_nope_head_dim:].contiguous()
+        self._weights = weights
+
+    def latent_bound(self, input_norm: torch.Tensor) -> float:
+        """``latent_bound`` of this layer (``input_norm``: its decoder layer's
+        ``input_layernorm`` weight)."""
+        return latent_bound(self._weights, input_norm, self.kv_lora_rank,
+                            float(self.rope.scale))
 
     def linears(self) -> list[Linear]:
         """The layer's matmuls (the absorbed form's per-head products are ``bmm`` s)."""

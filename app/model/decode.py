@@ -9,7 +9,8 @@ For a batch of ``B`` requests, each with ``num_computed`` tokens in the cache an
    the ``MLADecodeMetadata`` the decode backend's ``prepare_metadata`` takes
    (``plan.metadata``); the caller hands it to the backend once, as prefill's plan does;
 2. per layer (``MLADecodeExecutor.run_planned``): project the new tokens (``q``, latent), write
-   their latent into their slots, fold ``W_UK`` into the query's nope part
+   their latent into their slots (quantised once there, for an FP8 cache: the backend reads
+   the stored rows, with the layer's scale for ``fp8``), fold ``W_UK`` into the query's nope part
    (``MLAAttention.absorb_query``: ``[T, H, kv_lora_rank + rope]``), attend over the latent cache
    through the decode backend (``[B, query_len, H, kv_lora_rank]``), apply ``W_UV``
    (``unabsorb_output``) and ``W_o``.
@@ -134,6 +135,12 @@ class MLADecodeExecutor:
             raise ValueError(f"decode backend {backend!r} does not match the layer's heads / "
                              f"latent dims ({layer.num_heads}, {layer.kv_lora_rank}, "
                              f"{layer.qk_rope_head_dim})")
+        if getattr(backend, "kv_cache_dtype", cache.data.dtype) != cache.data.dtype or \
+                getattr(backend, "kv_cache_format", "auto") != cache.format.name:
+            raise ValueError(f"decode backend {backend!r} reads {backend.kv_cache_dtype} "
+                             f"caches, the layer's cache is {cache.format.name} "
+                             f"({cache.data.dtype}): build the backend for the config's "
+                             f"cache.kv_cache_dtype")
         self.layer = layer
         self.cache = cache
         self.backend = backend
@@ -160,7 +167,8 @@ class MLADecodeExecutor:
         b, n = plan.batch, plan.query_len
         with timer.phase("attention_decode"):
             out = self.backend.run_decode(
-                q_abs.view(b, n, layer.num_heads, layer.latent_dim), self.cache.data)
+                q_abs.view(b, n, layer.num_heads, layer.latent_dim), self.cache.data,
+                k_scale=self.cache.k_scale if self.cache.format.per_layer_scale else None)
         if not isinstance(out, torch.Tensor):  # pragma: no cover - no LSE was asked for
             raise TypeError(f"{type(self.backend).__name__}.run_decode returned a tuple "
                             "although return_softmax_lse=False")

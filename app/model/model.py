@@ -32,7 +32,7 @@ from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
-from app.model.attention import MLAAttention, rms_norm
+from app.model.attention import MLAAttention, fp8_cache_scale, rms_norm
 from app.model.cache import PagedLatentCache
 from app.model.decode import DecodePlan, MLADecodeExecutor, plan_decode_step
 from app.model.linear import Linear
@@ -156,8 +156,16 @@ class DeepseekModel:
         self._embed = weights.embed_tokens.to(device=device, dtype=self.dtype)
         self._lm_head = weights.lm_head.to(device=device, dtype=compute_dtype)
         self._lm_head_linear = Linear(self._lm_head)
-        self.caches = [PagedLatentCache(num_blocks, block_size, attn.latent_dim, self.dtype,
-                                        device) for attn in self.attention]
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
+        #: Per layer: latent values an ``fp8`` cache's scale saturated (0 by construction:
+        #: ``latent_scales``); one tensor, so that the engine reads them with one sync.
+        self.fp8_overflows = torch.zeros(len(self.attention), dtype=torch.int64, device=device)
+        self.caches = [
+            PagedLatentCache(num_blocks, block_size, attn.latent_dim, self.dtype, device,
+                             kv_cache_dtype=self.kv_cache_dtype, kv_lora_rank=attn.kv_lora_rank,
+                             k_scale=scale, overflow=self.fp8_overflows[i])
+            for i, (attn, scale) in enumerate(zip(self.attention, self.latent_scales(),
+                                                  strict=True))]
         chunk = config.attention.context_chunk_tokens
         self.prefill_executors = [
             MLAPrefillExecutor(attn, cache, prefill_backend, chunk, self.timer)
@@ -166,6 +174,12 @@ class DeepseekModel:
                                  for attn, cache in zip(self.attention, self.caches, strict=True)]
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
+
+    def latent_scales(self) -> list[float]:
+        """Each layer's ``fp8`` cache scale (``app.model.attention.fp8_cache_scale``: the
+        smallest power of two at or above the layer's latent bound over 448, so that no value
+        a layer writes is clipped)."""
+        return [fp8_cache_scale(self.arch, layer) for layer in self.weights.layers]
 
     @property
     def num_layers(self) -> int:

@@ -7,7 +7,9 @@ of a chunked prefill, or a prefix-cache hit) and ``num_new_tokens`` to compute n
 2. new tokens -> causal attention through the backend (``run_prefill_new_tokens``), with LSE
    when any request of the batch has context;
 3. cached context -> packed into chunks of at most ``context_chunk_tokens`` tokens (over the
-   whole batch), each gathered from the cache into a workspace, up-projected to ``k``/``v``, run
+   whole batch), each gathered from the cache into a workspace (an FP8 cache's rows
+   dequantised to the model dtype there; the new tokens of step 2 attend over their exact
+   latent, as vLLM's prefill does), up-projected to ``k``/``v``, run
    with ``run_prefill_context_chunk`` and merged by LSE into an accumulator;
 4. the final merge of context and new tokens, then ``W_o``.
 

@@ -20,6 +20,11 @@ dtype as transformers computes it (every product in that dtype; RMSNorm, the sof
 router in float32): what the dtype alone costs, without any engine. ``app.mla.checks`` measures
 it on the rows it checks and derives the engine's tolerance from it.
 
+``ReferenceModel(weights, dtype, kv_cache_dtype="fp8_ds_mla")`` (or ``"fp8"``) passes every
+key's and value's latent through that FP8 cache dtype as the engine writes it (quantised, then
+read back: ``app.kvcache.cache_dtypes``; the ``fp8`` scale the engine's): what the dtype and
+the cache cost together, which the check measures to derive an FP8 engine's tolerance.
+
 ``reference_attention`` is one MLA layer alone (for executor tests).
 """
 
@@ -30,14 +35,23 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from app.kvcache.cache_dtypes import (
+    canonical_kv_cache_dtype,
+    dequantize_fp8_ds_mla,
+    dequantize_fp8_per_layer,
+    quantize_fp8_ds_mla,
+    quantize_fp8_per_layer,
+)
+from app.model.attention import fp8_cache_scale
 from app.model.config import DeepseekConfig, MoEConfig
 from app.model.moe import route
 from app.model.rope import apply_rope, rope_inv_freq
 from app.model.weights import AttentionWeights, MLPWeights, ModelWeights, MoEWeights
 
-__all__ = ["REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES", "ROUTING_TOLERANCES",
-           "TOKEN_MEMO_BYTES", "ReferenceModel", "ReferenceRows", "reference_attention",
-           "reference_tolerance", "routing_margins"]
+__all__ = ["FP8_CACHE_ROUTING_TOLERANCE", "REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES",
+           "ROUTING_TOLERANCES", "TOKEN_MEMO_BYTES", "ReferenceModel", "ReferenceRows",
+           "reference_attention", "reference_tolerance", "routing_margins",
+           "routing_tolerance"]
 
 #: Query rows per block of the blocked causal softmax.
 _ROW_BLOCK = 128
@@ -65,6 +79,26 @@ ROUTING_TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 1e-3,
     torch.bfloat16: 7.5e-3,
 }
+
+
+#: The routing margin within which an engine with an FP8 latent cache (``fp8``, ``fp8_e4m3``,
+#: ``fp8_ds_mla``) may route either way, whatever its dtype: e4m3's 2^-4 moves each key and
+#: value by percents, the layer outputs by ~2-3%, the router's choice scores by up to ~0.025.
+#: Measured on the main job's random model in bf16 (3,600 rows of three sequences, the dense
+#: model with its keys and values through the cache against float64): every row whose output
+#: moved by more than 8% (a different expert set) had a margin below 0.0246 (fp8_ds_mla) /
+#: 0.0243 (fp8); 0.04 leaves out ~35% of the rows (bf16 alone: ~8%).
+FP8_CACHE_ROUTING_TOLERANCE = 0.04
+
+
+def routing_tolerance(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> float:
+    """The routing margin within which an engine may route either way: its dtype's
+    (``ROUTING_TOLERANCES``), or, with an FP8 latent cache, ``FP8_CACHE_ROUTING_TOLERANCE``
+    when that is wider."""
+    base = ROUTING_TOLERANCES.get(dtype, 0.0)
+    if canonical_kv_cache_dtype(kv_cache_dtype) == "auto":
+        return base
+    return max(base, FP8_CACHE_ROUTING_TOLERANCE)
 
 
 def reference_tolerance(dtype: torch.dtype) -> float:
@@ -153,11 +187,13 @@ class _Layer64:
     """One decoder layer's maths in the reference's dtype (float64 unless asked otherwise)."""
 
     def __init__(self, config: DeepseekConfig, weights: ModelWeights, index: int,
-                 f: _Weights64) -> None:
+                 f: _Weights64, kv_cache_dtype: str = "auto") -> None:
         self.c = config
         self.w = weights.layers[index]
         self.f = f
         self.dt = f.dtype
+        self.cache = canonical_kv_cache_dtype(kv_cache_dtype)
+        self.fp8_scale = fp8_cache_scale(config, self.w) if self.cache == "fp8_e4m3" else 1.0
         c = config
         self.h, self.p, self.r, self.lr, self.v = (c.num_attention_heads, c.qk_nope_head_dim,
                                                    c.qk_rope_head_dim, c.kv_lora_rank,
@@ -181,8 +217,22 @@ class _Layer64:
         a, f = self.w.attention, self.f
         x = _rms(h, f(self.w.input_layernorm), self.c.rms_norm_eps)
         c = x @ f(a.kv_a_proj).t()
-        kv = _rms(c[:, :self.lr], f(a.kv_a_layernorm), self.c.rms_norm_eps) @ f(a.kv_b_proj).t()
+        latent = self._cached(_rms(c[:, :self.lr], f(a.kv_a_layernorm), self.c.rms_norm_eps),
+                              rope=False)
+        kv = latent @ f(a.kv_b_proj).t()
         return torch.cat([kv, c[:, self.lr:]], dim=1)
+
+    def _cached(self, values: torch.Tensor, rope: bool) -> torch.Tensor:
+        """``values`` as an FP8 latent cache gives them back (``kv_cache_dtype``; the latent
+        part position-free, the rope part after rotation), in this layer's dtype."""
+        if self.cache == "auto":
+            return values
+        if self.cache == "fp8_e4m3":
+            q8, _ = quantize_fp8_per_layer(values, self.fp8_scale)
+            return dequantize_fp8_per_layer(q8, self.fp8_scale, self.dt)
+        if rope:                                     # fp8_ds_mla keeps the rope in bf16
+            return values.to(torch.bfloat16).to(self.dt)
+        return dequantize_fp8_ds_mla(quantize_fp8_ds_mla(values, self.lr), self.lr, 0, self.dt)
 
     def place(self, rows: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``up_project`` rows at positions ``start..`` -> ``k [H, n, P+R]`` (rope applied),
@@ -193,8 +243,9 @@ class _Layer64:
         k[..., :self.p] = kv[..., :self.p]
         if self.r:
             cos, sin = self._cos_sin(torch.arange(start, start + n))
-            k[..., self.p:] = apply_rope(rows[:, width:], cos, sin,
-                                         self.c.rope_interleave)[:, None, :]
+            k[..., self.p:] = self._cached(apply_rope(rows[:, width:], cos, sin,
+                                                      self.c.rope_interleave),
+                                           rope=True)[:, None, :]
         return k.transpose(0, 1), kv[..., self.p:].transpose(0, 1)
 
     def attend(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
@@ -307,15 +358,18 @@ class ReferenceModel:
     bfloat16, float16 or float32 computes it in that dtype instead (what the dtype alone
     costs)."""
 
-    def __init__(self, weights: ModelWeights, dtype: torch.dtype = torch.float64) -> None:
+    def __init__(self, weights: ModelWeights, dtype: torch.dtype = torch.float64, *,
+                 kv_cache_dtype: str = "auto") -> None:
         if dtype not in (torch.float64, torch.float32, *_SIXTEEN_BIT):
             raise ValueError(f"ReferenceModel: dtype must be float64, float32, bfloat16 or "
                              f"float16, got {dtype}")
         self.weights = weights
         self.config = weights.config
         self.dtype = dtype
+        #: The latent cache dtype the keys and values pass through (``"auto"``: none).
+        self.kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
         self._f = _Weights64(dtype)
-        self.layers = [_Layer64(self.config, weights, i, self._f)
+        self.layers = [_Layer64(self.config, weights, i, self._f, self.kv_cache_dtype)
                        for i in range(weights.num_layers)]
         self._tokens: tuple[int, ...] = ()
         self._keys: list[torch.Tensor | None] = [None] * len(self.layers)

@@ -11,7 +11,9 @@
 - ``SelectionOnlyBackend``: a backend to register and select in tests; it runs nothing.
 - ``reference_attention``: the float64 ragged attention the kit compares with.
 - ``fp8_cache_decode_bounds``: error bounds of a decode kernel reading an FP8 cache against
-  ``reference_decode``, derived from how the kernel dequantises (``app.testing.fp8_bounds``).
+  ``reference_decode``, derived from how the kernel dequantises (``app.testing.fp8_bounds``),
+  or (``original=``) against the latent before the cache quantised it, with
+  ``quantization_error``: what e4m3 with the cache's scales allows per value.
 - The pytest fixtures (``app_container``, ``override_prefill_backend``, ``fake_platform``) live
   in ``app.testing.pytest_plugin`` and are registered automatically through the ``pytest11``
   entry point.
@@ -34,7 +36,11 @@ from app.testing.decode_conformance import (
     reference_decode,
     run_decode_conformance,
 )
-from app.testing.fp8_bounds import DecodeErrorBounds, fp8_cache_decode_bounds
+from app.testing.fp8_bounds import (
+    DecodeErrorBounds,
+    fp8_cache_decode_bounds,
+    quantization_error,
+)
 from app.testing.stubs import SelectionOnlyBackend
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "assert_conformance",
     "assert_decode_conformance",
     "fp8_cache_decode_bounds",
+    "quantization_error",
     "reference_attention",
     "reference_decode",
     "run_cases",

@@ -24,7 +24,18 @@ the same inputs). The cases:
                          unused rows of a block changes nothing
 ``reused_step_buffers``  the caller rewrites its block table and seq_lens between two layers
                          (to other valid values): the second layer gives the step's result
+``fp8_cache``            an ``fp8`` (e4m3, one scale per layer) cache, two scales per call,
+                         query_len 1 and 4; NaN (e4m3's 0x7F) in a step's last new token
+``fp8_ds_mla_cache``     DeepSeek's ``fp8_ds_mla`` rows, written by this package (power-of-two
+                         scales) and as vLLM writes them (``amax / 448``); the same NaN
 =======================  ====================================================================
+
+The two FP8 cases run where the backend declares that cache dtype
+(``supported_kv_cache_dtypes``; skipped otherwise, saying so) and compare with the float64
+decode over the values the cache holds, each element against the bounds a kernel that
+dequantises into bf16 (the scale rounded too), rounds its probabilities to bf16 and writes
+q's dtype stays within (``app.testing.fp8_bounds``), not against the fixed tolerances: an
+FP8 cache has no dtype of its own to take them from.
 
 Every case checks the LSE (``return_softmax_lse=True``) and the plain call. Run it on your backend::
 
@@ -47,6 +58,12 @@ import torch
 from app._validation import check_seed
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.decode.metadata import MLADecodeMetadata
+from app.kvcache.cache_dtypes import (
+    dequantize_fp8_ds_mla,
+    fp8_power_of_two_scale,
+    quantize_fp8_ds_mla,
+    quantize_fp8_per_layer,
+)
 from app.testing.conformance import (
     DEFAULT_TOLERANCES,
     CaseFailure,
@@ -55,6 +72,7 @@ from app.testing.conformance import (
     kit_device,
     run_cases,
 )
+from app.testing.fp8_bounds import DecodeErrorBounds, fp8_cache_decode_bounds
 
 __all__ = [
     "DECODE_CASES",
@@ -67,23 +85,28 @@ __all__ = [
 DECODE_CASES: tuple[str, ...] = (
     "paged", "causal_query_len_4", "max_query_len", "batch_1", "batch_33", "empty_batch",
     "out_buffer", "noncontiguous_q", "scales_per_call", "other_block_size", "nonfinite_keys",
-    "reused_step_buffers")
+    "reused_step_buffers", "fp8_cache", "fp8_ds_mla_cache")
 
 
 def reference_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: Sequence[int], kv_lora_rank: int, scale: float,
-                     k_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_scale: float = 1.0, *, kv_cache_format: str = "auto"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed paged decode in float64 on the host.
 
-    ``q [B, Q, H, D]``, ``kv_cache [num_blocks, block_size, D]``, ``block_table [B, *]``.
+    ``q [B, Q, H, D]``, ``kv_cache [num_blocks, block_size, D]`` (any float dtype, float8
+    included; with ``kv_cache_format="fp8_ds_mla"``, uint8 FlashMLA rows, dequantised by their
+    own scales), ``block_table [B, *]``.
     Returns ``out [B, Q, H, kv_lora_rank]`` and ``lse [H, B, Q]`` (float64, natural log;
     head-major, as ``MLADecodeBackend.run_decode`` returns it); row i of request b sees keys
     ``[0, seq_lens[b] - Q + i]``."""
-    batch, qlen, heads, _ = q.shape
+    batch, qlen, heads, dim = q.shape
     bs = int(kv_cache.shape[1])
     out = torch.zeros(batch, qlen, heads, kv_lora_rank, dtype=torch.float64)
     lse = torch.zeros(batch, qlen, heads, dtype=torch.float64)
-    cache = kv_cache.detach().to("cpu", torch.float64)
+    cache = dequantize_fp8_ds_mla(kv_cache.detach().cpu(), kv_lora_rank, dim - kv_lora_rank,
+                                  torch.float64) if kv_cache_format == "fp8_ds_mla" else \
+        kv_cache.detach().to("cpu", torch.float64)
     table = block_table.detach().to("cpu", torch.long)
     for b, seq_len in enumerate(seq_lens):
         pos = torch.arange(seq_len)
@@ -316,6 +339,112 @@ class _DecodeKit:
                      second[0], second[1], ref, errors)
 
 
+    # -- FP8 caches (issue 36) ----------------------------------------------------------------
+
+    def fp8_cache(self, errors: dict[str, float]) -> None:
+        """e4m3 with one scale per layer, passed per call (two scales: nothing is cached)."""
+        for seq_lens, qlen in (([1, self.bs + 1, 2 * self.bs + 7, 70], 1),
+                               ([4, self.bs + 3, 70], 4)):
+            latent, table = self.layout(seq_lens, self.bs)
+            used = latent.float().abs()
+            layer_scale = float(fp8_power_of_two_scale(used[used < 1e3].amax()))  # not 1e4s
+            cache, _ = quantize_fp8_per_layer(latent.cpu(), layer_scale)
+            for k_scale in (layer_scale, 2 * layer_scale):
+                self._fp8_run("fp8", cache.to(self.device), table, seq_lens, qlen, k_scale)
+        self._fp8_nan("fp8")
+
+    def fp8_ds_mla_cache(self, errors: dict[str, float]) -> None:
+        """FlashMLA rows as this package writes them and as vLLM does (``amax / 448``)."""
+        for seq_lens, qlen in (([1, self.bs + 1, 2 * self.bs + 7, 70], 1),
+                               ([4, self.bs + 3, 70], 4)):
+            latent, table = self.layout(seq_lens, self.bs)
+            latent = latent.float().cpu()
+            latent[..., :self.rank] *= torch.tensor([0.02, 1.0, 9.0, 0.5]).repeat_interleave(
+                128).repeat(self.rank // 512 + 1)[:self.rank]      # tiles of other sizes
+            for rows in (quantize_fp8_ds_mla(latent, self.rank), _vllm_ds_mla(latent, self.rank)):
+                self._fp8_run("fp8_ds_mla", rows.to(self.device), table, seq_lens, qlen, 1.0)
+        self._fp8_nan("fp8_ds_mla")
+
+    def _fp8_backend(self, fmt: str) -> MLADecodeBackend:
+        return self.cls(num_heads=self.heads, scale=self.scale, kv_lora_rank=self.rank,
+                        qk_rope_head_dim=self.rope, kv_cache_dtype=fmt,
+                        device_capability=device_capability_of(self.device))
+
+    def _fp8_run(self, fmt: str, cache: torch.Tensor, table: torch.Tensor,
+                 seq_lens: Sequence[int], qlen: int, k_scale: float) -> None:
+        ds = fmt == "fp8_ds_mla"
+        for b, n in enumerate(seq_lens):      # unused rows of last blocks: NaN, never read
+            needed = (n + self.bs - 1) // self.bs
+            if n % self.bs and needed:
+                view = cache.view(torch.uint8)
+                view[int(table[b, needed - 1]), n % self.bs:] = 0xFF
+        be = self._fp8_backend(fmt)
+        be.prepare_metadata(table, torch.tensor(seq_lens, dtype=torch.int32,
+                                                device=self.device), qlen)
+        q = self.randn(len(seq_lens), qlen, self.heads, self.dim)
+        result = be.run_decode(q, cache, return_softmax_lse=True,
+                               k_scale=None if ds else k_scale)
+        out, lse = result[0], result[1]
+        seen_q = q.float()          # the query as the kernel sees it
+        if be.fp8_query():
+            q_scale = float(seen_q.abs().amax()) / 448.0 or 1.0
+            seen_q = quantize_fp8_per_layer(seen_q.cpu(), q_scale)[0].float() * q_scale
+        bounds = [fp8_cache_decode_bounds(
+            seen_q, cache, table, seq_lens, self.rank, self.scale, k_scale,
+            output_dtype=self.dtype, kv_cache_format="fp8_ds_mla" if ds else "auto",
+            rounded_normaliser=normaliser) for normaliser in (False, True)]
+        # whichever way the kernel normalises its rounded probabilities
+        widest = DecodeErrorBounds(out=torch.maximum(bounds[0].out, bounds[1].out),
+                                   lse=torch.maximum(bounds[0].lse, bounds[1].lse),
+                                   reference_out=bounds[0].reference_out,
+                                   reference_lse=bounds[0].reference_lse)
+        out_ratio, lse_ratio = widest.worst_ratios(out, lse)
+        if not (out_ratio <= 1.0 and lse_ratio <= 1.0):
+            raise _CaseFailure(f"{fmt} cache (k_scale {k_scale:g}, query_len {qlen}): an error "
+                               f"beyond the FP8 bounds (largest error / bound: output "
+                               f"{out_ratio:.3g}, LSE {lse_ratio:.3g})")
+
+    def _fp8_nan(self, fmt: str) -> None:
+        """A NaN in the stored latent of request 0's last new token: its last query row is
+        non-finite (e4m3 has no infinity; the cache keeps the NaN), and the other rows follow
+        the backend's ``isolates_nonfinite_keys`` as in ``nonfinite_keys``."""
+        seq_lens, qlen = [2 * self.bs + 3, 9], 4
+        latent, table = self.layout(seq_lens, self.bs, share=False)
+        latent = latent.float().cpu()
+        last = seq_lens[0] - 1
+        latent[int(table[0, last // self.bs]), last % self.bs, 7] = float("nan")
+        if fmt == "fp8_ds_mla":
+            cache = quantize_fp8_ds_mla(latent, self.rank)
+        else:
+            cache, _ = quantize_fp8_per_layer(latent, float(fp8_power_of_two_scale(
+                latent.nan_to_num().abs().amax())))
+        be = self._fp8_backend(fmt)
+        be.prepare_metadata(table, torch.tensor(seq_lens, dtype=torch.int32,
+                                                device=self.device), qlen)
+        q = self.randn(len(seq_lens), qlen, self.heads, self.dim)
+        out = be.run_decode(q, cache.to(self.device))
+        if not isinstance(out, torch.Tensor):
+            raise _CaseFailure("run_decode(return_softmax_lse=False) must return a tensor")
+        finite = torch.isfinite(out.float()).all(dim=-1).cpu()          # [B, Q, H]
+        try:
+            self._nonfinite_rows_allowed(finite, qlen)
+        except _CaseFailure as failure:
+            raise _CaseFailure(f"{fmt} cache: {failure}") from None
+
+
+def _vllm_ds_mla(latent: torch.Tensor, rank: int) -> torch.Tensor:
+    """``fp8_ds_mla`` rows with vLLM's scales (``max(amax / 448, FLT_MIN)`` per tile, not a
+    power of two): what a reader of a vLLM-written cache meets."""
+    lead = latent.shape[:-1]
+    nope = latent[..., :rank].reshape(*lead, rank // 128, 128)
+    scales = (nope.abs().amax(-1) / 448).clamp_min(torch.finfo(torch.float32).tiny)
+    q8 = (nope / scales.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return torch.cat([q8.reshape(*lead, rank).view(torch.uint8),
+                      scales.contiguous().view(torch.uint8).reshape(*lead, -1),
+                      latent[..., rank:].bfloat16().contiguous().view(torch.uint8)
+                      .reshape(*lead, -1)], dim=-1)
+
+
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {list(value.shape)}"
@@ -367,8 +496,33 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
     kit = _DecodeKit(backend_cls, device, dtype, num_heads, kv_lora_rank, qk_rope_head_dim,
                      bs, seed, tol)
     skipped = {"other_block_size": "one block size supported"} if len(sizes) == 1 else {}
+    skipped.update(_fp8_skips(backend_cls, device, dtype, num_heads, kv_lora_rank,
+                              qk_rope_head_dim, bs))
     return run_cases(kit, names, backend=name, device=device, dtype=dtype, tolerances=tol,
                      skipped=skipped)
+
+
+def _fp8_skips(backend_cls: type[MLADecodeBackend], device: torch.device, dtype: torch.dtype,
+               heads: int, rank: int, rope: int, block_size: int) -> dict[str, str]:
+    """The FP8 cases the backend cannot run here, with the selection's reasons."""
+    skips = {}
+    for case, name in (("fp8_cache", "fp8"), ("fp8_ds_mla_cache", "fp8_ds_mla")):
+        reasons = backend_cls.validate_configuration(
+            device_capability_of(device), MLADecodeSelectorConfig(
+                dtype=dtype, kv_lora_rank=rank, qk_rope_head_dim=rope, num_heads=heads,
+                block_size=block_size, query_len=4, kv_cache_dtype=name))
+        if name == "fp8_ds_mla" and rank % 128:
+            reasons = [*reasons, f"kv_lora_rank {rank} is not a multiple of 128"]
+        if not reasons:     # declared, but the kernel for this device may still refuse it
+            try:
+                backend_cls(num_heads=heads, scale=0.1, kv_lora_rank=rank,
+                            qk_rope_head_dim=rope, kv_cache_dtype=name,
+                            device_capability=device_capability_of(device))
+            except (TypeError, ValueError) as exc:
+                reasons = [f"the backend refuses to be built for it: {exc}"]
+        if reasons:
+            skips[case] = f"{name} cache: " + "; ".join(reasons)
+    return skips
 
 
 def assert_decode_conformance(backend_cls: type[MLADecodeBackend], *,

@@ -141,3 +141,32 @@ def test_parse_memory_errors(bad: object) -> None:
 def test_parse_memory_type_errors(bad: object) -> None:
     with pytest.raises(TypeError, match="memory: expected a size"):
         parse_memory(bad)
+
+
+FP8_EXAMPLE = EXAMPLE.with_name("kv_plan_mla_fp8.toml")
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "per_token"), [
+    ("auto", 1152), ("fp8", 576), ("fp8_e4m3", 576), ("fp8_ds_mla", 656)])
+def test_the_cache_dtype_sets_an_mla_layer_s_bytes_per_token(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, kv_cache_dtype: str,
+        per_token: int) -> None:
+    """``[cache] kv_cache_dtype`` (issue 36): DeepSeek's FP8 row is 656 B per token and layer,
+    and the same budget holds 1152 / 656 = 1.76x the blocks of the bf16 cache."""
+    text = FP8_EXAMPLE.read_text().replace('"fp8_ds_mla"', f'"{kv_cache_dtype}"')
+    code, out, _ = run_cli(capsys, "--config", str(write(tmp_path, text)), "--json")
+    assert code == 0
+    plan = json.loads(out)
+    group = plan["groups"][0]
+    assert group["bytes_per_token_per_layer"] == [per_token]
+    assert plan["bytes_per_block"] == 61 * 64 * per_token
+    assert plan["num_blocks"] == (40 << 30) // plan["bytes_per_block"]
+    code, text_out, _ = run_cli(capsys, "--config", str(FP8_EXAMPLE))
+    assert code == 0 and "B/token/layer" in text_out and " 656 " in text_out
+
+
+def test_a_bad_cache_dtype_names_the_file_and_the_key(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    text = FP8_EXAMPLE.read_text().replace('"fp8_ds_mla"', '"fp4"')
+    code, _, err = run_cli(capsys, "--config", str(write(tmp_path, text)))
+    assert code != 0 and "[cache]" in err and "kv_cache_dtype" in err and "'fp4'" in err

@@ -108,12 +108,14 @@ def hf_logprobs(model: Any, tokens: list[int]) -> torch.Tensor:
 
 
 def engine_generate(directory: Path, all_prompts: list[list[int]], new: int,
-                    dtype: torch.dtype = torch.float32, step_tokens: int = 16
-                    ) -> list[RequestOutput]:
+                    dtype: torch.dtype = torch.float32, step_tokens: int = 16,
+                    kv_cache_dtype: str = "auto") -> list[RequestOutput]:
     """The engine's greedy generation from a checkpoint directory (every prompt at once, a
-    small step budget so prefill is chunked and decode batches mix)."""
+    small step budget so prefill is chunked and decode batches mix; ``kv_cache_dtype`` the
+    latent cache's)."""
     loaded = load_checkpoint(directory, dtype)
-    config = EngineConfig.from_dict({"cache": {"block_size": 4, "num_blocks": 1024}})
+    config = EngineConfig.from_dict({"cache": {"block_size": 4, "num_blocks": 1024,
+                                               "kv_cache_dtype": kv_cache_dtype}})
     config = EngineConfig(model=loaded.config.model_config(dtype), cache=config.cache)
     engine = MLAEngine(create_container(config), weights=loaded.weights,
                        step_tokens=step_tokens)

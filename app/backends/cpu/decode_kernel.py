@@ -7,7 +7,9 @@ writes the output and the natural-log LSE. On a CPU with AVX512-BF16, a bf16 cac
 bf16 q runs on its bf16 dot products (bf16 products summed in float32, p rounded to bf16 for
 p.v, as GPU kernels do): twice the multiply-adds per instruction of float32 FMAs
 (``APP_CPU_DECODE_BF16_DOT=0`` keeps the float32 path). bf16 /
-fp16 / fp32 caches, any block size,
+fp16 / fp32 caches, and the FP8 ones (``kv_cache_format``: float8_e4m3fn rows with the layer's
+scale in ``k_scale``, or DeepSeek's ``fp8_ds_mla`` uint8 rows; each chunk of keys is
+dequantised once into a per-thread tile, ``csrc/mla_decode_cpu_fp8.h``), any block size,
 ``query_len`` 1..16 (causal inside the step), ``kv_lora_rank`` a multiple of 64 and
 ``qk_rope_head_dim`` a multiple of 32 (DeepSeek: 512 and 64). vLLM's CPU decode kernel handles
 only head size 576, block size 16 and returns no LSE.
@@ -59,6 +61,11 @@ from app.backends.cpu.openmp import (
 from app.backends.cpu.pool import run_shares
 from app.backends.cpu.prefill_kernel import SWITCH_ENV, _requirements
 from app.backends.cpu.scratch import thread_scratch
+from app.kvcache.cache_dtypes import (
+    dequantize_fp8_ds_mla,
+    ds_mla_row_bytes,
+    quantize_fp8_ds_mla,
+)
 
 __all__ = ["BF16_DOT_ENV", "SPEC", "SPEC_OPENMP", "DecodePlan", "MlaDecodeArgs",
            "NativeMLADecodeKernel", "decode_kernel_status", "has_bf16_dot", "load_decode_kernel",
@@ -67,9 +74,11 @@ __all__ = ["BF16_DOT_ENV", "SPEC", "SPEC_OPENMP", "DecodePlan", "MlaDecodeArgs",
 #: Set to ``0`` to keep bf16 caches on the float32 FMA path (to compare the two).
 BF16_DOT_ENV = "APP_CPU_DECODE_BF16_DOT"
 #: ``MLA_DECODE_CPU_ABI`` in ``cpu/csrc/mla_decode_cpu.h``.
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: The most partial results the kernel merges per request (``MAX_PARTS`` in the C source).
 MAX_PARTS = 64
+#: The FP8 cache layouts the kernel reads (``csrc/mla_decode_cpu_fp8.h``).
+FP8_FORMATS = ("fp8_e4m3", "fp8_ds_mla")
 #: A request is split only into pieces of at least this many keys (a piece re-packs q).
 MIN_KEYS_PER_PART = 512
 _LOG2E = 1.0 / math.log(2.0)
@@ -162,30 +171,39 @@ class NativeMLADecodeKernel:
                                        ctypes.POINTER(MlaDecodeArgs))
         self._scratch_floats = library.function("mla_decode_cpu_scratch_floats", _i64, _i64,
                                                 _i64, _i64, _i64)
+        cache_code = library.function("mla_decode_cpu_cache_code", _i32, ctypes.c_char_p)
+        #: The FP8 cache layouts' codes (``mla_decode_cpu_fp8.h``).
+        self.fp8_codes = {name: int(cache_code(name.encode())) for name in FP8_FORMATS}
 
     def run(self, plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int,
             out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
-            k_scale: float, bf16_dot: bool | None = None, openmp: bool | None = None) -> None:
+            k_scale: float, bf16_dot: bool | None = None, openmp: bool | None = None,
+            kv_cache_format: str = "auto") -> None:
         """Decode every request of ``plan``: ``q [B, Q, H, D]`` (unit last stride),
         ``kv_cache [num_blocks, block_size, D]`` (unit last stride), ``block_table`` int32
         ``[B, W]`` and ``seq_lens`` int32 ``[B]`` (contiguous, already checked against the
         cache), ``out [B, Q, H, kv_lora_rank]`` contiguous in q's dtype, ``lse [B, Q, H]``
-        float32 contiguous or None. All on the CPU. ``bf16_dot`` (default: wherever it
-        can: :func:`has_bf16_dot`; True asks for them whatever the switch says) runs a bf16
-        cache with a bf16 q on the CPU's AVX512-BF16 dot products;
-        ``openmp`` (default: wherever it can) runs the shares on this thread's OpenMP team
-        rather than on the package's pool (never in a forked child: see ``cpu.openmp``)."""
+        float32 contiguous or None. All on the CPU. ``kv_cache_format``: ``"auto"`` (a bf16,
+        fp16 or fp32 cache, or float8_e4m3fn: ``"fp8_e4m3"``, its scale in ``k_scale``) or
+        ``"fp8_ds_mla"`` (uint8 rows of ``ds_mla_row_bytes``; ``app.kvcache.cache_dtypes``).
+        ``bf16_dot`` (default: wherever it can: :func:`has_bf16_dot`; True asks for them
+        whatever the switch says) runs a bf16 q with a bf16 or FP8 cache on the CPU's
+        AVX512-BF16 dot products; ``openmp`` (default: wherever it can) runs the shares on
+        this thread's OpenMP team rather than on the package's pool (never in a forked child:
+        see ``cpu.openmp``)."""
         if openmp and not self.openmp:
             raise ValueError("native CPU decode kernel: openmp needs the library built with "
                              "OpenMP (see decode_kernel_status())")
         batch, qlen, heads, dim = q.shape
-        bf16 = kv_cache.dtype == q.dtype == torch.bfloat16
+        cache_dt = self._cache_code(kv_cache, kv_cache_format, kv_lora_rank, dim)
+        dot_ok = q.dtype == torch.bfloat16 and (kv_cache.dtype == torch.bfloat16
+                                                 or cache_dt in self.fp8_codes.values())
         if bf16_dot is None:
-            bf16_dot = bf16 and has_bf16_dot()
-        elif bf16_dot and not (bf16 and _cpu_has_bf16_dot()):
-            raise ValueError("native CPU decode kernel: bf16_dot needs a bf16 cache and q on a "
-                             "CPU with AVX512-BF16 and AVX512BW")
+            bf16_dot = dot_ok and has_bf16_dot()
+        elif bf16_dot and not (dot_ok and _cpu_has_bf16_dot()):
+            raise ValueError("native CPU decode kernel: bf16_dot needs a bf16 q with a bf16 or "
+                             "FP8 cache on a CPU with AVX512-BF16 and AVX512BW")
         rows = qlen * heads
         codes = self.library.dtype_code
         part_out = torch.empty(plan.parts, rows, kv_lora_rank) if plan.parts else None
@@ -200,7 +218,7 @@ class NativeMLADecodeKernel:
             num_blocks=kv_cache.shape[0], block_size=kv_cache.shape[1],
             block_stride=kv_cache.stride(0), row_stride=kv_cache.stride(1),
             bt_stride=block_table.stride(0), q_sb=q.stride(0), q_si=q.stride(1),
-            q_sh=q.stride(2), n_merge=plan.merge.shape[0], cache_dt=codes(kv_cache.dtype),
+            q_sh=q.stride(2), n_merge=plan.merge.shape[0], cache_dt=cache_dt,
             q_dt=codes(q.dtype), out_dt=codes(out.dtype),
             bf16_dot=int(bf16_dot),
             q_mult=softmax_scale * k_scale * _LOG2E, v_mult=k_scale)
@@ -214,6 +232,24 @@ class NativeMLADecodeKernel:
             raise ValueError(f"native CPU decode kernel refused the call (dtypes {q.dtype}/"
                              f"{kv_cache.dtype}/{out.dtype}, kv_lora_rank {kv_lora_rank}, "
                              f"head dim {dim}): expected rank % 64 == 0 and rope % 32 == 0")
+
+    def _cache_code(self, kv_cache: torch.Tensor, kv_cache_format: str, rank: int,
+                    dim: int) -> int:
+        """The kernel's ``cache_dt`` for this cache (``ValueError`` for a tensor that is not
+        the layout named)."""
+        if kv_cache_format == "fp8_ds_mla":
+            width = ds_mla_row_bytes(rank, dim - rank)
+            if kv_cache.dtype != torch.uint8 or int(kv_cache.shape[-1]) != width:
+                raise ValueError(f"native CPU decode kernel: an fp8_ds_mla cache is uint8 rows "
+                                 f"of {width} bytes, got {kv_cache.dtype} "
+                                 f"{list(kv_cache.shape)}")
+            return self.fp8_codes["fp8_ds_mla"]
+        if kv_cache_format not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"native CPU decode kernel: kv_cache_format must be 'auto', "
+                             f"'fp8_e4m3' or 'fp8_ds_mla', got {kv_cache_format!r}")
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            return self.fp8_codes["fp8_e4m3"]
+        return self.library.dtype_code(kv_cache.dtype)
 
     def _shares_on_openmp(self, base: MlaDecodeArgs, plan: DecodePlan, floats: int) -> bool:
         """Every share in one C call, on this thread's OpenMP team; True if refused."""
@@ -275,40 +311,66 @@ def _reference(q: torch.Tensor, latent: torch.Tensor, rank: int, scale: float
     return out, lse
 
 
-def _self_test(library: NativeLibrary) -> str | None:
-    """A small paged problem (bf16 and fp32 caches, causal, split and whole requests)
-    against float64; the error text if it disagrees."""
-    kernel = NativeMLADecodeKernel(library)
-    gen = torch.Generator().manual_seed(0)
-    rank, rope, heads, qlen, bs = 64, 32, 3, 2, 5
-    seq_lens = [2, 37, 700]
+def _self_test_case(kernel: NativeMLADecodeKernel, gen: torch.Generator, dtype: torch.dtype,
+                    tol: float, dot: bool, fmt: str) -> str | None:
+    """One path of :func:`_self_test`: a small paged problem (causal, split and whole
+    requests) in ``dtype`` (q, and the cache unless ``fmt`` names an FP8 layout) against
+    float64 over the values the cache holds; the error text if it disagrees."""
+    rank, rope, heads, qlen, bs = (256 if fmt == "fp8_ds_mla" else 64), 32, 3, 2, 5
+    seq_lens = [2, 37, 700 if fmt == "auto" else 300]
     blocks = [-(-n // bs) for n in seq_lens]
     table = torch.zeros(3, max(blocks), dtype=torch.int32)
     perm = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
     for b, start in enumerate([0, blocks[0], blocks[0] + blocks[1]]):
         table[b, :blocks[b]] = perm[start:start + blocks[b]]
-    paths = [(torch.float32, 1e-4, False), (torch.bfloat16, 3e-2, False)]
+    latent = torch.randn(sum(blocks), bs, rank + rope, generator=gen)
+    if fmt == "fp8_ds_mla":   # values of very different sizes per tile: the scales matter
+        latent[..., :rank] *= torch.tensor([0.01, 30.0]).repeat_interleave(128)
+        cache = quantize_fp8_ds_mla(latent, rank)
+        values = dequantize_fp8_ds_mla(cache, rank, rope).double()
+    elif fmt == "fp8_e4m3":
+        cache = latent.to(torch.float8_e4m3fn)
+        values = cache.double()
+    else:
+        cache = latent.to(dtype)
+        values = cache.double()
+    q = torch.randn(3, qlen, heads, rank + rope, generator=gen).to(dtype)
+    for min_keys in (MIN_KEYS_PER_PART, 64):
+        plan = plan_decode(seq_lens, 2, min_keys)
+        out = torch.empty(3, qlen, heads, rank, dtype=dtype)
+        lse = torch.empty(3, qlen, heads)
+        kernel.run(plan, q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), rank,
+                   out, lse, 0.1, 1.0, bf16_dot=dot, kv_cache_format=fmt)
+        for b, n in enumerate(seq_lens):
+            pos = torch.arange(n)
+            rows = values[table[b].long()[pos // bs], pos % bs]
+            ref, ref_lse = _reference(q[b].double(), rows, rank, 0.1)
+            # the output relative to the values' size (p is rounded to bf16 on the dot path)
+            size = max(1.0, float(rows[:, :rank].abs().max()))
+            err = max((out[b].double() - ref).abs().max().item() / size,
+                      (lse[b].double() - ref_lse).abs().max().item())
+            if not err < tol:
+                return (f"self-test against float64 failed: max error {err:.3g} "
+                        f"({dtype}{', bf16 dot' if dot else ''}"
+                        f"{', ' + fmt + ' cache' if fmt != 'auto' else ''}, request {b}, "
+                        f"{plan.parts} partial results)")
+    return None
+
+
+def _self_test(library: NativeLibrary) -> str | None:
+    """Small paged problems (bf16, fp32, fp8_e4m3 and fp8_ds_mla caches; the dot products
+    where the CPU has them) against float64; the first error text, if any."""
+    kernel = NativeMLADecodeKernel(library)
+    gen = torch.Generator().manual_seed(0)
+    paths = [(torch.float32, 1e-4, False, "auto"), (torch.bfloat16, 3e-2, False, "auto"),
+             (torch.float32, 1e-4, False, "fp8_e4m3"), (torch.float32, 1e-4, False, "fp8_ds_mla")]
     if has_bf16_dot():
-        paths.append((torch.bfloat16, 3e-2, True))
-    for dtype, tol, dot in paths:
-        cache = torch.randn(sum(blocks), bs, rank + rope, generator=gen).to(dtype)
-        q = torch.randn(3, qlen, heads, rank + rope, generator=gen).to(dtype)
-        for min_keys in (MIN_KEYS_PER_PART, 64):
-            plan = plan_decode(seq_lens, 2, min_keys)
-            out = torch.empty(3, qlen, heads, rank, dtype=dtype)
-            lse = torch.empty(3, qlen, heads)
-            kernel.run(plan, q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), rank,
-                       out, lse, 0.1, 1.0, bf16_dot=dot)
-            for b, n in enumerate(seq_lens):
-                pos = torch.arange(n)
-                latent = cache[table[b].long()[pos // bs], pos % bs].double()
-                ref, ref_lse = _reference(q[b].double(), latent, rank, 0.1)
-                err = max((out[b].double() - ref).abs().max().item(),
-                          (lse[b].double() - ref_lse).abs().max().item())
-                if not err < tol:
-                    return (f"self-test against float64 failed: max error {err:.3g} "
-                            f"({dtype}{', bf16 dot' if dot else ''}, request {b}, "
-                            f"{plan.parts} partial results)")
+        paths += [(torch.bfloat16, 3e-2, True, "auto"), (torch.bfloat16, 3e-2, True, "fp8_e4m3"),
+                  (torch.bfloat16, 3e-2, True, "fp8_ds_mla")]
+    for dtype, tol, dot, fmt in paths:
+        failed = _self_test_case(kernel, gen, dtype, tol, dot, fmt)
+        if failed is not None:
+            return failed
     return None
 
 

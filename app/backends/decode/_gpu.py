@@ -35,6 +35,7 @@ __all__ = [
     "base2_to_natural",
     "check_query_dtype",
     "check_workspaces",
+    "fp8_query_reasons",
     "insert_reasons",
     "quantize_query_fp8",
 ]
@@ -89,6 +90,15 @@ def check_query_dtype(what: str, q: torch.Tensor, allowed: Sequence[torch.dtype]
     if q.dtype not in allowed:
         raise ValueError(f"{what}: with a {kv_cache_dtype} cache the query dtype must be one "
                          f"of {[str(d) for d in allowed]}, got {q.dtype}")
+
+
+def fp8_query_reasons(config: MLADecodeSelectorConfig) -> list[str]:
+    """The GPU kernels read an FP8 (e4m3) cache with a bf16 query (quantised to e4m3 per call
+    where the kernel takes an FP8 one): another model dtype is a reason (issue 36)."""
+    if config.kv_cache_dtype in ("fp8", "fp8_e4m3") and config.dtype != torch.bfloat16:
+        return [f"kv_cache_dtype {config.kv_cache_dtype!r} needs a bfloat16 model (the "
+                f"kernels read an e4m3 cache with a bf16 query), got {config.dtype}"]
+    return []
 
 
 def insert_reasons(cls: type[MLADecodeBackend], device_capability: DeviceCapability | None,

@@ -7,6 +7,11 @@ Decode attention runs in MLA's *absorbed* form over the paged latent cache (one 
 - ``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` of the backend's
   ``kv_cache_dtype``: row ``r`` of block ``b`` is one token's latent ``c_kv`` (first
   ``kv_lora_rank`` values, which are also the value) followed by its rope key,
+  An FP8 cache (``app.kvcache.cache_dtypes``): ``fp8`` / ``fp8_e4m3`` is float8_e4m3fn rows of
+  the same width dequantised by ``k_scale``; ``fp8_ds_mla`` is uint8 rows of DeepSeek's FlashMLA
+  layout (656 bytes at 512 + 64: e4m3 latent, a float32 scale per 128 values, bf16 rope). A
+  backend declares the cache dtypes it reads (``supported_kv_cache_dtypes``) and selection
+  says which do not,
 - ``block_table`` int32 ``[B, max_blocks]`` and ``seq_lens`` int32 ``[B]`` (given once per step
   to ``prepare_metadata``, as an ``MLADecodeMetadata`` or the three tensors themselves): token
   ``t`` of request ``b`` is row ``t % block_size`` of block
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import warnings
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -71,6 +76,8 @@ from app.backends.declarations import (
 )
 from app.backends.decode.checks import check_decode_inputs
 from app.backends.decode.metadata import MAX_QUERY_LEN, DecodeMetadata, MLADecodeMetadata
+from app.config import KV_CACHE_DTYPES, parse_kv_cache_dtype
+from app.kvcache.cache_dtypes import canonical_kv_cache_dtype, ds_mla_row_bytes
 
 if TYPE_CHECKING:
     from app.backends.workspaces import WorkspaceSource
@@ -93,6 +100,12 @@ _DECODE_DECLARATIONS: tuple[DeclarationRule, ...] = (
      "a tuple of (kv_lora_rank, qk_rope_head_dim) int pairs (empty: any)"),
     ("max_query_len", is_int, "an int"),
     ("isolates_nonfinite_keys", lambda v: isinstance(v, bool), "a bool"),
+    ("supported_kv_cache_dtypes", lambda v: v is None or collection_of(
+        lambda name: name in KV_CACHE_DTYPES)(v),
+     f"None or a tuple of cache dtype names ({', '.join(KV_CACHE_DTYPES)})"),
+    ("kv_cache_dtype_notes", lambda v: isinstance(v, Mapping) and all(
+        isinstance(k, str) and isinstance(n, str) for k, n in v.items()),
+     "a dict of cache dtype name -> why it is not read"),
 )
 
 
@@ -102,6 +115,10 @@ def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int)
 
 def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     check_int_at_least(f"{type(instance).__name__}.{attribute.name}", value, 0)
+
+
+def _selector_cache_dtype(value: object) -> str:
+    return parse_kv_cache_dtype(value, "MLADecodeSelectorConfig.kv_cache_dtype")
 
 
 def _query_len(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -121,6 +138,8 @@ class MLADecodeSelectorConfig:
     num_heads: int = attrs.field(validator=_positive_int)
     block_size: int = attrs.field(validator=_positive_int)
     query_len: int = attrs.field(default=1, validator=_query_len)
+    #: The latent cache's dtype (``app.config.KV_CACHE_DTYPES``; ``"auto"``: ``dtype``).
+    kv_cache_dtype: str = attrs.field(default="auto", converter=_selector_cache_dtype)
 
     @property
     def mla_dimensions(self) -> MLADimensions:
@@ -135,7 +154,8 @@ class MLADecodeSelectorConfig:
         m = config.model
         return cls(dtype=m.dtype, kv_lora_rank=m.kv_lora_rank,
                    qk_rope_head_dim=m.qk_rope_head_dim, num_heads=m.num_heads,
-                   block_size=config.cache.block_size, query_len=query_len)
+                   block_size=config.cache.block_size, query_len=query_len,
+                   kv_cache_dtype=config.cache.kv_cache_dtype)
 
 
 class MLADecodeBackend(BackendDeclarations):
@@ -189,6 +209,13 @@ class MLADecodeBackend(BackendDeclarations):
     #: multi-token step (False: other rows of the same request and step may turn non-finite,
     #: never finite and wrong; see the module docstring).
     isolates_nonfinite_keys: ClassVar[bool] = True
+    #: Latent cache dtypes the kernels read (``app.config.KV_CACHE_DTYPES``); None: ``"auto"``,
+    #: and ``"fp8"`` / ``"fp8_e4m3"`` where ``supported_dtypes`` has float8_e4m3fn (a backend
+    #: written before cache dtypes had names). ``"fp8_ds_mla"`` only where declared.
+    supported_kv_cache_dtypes: ClassVar[Sequence[str] | None] = None
+    #: Why a cache dtype is not read, where there is more to say than "not supported" (the
+    #: selection reasons append it).
+    kv_cache_dtype_notes: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -221,6 +248,25 @@ class MLADecodeBackend(BackendDeclarations):
                 + find_declaration_problems(cls, _DECODE_DECLARATIONS))
 
     @classmethod
+    def kv_cache_dtypes(cls) -> tuple[str, ...]:
+        """The cache dtype names this backend reads (``supported_kv_cache_dtypes``, or what
+        its ``supported_dtypes`` imply; see there)."""
+        if cls.supported_kv_cache_dtypes is not None:
+            return tuple(cls.supported_kv_cache_dtypes)
+        fp8 = torch.float8_e4m3fn in tuple(cls.supported_dtypes)
+        return ("auto", "fp8", "fp8_e4m3") if fp8 else ("auto",)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: str) -> bool:
+        """Whether the kernels read a latent cache of this dtype name (``"fp8"`` and
+        ``"fp8_e4m3"`` are one)."""
+        names = {canonical_kv_cache_dtype(n) for n in cls.kv_cache_dtypes()}
+        try:
+            return canonical_kv_cache_dtype(kv_cache_dtype) in names
+        except (TypeError, ValueError):
+            return False
+
+    @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         """Whether the kernels read a cache of this block size (any, when the list is empty)."""
         return is_int(block_size) and block_size >= 1 and (
@@ -250,6 +296,7 @@ class MLADecodeBackend(BackendDeclarations):
         the lists, so that the order holds (FLASHINFER_MLA, TOKENSPEED_MLA)."""
         capability, dtypes, availability = cls.platform_reason_slots(device_capability,
                                                                      selector_config.dtype)
+        dtypes += cls._kv_cache_dtype_reasons(selector_config)
         rank, rope = selector_config.kv_lora_rank, selector_config.qk_rope_head_dim
         dimensions: list[str] = []
         if not cls.supports_mla_dimensions(selector_config.mla_dimensions):
@@ -269,23 +316,84 @@ class MLADecodeBackend(BackendDeclarations):
         return {"capability": capability, "dtype": dtypes, "availability": availability,
                 "dimensions": dimensions, "block_size": block_size, "query_len": query_len}
 
+    def fp8_query(self) -> bool:
+        """Whether the kernel reads the query quantised to e4m3 (one scale per call,
+        ``amax / 448``) with this instance's cache dtype: the decode conformance kit's FP8
+        bounds then take the query as the kernel sees it. False unless a backend says so
+        (FLASHINFER_MLA's trtllm-gen and TOKENSPEED_MLA on an FP8 cache)."""
+        return False
+
+    @classmethod
+    def _kv_cache_dtype_reasons(cls, selector_config: MLADecodeSelectorConfig) -> list[str]:
+        """The reason for the ``dtype`` slot when the selector's cache dtype is not read."""
+        name = selector_config.kv_cache_dtype
+        if cls.supports_kv_cache_dtype(name):
+            return []
+        note = cls.kv_cache_dtype_notes.get(name) or cls.kv_cache_dtype_notes.get(
+            canonical_kv_cache_dtype(name))
+        return [f"kv_cache_dtype {name!r} not supported (reads: "
+                f"{', '.join(cls.kv_cache_dtypes())}){': ' + note if note else ''}"]
+
+    # -- the cache dtype of an instance (issue 36) -------------------------------------------
+
+    def _set_kv_cache_dtype(self, name: str, kv_cache_dtype: object,
+                            kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+        """``kv_cache_dtype`` (a torch dtype, or a cache dtype name: ``"fp8"`` /
+        ``"fp8_e4m3"`` -> float8_e4m3fn, ``"fp8_ds_mla"`` -> uint8 rows of
+        ``ds_mla_row_bytes``) -> ``self.kv_cache_dtype`` (the cache tensor's dtype),
+        ``self.kv_cache_format`` (``"auto"``, ``"fp8_e4m3"``, ``"fp8_ds_mla"``) and
+        ``self.kv_cache_row_width`` (the cache's last dim)."""
+        head = kv_lora_rank + qk_rope_head_dim
+        expected = ("a torch.dtype or a cache dtype name ('fp8', 'fp8_e4m3', "
+                    "'fp8_ds_mla')")
+        if isinstance(kv_cache_dtype, str):
+            try:
+                fmt = canonical_kv_cache_dtype(kv_cache_dtype)
+            except ValueError:   # a dtype's name ('bf16'): a TypeError, as before names
+                raise TypeError(f"{name}: kv_cache_dtype must be {expected}, got "
+                                f"{kv_cache_dtype!r}") from None
+            if fmt == "auto":
+                raise ValueError(f"{name}: kv_cache_dtype 'auto' means the model's dtype, "
+                                 f"which a backend is not told: pass that torch.dtype")
+        elif isinstance(kv_cache_dtype, torch.dtype):
+            fmt = "fp8_e4m3" if kv_cache_dtype == torch.float8_e4m3fn else "auto"
+        else:
+            raise TypeError(f"{name}: kv_cache_dtype must be {expected}, got "
+                            f"{kv_cache_dtype!r}")
+        if fmt == "auto":
+            if not self.supports_dtype(kv_cache_dtype):  # type: ignore[arg-type]
+                raise ValueError(f"{name}: kv_cache_dtype {kv_cache_dtype} not supported "
+                                 f"(supported: {list(self.supported_dtypes)})")
+            self.kv_cache_dtype: torch.dtype = kv_cache_dtype  # type: ignore[assignment]
+            self.kv_cache_format, self.kv_cache_row_width = "auto", head
+            return
+        if not self.supports_kv_cache_dtype(fmt):
+            raise ValueError(f"{name}: kv_cache_dtype {kv_cache_dtype!r} not supported "
+                             f"(reads: {', '.join(self.kv_cache_dtypes())})")
+        self.kv_cache_format = fmt
+        if fmt == "fp8_ds_mla":
+            try:
+                self.kv_cache_row_width = ds_mla_row_bytes(kv_lora_rank, qk_rope_head_dim)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            self.kv_cache_dtype = torch.uint8
+        else:
+            self.kv_cache_row_width, self.kv_cache_dtype = head, torch.float8_e4m3fn
+
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
-                 kv_cache_dtype: torch.dtype, *,
+                 kv_cache_dtype: torch.dtype | str, *,
                  device_capability: DeviceCapability | None = None,
                  workspaces: WorkspaceSource | None = None) -> None:
         """``device_capability``: the GPU's compute capability, passed in by whoever builds the
         backend (the container, from its platform; None on a CPU). ``workspaces``: the
-        container's kernel workspaces (None: a backend whose kernels need one makes its own)."""
+        container's kernel workspaces (None: a backend whose kernels need one makes its own).
+        ``kv_cache_dtype``: the cache tensor's torch dtype, or a cache dtype name
+        (``"fp8"``, ``"fp8_e4m3"``, ``"fp8_ds_mla"``: see ``app.kvcache.cache_dtypes``)."""
         name = type(self).__name__
         check_int_at_least(f"{name}: num_heads", num_heads, 1)
         check_int_at_least(f"{name}: kv_lora_rank", kv_lora_rank, 1)
         check_int_at_least(f"{name}: qk_rope_head_dim", qk_rope_head_dim, 0)
-        if not isinstance(kv_cache_dtype, torch.dtype):
-            raise TypeError(f"{name}: kv_cache_dtype must be a torch.dtype, got "
-                            f"{kv_cache_dtype!r}")
-        if not self.supports_dtype(kv_cache_dtype):
-            raise ValueError(f"{name}: kv_cache_dtype {kv_cache_dtype} not supported "
-                             f"(supported: {list(self.supported_dtypes)})")
+        self._set_kv_cache_dtype(name, kv_cache_dtype, kv_lora_rank, qk_rope_head_dim)
         if device_capability is not None and not isinstance(device_capability,
                                                             DeviceCapability):
             raise TypeError(f"{name}: device_capability must be a DeviceCapability or None, "
@@ -295,7 +403,6 @@ class MLADecodeBackend(BackendDeclarations):
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.head_dim = kv_lora_rank + qk_rope_head_dim
-        self.kv_cache_dtype = kv_cache_dtype
         self.device_capability = device_capability
         self.workspaces = workspaces
         self._metadata: MLADecodeMetadata | None = None
@@ -304,17 +411,21 @@ class MLADecodeBackend(BackendDeclarations):
     def from_config(cls, config: EngineConfig,
                     device_capability: DeviceCapability | None = None, *,
                     workspaces: WorkspaceSource | None = None) -> MLADecodeBackend:
-        """An instance for ``config.model``'s shape (cache dtype = the model dtype), as the
-        prefill base's ``from_config``: ``device_capability`` and ``workspaces`` are passed only
-        when given, so a constructor without them still works."""
+        """An instance for ``config.model``'s shape, its cache dtype ``config.cache.
+        kv_cache_dtype`` (``"auto"``: the model dtype), as the prefill base's ``from_config``:
+        ``device_capability`` and ``workspaces`` are passed only when given, so a constructor
+        without them still works."""
         m = config.model
+        cache_dtype = canonical_kv_cache_dtype(config.cache.kv_cache_dtype)
+        kv_dtype: torch.dtype | str = {"auto": m.dtype, "fp8_e4m3": torch.float8_e4m3fn}.get(
+            cache_dtype, cache_dtype)
         extra: dict[str, Any] = {}
         if device_capability is not None:
             extra["device_capability"] = device_capability
         if workspaces is not None:
             extra["workspaces"] = workspaces
         return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
-                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype, **extra)
+                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=kv_dtype, **extra)
 
     def prepare_metadata(self, metadata: MLADecodeMetadata | torch.Tensor | None = None,
                          seq_lens: torch.Tensor | None = None,
@@ -419,7 +530,8 @@ class MLADecodeBackend(BackendDeclarations):
         check_decode_inputs(what, meta, q, kv_cache, out, num_heads=self.num_heads,
                             kv_lora_rank=self.kv_lora_rank,
                             qk_rope_head_dim=self.qk_rope_head_dim,
-                            kv_cache_dtype=self.kv_cache_dtype)
+                            kv_cache_dtype=self.kv_cache_dtype,
+                            row_width=self.kv_cache_row_width)
         shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
         # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
         q, kv_cache = q.resolve_neg(), kv_cache.resolve_neg()
@@ -447,11 +559,14 @@ class MLADecodeBackend(BackendDeclarations):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_heads={self.num_heads}, "
                 f"kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
-                f"kv_cache_dtype={self.kv_cache_dtype})")
+                f"kv_cache_dtype={self.kv_cache_dtype}"
+                + (f", kv_cache_format={self.kv_cache_format!r}"
+                   if self.kv_cache_format != "auto" else "") + ")")
 
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly description of the instance."""
         return {"name": self.get_name(), "class": f"{type(self).__module__}."
                 f"{type(self).__qualname__}", "num_heads": self.num_heads,
                 "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
-                "kv_cache_dtype": str(self.kv_cache_dtype)}
+                "kv_cache_dtype": str(self.kv_cache_dtype),
+                "kv_cache_format": self.kv_cache_format}

@@ -31,7 +31,8 @@ def _check_out(what: str, out: object, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _inputs_pass(meta: MLADecodeMetadata, q: object, kv_cache: object,
-                 q_shape: tuple[int, int, int, int], kv_cache_dtype: torch.dtype) -> bool:
+                 q_shape: tuple[int, int, int, int], kv_cache_dtype: torch.dtype,
+                 width: int) -> bool:
     """Whether ``check_decode_inputs`` (without ``out``) would pass, in one expression: True
     only where each of its checks holds (the cache geometry checked for this step already);
     anything else goes through them for the message."""
@@ -40,7 +41,7 @@ def _inputs_pass(meta: MLADecodeMetadata, q: object, kv_cache: object,
         return False
     where, kv_shape = q.device, kv_cache.shape
     return (q.shape == q_shape and q.dtype in _Q_DTYPES and len(kv_shape) == 3
-            and kv_shape[2] == q_shape[3] and kv_shape[1] >= 1
+            and kv_shape[2] == width and kv_shape[1] >= 1
             and kv_cache.dtype == kv_cache_dtype and kv_cache.device == where
             and where.type != "meta" and q.layout == strided and kv_cache.layout == strided
             and kv_cache.stride(2) == 1
@@ -49,11 +50,15 @@ def _inputs_pass(meta: MLADecodeMetadata, q: object, kv_cache: object,
 
 def check_decode_inputs(what: str, meta: MLADecodeMetadata, q: object, kv_cache: object,
                         out: object, *, num_heads: int, kv_lora_rank: int,
-                        qk_rope_head_dim: int, kv_cache_dtype: torch.dtype) -> None:
-    """Check one ``run_decode`` call's tensors against the step (``ValueError``)."""
+                        qk_rope_head_dim: int, kv_cache_dtype: torch.dtype,
+                        row_width: int | None = None) -> None:
+    """Check one ``run_decode`` call's tensors against the step (``ValueError``).
+    ``row_width``: the cache's last dim when it is not the latent dim (an ``fp8_ds_mla``
+    cache: uint8 rows of 656 bytes at 512 + 64)."""
     head = kv_lora_rank + qk_rope_head_dim
+    width = head if row_width is None else row_width
     if out is None and _inputs_pass(meta, q, kv_cache, (meta.batch, meta.query_len, num_heads,
-                                                         head), kv_cache_dtype):
+                                                         head), kv_cache_dtype, width):
         return   # every check below passes: the common call costs a few comparisons
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{what}: q must be a torch.Tensor, got {type(q).__name__}")
@@ -69,9 +74,11 @@ def check_decode_inputs(what: str, meta: MLADecodeMetadata, q: object, kv_cache:
                          f"prepare_metadata), got {list(q.shape)}")
     if q.dtype not in _Q_DTYPES:
         raise ValueError(f"{what}: q dtype must be one of {list(_Q_DTYPES)}, got {q.dtype}")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != head or kv_cache.shape[1] < 1:
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != width or kv_cache.shape[1] < 1:
+        row = ("kv_lora_rank + qk_rope_head_dim" if width == head else
+               "bytes of an fp8_ds_mla row")
         raise ValueError(f"{what}: kv_cache must be [num_blocks, block_size, "
-                         f"{head}] (one latent KV head, kv_lora_rank + qk_rope_head_dim), "
+                         f"{width}] (one latent KV head, {row}), "
                          f"got {list(kv_cache.shape)}")
     if kv_cache.dtype != kv_cache_dtype:
         raise ValueError(f"{what}: kv_cache dtype must be {kv_cache_dtype} (the backend's "

@@ -3,7 +3,8 @@
 The kernel and its bindings live beside the prefill kernel's, in
 :mod:`app.backends.cpu.decode_kernel` (its docstring: what it reads, how it splits the step
 across threads, its memory); this module is the backend that runs it, and re-exports the
-kernel's names from there. bf16 / fp16 / fp32 caches, any block size, ``query_len`` 1..16
+kernel's names from there. bf16 / fp16 / fp32 caches and the FP8 ones (``fp8`` / ``fp8_e4m3``
+with the layer's scale, DeepSeek's ``fp8_ds_mla`` row), any block size, ``query_len`` 1..16
 (causal inside the step), ``kv_lora_rank`` a multiple of 64 and ``qk_rope_head_dim`` a multiple
 of 32 (DeepSeek: 512 and 64); the step's work split is planned once per step
 (``_prepare_step``) and reused by every layer.
@@ -53,6 +54,11 @@ class CpuMLADecodeBackend(MLADecodeBackend):
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32)
+    #: FP8 caches are read as stored (``cpu/csrc/mla_decode_cpu_fp8.h``: each chunk of keys
+    #: dequantised once into a per-thread tile): e4m3 with the layer's scale, and DeepSeek's
+    #: fp8_ds_mla row (656 bytes at 512 + 64; ``kv_lora_rank`` a multiple of 128).
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
 
     #: A CPU backend: never on a GPU.
     compute_capabilities: ClassVar[ComputeCapabilities] = NO_GPU
@@ -79,7 +85,7 @@ class CpuMLADecodeBackend(MLADecodeBackend):
             decode_kernel_status()[0].reasons)
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
-                 kv_cache_dtype: torch.dtype, *,
+                 kv_cache_dtype: torch.dtype | str, *,
                  device_capability: DeviceCapability | None = None,
                  workspaces: WorkspaceSource | None = None) -> None:
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, kv_cache_dtype,
@@ -137,6 +143,8 @@ class CpuMLADecodeBackend(MLADecodeBackend):
             kernel = amx  # the same interface; bf16_dot means nothing to it
         if q.stride(-1) != 1:
             q = q.contiguous()
+        bf16 = q.dtype == torch.bfloat16 and (self.kv_cache_format != "auto"
+                                              or kv_cache.dtype == torch.bfloat16)
         kernel.run(self._plan_for(metadata), q, kv_cache, metadata.block_table_cpu,
                    metadata.seq_lens_cpu, self.kv_lora_rank, out, lse, softmax_scale, k_scale,
-                   bf16_dot=dot and kv_cache.dtype == q.dtype == torch.bfloat16)
+                   bf16_dot=dot and bf16, kv_cache_format=self.kv_cache_format)

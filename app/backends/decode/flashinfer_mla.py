@@ -49,6 +49,7 @@ from app._validation import check_int_at_least
 from app.backends.decode._gpu import (
     check_query_dtype,
     check_workspaces,
+    fp8_query_reasons,
     insert_reasons,
     quantize_query_fp8,
 )
@@ -169,6 +170,13 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
     probe = staticmethod(lambda: _probe())
     kernel_package: ClassVar[str | None] = FLASHINFER_PACKAGE
     install_hint: ClassVar[str] = FLASHINFER_INSTALL_HINT
+    #: e4m3 with one scale per layer (``ckv_scale``/``kpe_scale``, trtllm-gen's bmm scales):
+    #: trtllm-gen and fa3 (the dtype slot refuses fa2). See ``kv_cache_dtype_notes``.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8", "fp8_e4m3")
+    kv_cache_dtype_notes: ClassVar[dict[str, str]] = {
+        "fp8_ds_mla": "flashinfer 0.7.2 reads the 656-byte FlashMLA row only in its SM120 "
+                      "sparse MLA kernels (DeepSeek-V3.2 top-k), not in the dense decode "
+                      "this backend runs"}
 
     @classmethod
     def block_sizes_for(cls, device_capability: DeviceCapability, num_heads: int
@@ -185,9 +193,11 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             return super().validate_configuration(device_capability, selector_config)
         cfg = selector_config
         kernel = decode_kernel_for(device_capability, cfg.num_heads)
-        dtype = [] if not cls.supports_dtype(cfg.dtype) or cfg.dtype in \
+        cache_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype in ("fp8", "fp8_e4m3") \
+            else cfg.dtype                                   # issue 36: an FP8 cache
+        dtype = [] if not cls.supports_dtype(cfg.dtype) or cache_dtype in \
             _KERNEL_CACHE_DTYPES[kernel] else [
-                f"dtype {cfg.dtype} not supported by flashinfer's {kernel} MLA kernel on "
+                f"dtype {cache_dtype} not supported by flashinfer's {kernel} MLA kernel on "
                 f"SM{device_capability.to_int()} with {cfg.num_heads} heads (supported: "
                 f"{[str(d) for d in _KERNEL_CACHE_DTYPES[kernel]]})"]
         sizes = cls.block_sizes_for(device_capability, cfg.num_heads)
@@ -195,7 +205,8 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
             f"block size {cfg.block_size} not supported by flashinfer's {kernel} MLA kernel "
             f"on SM{device_capability.to_int()} (supported: "
             f"{', '.join(str(s) for s in sizes)})"]
-        reasons = insert_reasons(cls, device_capability, cfg, dtype=dtype, block_size=block)
+        reasons = insert_reasons(cls, device_capability, cfg,
+                                 dtype=dtype + fp8_query_reasons(cfg), block_size=block)
         if kernel != TRTLLM_GEN and not causal_tiles_fit(cfg.num_heads, cfg.query_len):
             reasons.append(f"query_len {cfg.query_len} with {cfg.num_heads} heads not "
                            f"supported by flashinfer's {kernel} MLA kernel (its causal query "
@@ -203,7 +214,7 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         return reasons
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
-                 kv_cache_dtype: torch.dtype, *,
+                 kv_cache_dtype: torch.dtype | str, *,
                  device_capability: DeviceCapability | None = None,
                  workspaces: WorkspaceSource | None = None,
                  block_size: int | None = None) -> None:
@@ -226,11 +237,11 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
                              f"{list(self.supported_head_dims)}, got "
                              f"({kv_lora_rank}, {qk_rope_head_dim})")
         self.kernel = decode_kernel_for(device_capability, num_heads)
-        if kv_cache_dtype not in _KERNEL_CACHE_DTYPES[self.kernel]:
+        if self.kv_cache_dtype not in _KERNEL_CACHE_DTYPES[self.kernel]:
             raise ValueError(f"{name}: flashinfer's {self.kernel} MLA kernel (SM"
                              f"{device_capability.to_int()}, {num_heads} heads) reads "
                              f"{[str(d) for d in _KERNEL_CACHE_DTYPES[self.kernel]]} caches, "
-                             f"got {kv_cache_dtype}")
+                             f"got {self.kv_cache_dtype}")
         if block_size is not None:
             check_int_at_least(f"{name}: block_size", block_size, 1)
             self._check_block_size(block_size)
@@ -250,8 +261,10 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
                     ) -> FlashInferMLADecodeBackend:
         """An instance for ``config`` (its cache block size lets each step plan early)."""
         m = config.model
+        fp8 = config.cache.kv_cache_dtype in ("fp8", "fp8_e4m3")   # issue 36
         return cls(num_heads=m.num_heads, scale=m.scale, kv_lora_rank=m.kv_lora_rank,
-                   qk_rope_head_dim=m.qk_rope_head_dim, kv_cache_dtype=m.dtype,
+                   qk_rope_head_dim=m.qk_rope_head_dim,
+                   kv_cache_dtype=torch.float8_e4m3fn if fp8 else m.dtype,
                    device_capability=device_capability, workspaces=workspaces,
                    block_size=config.cache.block_size)
 
@@ -274,6 +287,10 @@ class FlashInferMLADecodeBackend(MLADecodeBackend):
         if self.kv_cache_dtype == torch.float8_e4m3fn or self.kernel == TRTLLM_GEN:
             return (torch.bfloat16,)
         return (self.kv_cache_dtype,)
+
+    def fp8_query(self) -> bool:
+        """trtllm-gen reads an FP8 cache with an FP8 query (quantised per call)."""
+        return self._kernel_q_dtype() == torch.float8_e4m3fn
 
     def _kernel_q_dtype(self) -> torch.dtype:
         """The query dtype the kernel is handed (FP8 when trtllm-gen reads an FP8 cache)."""

@@ -48,6 +48,7 @@ from app.backends.decode._gpu import (
     base2_to_natural,
     check_query_dtype,
     check_workspaces,
+    fp8_query_reasons,
     insert_reasons,
     quantize_query_fp8,
 )
@@ -101,6 +102,11 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+    #: e4m3 with one scale per layer (the query quantised per call); not FlashMLA's row.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto", "fp8", "fp8_e4m3")
+    kv_cache_dtype_notes: ClassVar[dict[str, str]] = {
+        "fp8_ds_mla": "tokenspeed-mla 2.0.4 reads one cache dtype per call (fp16, bf16 or "
+                      "e4m3 with one scale), not the 656-byte FlashMLA row"}
     #: Divisors of the kernel's 128-key tile, except 1 (mla_decode_fp16.py:3990).
     supported_block_sizes: ClassVar[tuple[int, ...]] = (2, 4, 8, 16, 32, 64, 128)
     supported_mla_dimensions: ClassVar[tuple[MLADimensions, ...]] = (
@@ -127,10 +133,11 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         heads = selector_config.num_heads
         extra = [] if heads <= MAX_HEADS else [
             f"{heads} query heads not supported (at most {MAX_HEADS})"]
-        return insert_reasons(cls, device_capability, selector_config, dimensions=extra)
+        return insert_reasons(cls, device_capability, selector_config, dimensions=extra,
+                              dtype=fp8_query_reasons(selector_config))
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
-                 kv_cache_dtype: torch.dtype, *,
+                 kv_cache_dtype: torch.dtype | str, *,
                  device_capability: DeviceCapability | None = None,
                  workspaces: WorkspaceSource | None = None) -> None:
         """``workspaces``: shared kernel workspaces (the container's; default: this
@@ -152,6 +159,10 @@ class TokenSpeedMLADecodeBackend(MLADecodeBackend):
         self.workspaces: WorkspaceSource = check_workspaces(name, workspaces)
         self._num_sms: dict[torch.device, int] = {}
         self._lock = threading.Lock()
+
+    def fp8_query(self) -> bool:
+        """An FP8 cache is read with the query quantised to e4m3 per call."""
+        return self.kv_cache_dtype == torch.float8_e4m3fn
 
     def query_dtypes(self) -> tuple[torch.dtype, ...]:
         """The query dtypes the kernel reads with this backend's cache dtype."""

@@ -2,7 +2,10 @@
 
 Per request it gathers the pages the request reads (``index_select`` through the block
 table: pages in any order, shared or not; rows past ``seq_len`` are sliced off before any
-math), then runs matmul -> softmax -> matmul in float32.
+math), then runs matmul -> softmax -> matmul in float32. FP8 caches (``fp8`` / ``fp8_e4m3``,
+``fp8_ds_mla``: ``app.kvcache.cache_dtypes``) are dequantised to float32 as they are gathered
+(exact: e4m3 times a power-of-two scale, or times vLLM's ``amax / 448``, is computed in
+float32), so this is the reference the CPU kernel's FP8 paths are checked against.
 Memory per call is one request's context in float32 (``seq_len * (kv_lora_rank +
 qk_rope_head_dim) * 4`` bytes), released before the next request: fine for a fallback, and the
 reason the native CPU kernel exists.
@@ -16,6 +19,7 @@ import torch
 
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
+from app.kvcache.cache_dtypes import dequantize_fp8_ds_mla
 
 __all__ = ["TorchSDPADecodeBackend", "decode_one_request"]
 
@@ -63,6 +67,9 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
+    #: Every cache dtype: FP8 rows are dequantised to float32 as they are gathered.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
 
     @classmethod
     def kernel_path(cls, dtype: torch.dtype) -> str:
@@ -80,7 +87,10 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
         block_table, _ = metadata.on_device(q.device)
         for b, seq_len in enumerate(metadata.seq_lens_list):
             blocks = block_table[b, :-(-seq_len // block_size)].to(torch.long)
-            latent = kv_cache.index_select(0, blocks).reshape(-1, self.head_dim)[:seq_len]
+            latent = kv_cache.index_select(0, blocks).reshape(
+                -1, self.kv_cache_row_width)[:seq_len]
+            if self.kv_cache_format == "fp8_ds_mla":
+                latent = dequantize_fp8_ds_mla(latent, self.kv_lora_rank, self.qk_rope_head_dim)
             o, lg = decode_one_request(q[b], latent, self.kv_lora_rank,
                                        softmax_scale * k_scale, k_scale)
             out[b].copy_(o)

@@ -132,6 +132,13 @@ static amx_scratch carve(float* scratch, int64_t mp, int64_t d, int64_t rank) {
   return s;
 }
 
+/* The tiles read bf16 caches only (CPU_MLA sends the FP8 caches to mla_decode_cpu): no FP8
+ * layout has a code here. */
+int32_t mla_decode_cpu_cache_code(const char* name) {
+  (void)name;
+  return -1;
+}
+
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
   const int64_t mp = app_round_up(qlen * heads, G), d = rank + rope;
   /* 16 to align; q tiles; accumulators; m, l, lr, limit; scores; P tiles; K staging; Vp */

@@ -1,4 +1,6 @@
-/* MLA decode over a paged latent cache on an AVX-512 CPU, float32 math.
+/* MLA decode over a paged latent cache on an AVX-512 CPU, float32 math. bf16 / fp16 / fp32
+ * caches are read in place; FP8 caches (fp8_e4m3, DeepSeek's fp8_ds_mla: mla_decode_cpu_fp8.h)
+ * are dequantised a chunk at a time into a per-thread tile that the same code reads.
  *
  * Built at first use by app/backends/decode/cpu_mla.py through the shared native loader and
  * called through ctypes (which releases the GIL): one call per worker thread, each with its
@@ -367,17 +369,20 @@ static inline __attribute__((always_inline)) void pv_group(
 }
 
 #include "mla_decode_cpu_bf16.h" /* the bf16 dot path: scores_bf16, pv_group_bf16 */
+#include "mla_decode_cpu_fp8.h"  /* FP8 caches: each chunk dequantised into a tile */
 
 static int accumulator_order(const mla_decode_args* a) {
-  if (a->cache_dt != APP_DT_BF16) return ORDER_NATURAL;
-  return a->bf16_dot ? ORDER_PAIRS : ORDER_EVEN_ODD;
+  if (a->bf16_dot) return ORDER_PAIRS;
+  return a->cache_dt == APP_DT_BF16 ? ORDER_EVEN_ODD : ORDER_NATURAL; /* FP8: a float32 tile */
 }
 
 int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank, int64_t rope) {
   const int64_t mp = app_round_up(qlen * heads, G);
   /* 16 to align, packed q, accumulators, m, l, lr, limits (int32), scores (+1 key of
-   * slack), bf16 probability pairs */
-  return 16 + mp * (rank + rope) + mp * rank + 4 * mp + (BK + 1) * G + (BK / 2 + 1) * G;
+   * slack), bf16 probability pairs; 16 to align and an FP8 cache's tile of BK rows (float32
+   * on the float path, bf16 on the dot path) */
+  return 16 + mp * (rank + rope) + mp * rank + 4 * mp + (BK + 1) * G + (BK / 2 + 1) * G
+         + 16 + BK * (rank + rope);
 }
 
 /* The key range [k0, k1) of request b, for all its query rows; see mla_decode_args. `after`:
@@ -385,9 +390,14 @@ int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads, int64_t rank,
 static inline __attribute__((always_inline)) void run_item(const mla_decode_args* a, int64_t b,
                                                            int64_t k0, int64_t k1, int64_t part,
                                                            const int64_t* after, const int dt,
-                                                           const int dot) {
+                                                           const int dot, const int src) {
+  /* dt: the element type the chunk's rows are read in: the cache's, or for an FP8 cache
+   * (src, its layout) the dequantised tile's (bf16 on the dot path, else float32). */
   const int64_t heads = a->heads, qlen = a->qlen, rows_m = qlen * heads, rank = a->rank;
   const int64_t d = rank + a->rope, mp = app_round_up(rows_m, G), es = app_native_elem_size(dt);
+  const int fp8 = is_fp8_cache(src);
+  const int64_t src_es = fp8 ? 1 : es; /* the cache's strides count bytes for FP8 */
+  const int64_t src_row = cache_row_bytes(src, rank, a->rope);
   const int64_t seq_len = a->seq_lens[b], tail = seq_len - qlen + 1;
   float* qp = a->scratch + (16 - ((uintptr_t)a->scratch / sizeof(float)) % 16) % 16;
   float* acc = qp + mp * d;
@@ -401,6 +411,11 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
   int32_t* limit = (int32_t*)(lr + mp);
   float* S = (float*)(limit + mp);
   uint32_t* P2 = (uint32_t*)(S + (BK + 1) * G);
+  float* tile = (float*)(P2 + (BK / 2 + 1) * G);
+  tile += (16 - ((uintptr_t)tile / sizeof(float)) % 16) % 16;
+  const char* tile_rows[BK]; /* an FP8 chunk's rows, dequantised: tile + j * d elements */
+  if (fp8)
+    for (int64_t j = 0; j < BK; ++j) tile_rows[j] = (const char*)tile + j * d * es;
   uint16_t* q16 = (uint16_t*)qp; /* the dot path keeps q as bf16 bits, unscaled */
   const int64_t qes = app_native_elem_size(a->q_dt);
   for (int64_t r = 0; r < mp; ++r) {
@@ -423,10 +438,15 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
    * are prefetched over chunk t - 1's work), or two where pages are touched ahead. */
   const char* ring[3][BK];
   const int touch = 4 * a->block_size <= BK; /* see touch_pages_ahead */
-  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, es, ring[0]);
+  row_pointers(a, table, k0, k1 - k0 < BK ? k1 - k0 : BK, src_es, ring[0]);
   for (int64_t t = 0, cs = k0; cs < k1; ++t, cs += BK) {
     const int64_t n = k1 - cs < BK ? k1 - cs : BK;
     const char* const* rows = ring[t % 3];
+    if (fp8) { /* the chunk's stored rows (prefetched during the last chunk) -> the tile */
+      if (dot) fp8_tile_bf16(a, rows, n, (uint16_t*)tile);
+      else fp8_tile_f32(a, rows, n, tile);
+      rows = tile_rows;
+    }
     const char** next = ring[(t + 1) % 3];
     int64_t n_next = k1 - cs - BK < BK ? k1 - cs - BK : BK;
     /* made by chunk t - 1 when it touched this item's next chunk's pages */
@@ -443,15 +463,15 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
       next_start = after[1];
       made = 0;
     }
-    pf_cursor pc = {next, n_next > 0 ? n_next : 0, (d * es + 63) / 64 * 64, -1, 0, NULL, NULL};
+    pf_cursor pc = {next, n_next > 0 ? n_next : 0, (src_row + 63) / 64 * 64, -1, 0, NULL, NULL};
     if (n_next > 0) {
-      if (!made) row_pointers(a, next_table, next_start, n_next, es, next);
+      if (!made) row_pointers(a, next_table, next_start, n_next, src_es, next);
       const int64_t calls = prefetch_calls(rows_m, n, rank, d, dot);
       pc.per_call = (n_next * (pc.row_bytes / 64) + calls - 1) / calls;
     }
     if (touch && k1 - cs > 2 * BK)
       touch_pages_ahead(a, table, cs + 2 * BK, k1 - cs - 2 * BK < BK ? k1 - cs - 2 * BK : BK,
-                        es, ring[(t + 2) % 3]);
+                        src_es, ring[(t + 2) % 3]);
     int64_t n_main = tail - cs;
     n_main = n_main < 0 ? 0 : n_main > n ? n : n_main;
     for (int64_t g0 = 0; g0 < rows_m; g0 += G) {
@@ -497,13 +517,15 @@ static inline __attribute__((always_inline)) void run_item(const mla_decode_args
 
 static int shape_ok(const mla_decode_args* a) {
   const int dts_ok = (a->cache_dt == APP_DT_F32 || a->cache_dt == APP_DT_BF16 ||
-                      a->cache_dt == APP_DT_F16) &&
+                      a->cache_dt == APP_DT_F16 || is_fp8_cache(a->cache_dt)) &&
                      (a->q_dt == APP_DT_F32 || a->q_dt == APP_DT_BF16 || a->q_dt == APP_DT_F16) &&
                      (a->out_dt == APP_DT_F32 || a->out_dt == APP_DT_BF16 ||
                       a->out_dt == APP_DT_F16);
-  const int dot_ok = !a->bf16_dot || (a->cache_dt == APP_DT_BF16 && a->q_dt == APP_DT_BF16);
-  return dts_ok && dot_ok && a->rank > 0 && a->rank % 64 == 0 && a->rope >= 0 && a->rope % 32 == 0 &&
-         a->qlen > 0 && a->heads > 0 && a->block_size > 0;
+  const int dot_ok = !a->bf16_dot || ((a->cache_dt == APP_DT_BF16 || is_fp8_cache(a->cache_dt)) &&
+                                      a->q_dt == APP_DT_BF16);
+  const int ds_ok = a->cache_dt != MLA_CACHE_FP8_DS_MLA || a->rank % 128 == 0;
+  return dts_ok && dot_ok && ds_ok && a->rank > 0 && a->rank % 64 == 0 && a->rope >= 0 &&
+         a->rope % 32 == 0 && a->qlen > 0 && a->heads > 0 && a->block_size > 0;
 }
 
 int32_t mla_decode_cpu_run(const mla_decode_args* a) {
@@ -511,13 +533,18 @@ int32_t mla_decode_cpu_run(const mla_decode_args* a) {
   for (int64_t t = 0; t < a->n_items; ++t) {
     const int64_t* it = a->items + 4 * t;
     const int64_t* after = t + 1 < a->n_items ? it + 4 : NULL;
+    const int src = a->cache_dt;
     if (a->cache_dt == APP_DT_BF16 && a->bf16_dot)
-      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 1);
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 1, APP_DT_BF16);
     else if (a->cache_dt == APP_DT_BF16)
-      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 0);
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 0, APP_DT_BF16);
     else if (a->cache_dt == APP_DT_F16)
-      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F16, 0);
-    else run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F32, 0);
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F16, 0, APP_DT_F16);
+    else if (is_fp8_cache(src) && a->bf16_dot) /* the chunk's tile in bf16 */
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_BF16, 1, src);
+    else if (is_fp8_cache(src)) /* ... in float32 */
+      run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F32, 0, src);
+    else run_item(a, it[0], it[1], it[2], it[3], after, APP_DT_F32, 0, APP_DT_F32);
   }
   return 0;
 }
@@ -567,42 +594,4 @@ const void* mla_decode_cpu_openmp_runtime(void) {
 #endif
 }
 
-int32_t mla_decode_cpu_merge(const mla_decode_args* a) {
-  if (!shape_ok(a)) return 1;
-  const int64_t rows_m = a->qlen * a->heads, rank = a->rank;
-  for (int64_t t = 0; t < a->n_merge; ++t) /* checked first: nothing half-written */
-    if (a->merge[3 * t + 2] < 1 || a->merge[3 * t + 2] > MAX_PARTS) return 1;
-  for (int64_t t = 0; t < a->n_merge; ++t) {
-    const int64_t b = a->merge[3 * t], p0 = a->merge[3 * t + 1], np = a->merge[3 * t + 2];
-    for (int64_t r = 0; r < rows_m; ++r) {
-      float mx = -INFINITY, tot = 0.f, w[MAX_PARTS];
-      for (int64_t p = 0; p < np; ++p) {
-        const float x = a->part_lse[(p0 + p) * rows_m + r];
-        if (x > mx) mx = x;
-      }
-      const float ref = mx == -INFINITY ? 0.f : mx;
-      for (int64_t p = 0; p < np; ++p) { /* a NaN partial LSE gives a NaN weight: kept */
-        w[p] = exp2f(a->part_lse[(p0 + p) * rows_m + r] - ref);
-        tot += w[p];
-      }
-      const float inv = tot == 0.f ? 0.f : a->v_mult / tot;
-      const int64_t o = (b * rows_m + r) * rank;
-      for (int64_t c = 0; c < rank; c += 32) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        for (int64_t p = 0; p < np; ++p) {
-          const float* po = a->part_out + ((p0 + p) * rows_m + r) * rank + c;
-          const __m512 wp = _mm512_set1_ps(w[p]);
-          s0 = _mm512_fmadd_ps(wp, _mm512_loadu_ps(po), s0);
-          s1 = _mm512_fmadd_ps(wp, _mm512_loadu_ps(po + 16), s1);
-        }
-        __m512 lo, hi;
-        to_natural(_mm512_mul_ps(s0, _mm512_set1_ps(inv)), _mm512_mul_ps(s1, _mm512_set1_ps(inv)),
-                   accumulator_order(a), &lo, &hi);
-        app_store16(a->out, o + c, lo, a->out_dt);
-        app_store16(a->out, o + c + 16, hi, a->out_dt);
-      }
-      if (a->lse) a->lse[b * rows_m + r] = tot == 0.f ? -INFINITY : (ref + log2f(tot)) * LN2;
-    }
-  }
-  return 0;
-}
+#include "mla_decode_cpu_merge.h" /* mla_decode_cpu_merge */

@@ -6,10 +6,17 @@
 #include "app_native.h"
 
 /* Bump on any change to this struct or to an exported function of mla_decode_cpu.c. */
-#define MLA_DECODE_CPU_ABI 3
+#define MLA_DECODE_CPU_ABI 4
+
+/* cache_dt beyond the element types of app_native.h (APP_DT_*): the FP8 latent caches
+ * (mla_decode_cpu_fp8.h; issue 36). Python asks mla_decode_cpu_cache_code(name). */
+enum { MLA_CACHE_FP8_E4M3 = 16, MLA_CACHE_FP8_DS_MLA = 17 };
 
 /* One decode step over a paged latent cache (one KV head), D = rank + rope:
  *   cache [num_blocks, block_size, D] of cache_dt, strides (block_stride, row_stride, 1);
+ *   an FP8 cache (MLA_CACHE_*) has byte strides: rows of D e4m3 bytes (fp8_e4m3; its scale is
+ *   the caller's k_scale, in q_mult and v_mult) or DeepSeek's fp8_ds_mla rows (rank e4m3
+ *   bytes, rank / 128 float32 scales, rope bf16; rank % 128 == 0);
  *   q [B, qlen, heads, D] of q_dt, strides (q_sb, q_si, q_sh, 1);
  *   out [B, qlen, heads, rank] of out_dt, contiguous; lse [B, qlen, heads] float32 or NULL;
  *   block_table int32 [B, bt_stride-strided rows]; seq_lens int32 [B] (>= qlen, counting
@@ -21,8 +28,9 @@
  * a partial (normalised fp32 rows, base-2 LSE) into part_out [parts, qlen*heads, rank] and
  * part_lse [parts, qlen*heads], merged by mla_decode_cpu_merge.
  * scratch: mla_decode_cpu_scratch_floats() floats, 64-byte aligned, one per thread.
- * bf16_dot: 1 to use AVX512-BF16 dot products (bf16 cache and q only; the caller checks the
- * CPU has AVX512-BF16 and AVX512BW): bf16 products, float32 sums, p rounded to bf16 for p.v.
+ * bf16_dot: 1 to use AVX512-BF16 dot products (a bf16 q with a bf16 or FP8 cache; the caller
+ * checks the CPU has AVX512-BF16 and AVX512BW): bf16 products, float32 sums, p rounded to
+ * bf16 for p.v.
  * merge: n_merge triples (request, first part, number of parts <= 64). */
 #define MLA_DECODE_ARGS(X)                                                                \
   X(const void*, cache) X(const void*, q) X(void*, out) X(float*, lse)                     \
@@ -48,7 +56,10 @@ APP_NATIVE_EXPORT int32_t mla_decode_cpu_run_shares(const mla_decode_args* a,
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_openmp(void);
 /* omp_get_max_threads of the OpenMP runtime the library is bound to (NULL without OpenMP). */
 APP_NATIVE_EXPORT const void* mla_decode_cpu_openmp_runtime(void);
-/* Scratch floats one thread needs for qlen * heads query rows of head dim rank + rope. */
+/* The cache_dt code of an FP8 cache layout ("fp8_e4m3", "fp8_ds_mla"), -1 for another name. */
+APP_NATIVE_EXPORT int32_t mla_decode_cpu_cache_code(const char* name);
+/* Scratch floats one thread needs for qlen * heads query rows of head dim rank + rope (an
+ * FP8 cache's dequantised tile included). */
 APP_NATIVE_EXPORT int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads,
                                                         int64_t rank, int64_t rope);
 

@@ -1,9 +1,11 @@
 /* Runs mla_decode_cpu_run_shares / _merge under AddressSanitizer + UBSan (built by
  * test_decode_kernel_asan.py) on shapes around every edge: block sizes 1..64, seq_len 1 and
  * not a multiple of the block size, query_len 1..16, head counts whose query rows are not a
- * multiple of 16, rope 0/32/64 (and DeepSeek's 512 + 64), every cache dtype, whole and split
- * requests (built with mla_decode_amx.c and -DAPP_AMX_DRIVER: the bf16 cases only, on the AMX
- * kernel, and no tile operation the hardware would refuse). Every buffer (cache, table, q, out, lse, partials, scratch) is allocated at
+ * multiple of 16, rope 0/32/64 (and DeepSeek's 512 + 64), every cache dtype (the FP8 ones,
+ * fp8_e4m3 and fp8_ds_mla, with float32 and bf16 queries: the float and the dot path), whole
+ * and split requests (built with mla_decode_amx.c and -DAPP_AMX_DRIVER: the bf16 cases only, on
+ * the AMX kernel, and no tile operation the hardware would refuse). Every buffer (cache, table,
+ * q, out, lse, partials, scratch) is allocated at
  * exactly the size the kernel is told, the unused rows of each last block hold NaN (reading
  * them would show), and the result is checked against a float64 reference. Prints
  * "<cases> cases, <bad> bad". */
@@ -48,17 +50,76 @@ static double get(const void* p, int64_t i, int dt) {
 }
 
 static int bf16_dot = 0; /* run the bf16 cases on the AVX512-BF16 dot path */
+static int q_dt_fp8 = APP_DT_F32; /* the query's dtype with an FP8 cache */
+
+static double e4m3(uint8_t b) { /* float8 e4m3fn */
+  const int e = (b >> 3) & 15, m = b & 7;
+  if ((b & 0x7F) == 0x7F) return NAN;
+  const double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+  return b & 0x80 ? -v : v;
+}
+
+static uint8_t random_e4m3(void) { /* |value| in [2^-9, 3.75]: exponent 0..8 */
+  return (uint8_t)((rand() & 0x80) | ((rand() % 9) << 3) | (rand() & 7));
+}
+
+static int is_fp8(int dt) { return dt == MLA_CACHE_FP8_E4M3 || dt == MLA_CACHE_FP8_DS_MLA; }
+
+/* Bytes of a stored row. */
+static int64_t row_bytes(int dt, int64_t rank, int64_t rope) {
+  if (dt == MLA_CACHE_FP8_DS_MLA) return rank + 4 * (rank / 128) + 2 * rope;
+  if (dt == MLA_CACHE_FP8_E4M3) return rank + rope;
+  return (rank + rope) * app_native_elem_size(dt);
+}
+
+/* Fill stored row `row` (of `w` bytes) with random values. */
+static void fill_row(char* cache, int dt, int64_t row, int64_t w, int64_t rank, int64_t rope) {
+  char* r = cache + row * w;
+  if (!is_fp8(dt)) {
+    for (int64_t c = 0; c < rank + rope; ++c) put(cache, row * (rank + rope) + c, uniform(), dt);
+    return;
+  }
+  const int64_t latent = dt == MLA_CACHE_FP8_DS_MLA ? rank : rank + rope;
+  for (int64_t c = 0; c < latent; ++c) r[c] = (char)random_e4m3();
+  if (dt != MLA_CACHE_FP8_DS_MLA) return;
+  for (int64_t t = 0; t < rank / 128; ++t) { /* a power of two, or vLLM's amax / 448 */
+    const float s = t % 2 ? 0.25f : 0.0137f;
+    memcpy(r + rank + 4 * t, &s, sizeof s);
+  }
+  for (int64_t c = 0; c < rope; ++c) {
+    const uint16_t h = to_bf16(uniform());
+    memcpy(r + rank + 4 * (rank / 128) + 2 * c, &h, sizeof h);
+  }
+}
+
+/* Value c of stored row `row` (of `w` bytes). */
+static double cache_value(const char* cache, int dt, int64_t row, int64_t w, int64_t c,
+                          int64_t rank, int64_t rope) {
+  const char* r = cache + row * w;
+  if (!is_fp8(dt)) return get(cache, row * (rank + rope) + c, dt);
+  if (dt == MLA_CACHE_FP8_E4M3) return e4m3((uint8_t)r[c]);
+  if (c < rank) {
+    float s;
+    memcpy(&s, r + rank + 4 * (c / 128), sizeof s);
+    return e4m3((uint8_t)r[c]) * s;
+  }
+  uint16_t h;
+  memcpy(&h, r + rank + 4 * (rank / 128) + 2 * (c - rank), sizeof h);
+  return get(&h, 0, APP_DT_BF16);
+}
 
 static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t rank,
                     int64_t rope, int64_t bs, const int64_t* lens, int split) {
-  const int64_t d = rank + rope, rows = qlen * heads, es = app_native_elem_size(dt);
+  const int qdt = is_fp8(dt) ? q_dt_fp8 : dt; /* q and out */
+  const int64_t d = rank + rope, rows = qlen * heads, es = app_native_elem_size(qdt);
+  const int64_t w = row_bytes(dt, rank, rope);
   int64_t width = 1, nblocks = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t need = (lens[b] + bs - 1) / bs;
     width = need > width ? need : width;
     nblocks += need;
   }
-  void* cache = malloc((size_t)(nblocks * bs * d * es));
+  char* cache = malloc((size_t)(nblocks * bs * w));
   int32_t* table = malloc(sizeof(int32_t) * (size_t)(batch * width));
   int32_t* seq = malloc(sizeof(int32_t) * (size_t)batch);
   void* q = malloc((size_t)(batch * rows * d * es));
@@ -71,12 +132,15 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
     for (int64_t j = 0; j < width; ++j)
       table[b * width + j] = j < (lens[b] + bs - 1) / bs ? (int32_t)--next : -7;
   }
-  for (int64_t i = 0; i < nblocks * bs * d; ++i) put(cache, i, uniform(), dt);
+  for (int64_t i = 0; i < nblocks * bs; ++i) fill_row(cache, dt, i, w, rank, rope);
   for (int64_t b = 0; b < batch; ++b) /* NaN in the unused rows of the last block */
-    for (int64_t r = lens[b] % bs ? lens[b] % bs : bs; r < bs; ++r)
-      for (int64_t c = 0; c < d; ++c)
-        put(cache, (table[b * width + (lens[b] - 1) / bs] * bs + r) * d + c, NAN, dt);
-  for (int64_t i = 0; i < batch * rows * d; ++i) put(q, i, uniform(), dt);
+    for (int64_t r = lens[b] % bs ? lens[b] % bs : bs; r < bs; ++r) {
+      const int64_t row = table[b * width + (lens[b] - 1) / bs] * bs + r;
+      if (is_fp8(dt)) memset(cache + row * w, 0xFF, (size_t)w); /* NaN in e4m3, f32, bf16 */
+      else
+        for (int64_t c = 0; c < d; ++c) put(cache, row * d + c, NAN, dt);
+    }
+  for (int64_t i = 0; i < batch * rows * d; ++i) put(q, i, uniform(), qdt);
 
   /* items: split requests into `split` ranges (partials), or one item each */
   int64_t n_items = 0, parts = 0;
@@ -110,14 +174,15 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
       .cache = cache, .q = q, .out = out, .lse = lse, .block_table = table, .seq_lens = seq,
       .items = items, .merge = merge, .part_out = part_out, .part_lse = part_lse,
       .scratch = scratch, .batch = batch, .qlen = qlen, .heads = heads, .rank = rank,
-      .rope = rope, .num_blocks = nblocks, .block_size = bs, .block_stride = bs * d,
-      .row_stride = d, .bt_stride = width, .q_sb = rows * d, .q_si = heads * d, .q_sh = d,
-      .n_items = n_items, .n_merge = n_merge, .cache_dt = dt, .q_dt = dt, .out_dt = dt,
-      .bf16_dot = dt == APP_DT_BF16 ? bf16_dot : 0,
+      .rope = rope, .num_blocks = nblocks, .block_size = bs,
+      .block_stride = bs * (is_fp8(dt) ? w : d), .row_stride = is_fp8(dt) ? w : d,
+      .bt_stride = width, .q_sb = rows * d, .q_si = heads * d, .q_sh = d,
+      .n_items = n_items, .n_merge = n_merge, .cache_dt = dt, .q_dt = qdt, .out_dt = qdt,
+      .bf16_dot = qdt == APP_DT_BF16 ? bf16_dot : 0,
       .q_mult = scale * 1.4426950408889634f, .v_mult = 1.f};
   int bad = mla_decode_cpu_run_shares(&a, share_end, n_shares, stride, 2) != 0 ||
             mla_decode_cpu_merge(&a) != 0;
-  const double tol = dt == APP_DT_F32 ? 1e-4 : 3e-2;
+  const double tol = qdt == APP_DT_F32 ? 1e-4 : 3e-2;
   double* s = malloc(sizeof(double) * (size_t)(lens[0] > 0 ? 4096 : 1));
   for (int64_t b = 0; b < batch && !bad; ++b)
     for (int64_t r = 0; r < rows && !bad; ++r) {
@@ -127,7 +192,8 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
       for (int64_t t = 0; t < seen; ++t) {
         const int64_t row = table[b * width + t / bs] * bs + t % bs;
         double dot = 0;
-        for (int64_t c = 0; c < d; ++c) dot += get(qr, c, dt) * get(cache, row * d + c, dt);
+        for (int64_t c = 0; c < d; ++c)
+          dot += get(qr, c, qdt) * cache_value(cache, dt, row, w, c, rank, rope);
         s[t] = dot * scale;
         mx = s[t] > mx ? s[t] : mx;
       }
@@ -138,12 +204,12 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
         double o = 0;
         for (int64_t t = 0; t < seen; ++t)
           o += exp(s[t] - mx) / sum *
-               get(cache, (table[b * width + t / bs] * bs + t % bs) * d + c, dt);
-        if (!(fabs(get(out, (b * rows + r) * rank + c, dt) - o) <= tol)) bad = 1;
+               cache_value(cache, dt, table[b * width + t / bs] * bs + t % bs, w, c, rank, rope);
+        if (!(fabs(get(out, (b * rows + r) * rank + c, qdt) - o) <= tol)) bad = 1;
       }
       if (bad)
         printf("BAD dt %d dot %d batch %ld qlen %ld heads %ld rank %ld rope %ld bs %ld split %d: "
-               "request %ld row %ld\n", dt, dt == APP_DT_BF16 ? bf16_dot : 0, (long)batch,
+               "request %ld row %ld\n", dt, qdt == APP_DT_BF16 ? bf16_dot : 0, (long)batch,
                (long)qlen, (long)heads, (long)rank, (long)rope, (long)bs, split, (long)b,
                (long)r);
     }
@@ -163,7 +229,10 @@ int main(void) {
   }
 #endif
   int cases = 0, bad = 0;
-  const int dts[4] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16, APP_DT_BF16};
+  /* the last four: FP8 caches with a float32 q (the float path), then a bf16 q (the dot
+   * path where the CPU has it) */
+  const int dts[8] = {APP_DT_F32, APP_DT_BF16, APP_DT_F16, APP_DT_BF16, MLA_CACHE_FP8_E4M3,
+                      MLA_CACHE_FP8_DS_MLA, MLA_CACHE_FP8_E4M3, MLA_CACHE_FP8_DS_MLA};
   const int64_t lens_a[3] = {1, 17, 70}, lens_b[2] = {16, 33}, lens_c[1] = {300};
   /* more than two chunks of keys: the pages two chunks ahead (blocks <= 16) and the next
    * item's first chunk are prefetched */
@@ -172,20 +241,23 @@ int main(void) {
 #ifdef APP_AMX_DRIVER /* the AMX kernel reads bf16 caches only */
   for (int di = 1; di < 2; ++di) {
 #else
-  for (int di = 0; di < (has_dot ? 4 : 3); ++di) {
+  for (int di = 0; di < 8; ++di) {
 #endif
     const int dt = dts[di];
-    bf16_dot = di == 3;
+    if (di == 3 && !has_dot) continue;
+    bf16_dot = di == 3 || (di >= 6 && has_dot);
+    q_dt_fp8 = di >= 6 ? APP_DT_BF16 : APP_DT_F32;
     const int64_t bss[4] = {1, 5, 16, 64};
+    const int64_t r64 = dt == MLA_CACHE_FP8_DS_MLA ? 128 : 64; /* ds_mla: 128 per scale */
     for (int bi = 0; bi < 4; ++bi) {
-      bad += run_case(dt, 3, 1, 3, 64, 32, bss[bi], lens_a, 1), ++cases;
+      bad += run_case(dt, 3, 1, 3, r64, 32, bss[bi], lens_a, 1), ++cases;
       bad += run_case(dt, 2, 3, 7, 128, 0, bss[bi], lens_b, 1), ++cases;
-      bad += run_case(dt, 1, 16, 2, 64, 64, bss[bi], lens_b + 1, 1), ++cases;
-      bad += run_case(dt, 1, 2, 20, 64, 32, bss[bi], lens_c, 3), ++cases;
-      bad += run_case(dt, 2, 4, 1, 64, 32, bss[bi], lens_b, 2), ++cases;
-      bad += run_case(dt, 1, 16, 3, 64, 32, bss[bi], lens_b + 1, 3), ++cases; /* empty part */
-      bad += run_case(dt, 2, 1, 5, 64, 32, bss[bi], lens_d, 1), ++cases;
-      bad += run_case(dt, 2, 2, 3, 64, 32, bss[bi], lens_d, 2), ++cases;
+      bad += run_case(dt, 1, 16, 2, r64, 64, bss[bi], lens_b + 1, 1), ++cases;
+      bad += run_case(dt, 1, 2, 20, r64, 32, bss[bi], lens_c, 3), ++cases;
+      bad += run_case(dt, 2, 4, 1, r64, 32, bss[bi], lens_b, 2), ++cases;
+      bad += run_case(dt, 1, 16, 3, r64, 32, bss[bi], lens_b + 1, 3), ++cases; /* empty part */
+      bad += run_case(dt, 2, 1, 5, r64, 32, bss[bi], lens_d, 1), ++cases;
+      bad += run_case(dt, 2, 2, 3, r64, 32, bss[bi], lens_d, 2), ++cases;
       /* DeepSeek's 512 + 64: q.k's unrolled copy (D_MLA in mla_decode_cpu.c) */
       bad += run_case(dt, 2, 1, 16, 512, 64, bss[bi], lens_d, 2), ++cases;
       bad += run_case(dt, 1, 2, 10, 512, 64, bss[bi], lens_d + 1, 1), ++cases; /* 16 + 4 rows */
