@@ -58,6 +58,7 @@ from app.backends.declarations import (
 )
 from app.backends.decode.checks import check_decode_inputs
 from app.backends.decode.metadata import MAX_QUERY_LEN, DecodeMetadata, MLADecodeMetadata
+from app.backends.sparse.checks import check_sparse_indices
 
 if TYPE_CHECKING:
     from app.backends.workspaces import WorkspaceSource
@@ -96,10 +97,17 @@ def _query_len(instance: object, attribute: attrs.Attribute[int], value: int) ->
                          f"[1, {MAX_QUERY_LEN}], got {value!r}")
 
 
+def _optional_topk(instance: object, attribute: attrs.Attribute[int | None],
+                   value: int | None) -> None:
+    if value is not None:
+        check_int_at_least(f"{type(instance).__name__}.{attribute.name} (or None)", value, 1)
+
+
 @attrs.frozen
 class MLADecodeSelectorConfig:
     """What decode selection reads: the cache/compute ``dtype``, the latent dims, the number
-    of query heads, the cache ``block_size`` and the step's uniform ``query_len`` (1..16)."""
+    of query heads, the cache ``block_size``, the step's uniform ``query_len`` (1..16) and
+    ``index_topk`` (the model's DeepSeek Sparse Attention top-k; None: a dense model)."""
 
     dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
     kv_lora_rank: int = attrs.field(validator=_positive_int)
@@ -107,6 +115,12 @@ class MLADecodeSelectorConfig:
     num_heads: int = attrs.field(validator=_positive_int)
     block_size: int = attrs.field(validator=_positive_int)
     query_len: int = attrs.field(default=1, validator=_query_len)
+    index_topk: int | None = attrs.field(default=None, validator=_optional_topk)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the model's attention is sparse (``index_topk`` is set)."""
+        return self.index_topk is not None
 
     @property
     def mla_dimensions(self) -> MLADimensions:
@@ -121,7 +135,8 @@ class MLADecodeSelectorConfig:
         m = config.model
         return cls(dtype=m.dtype, kv_lora_rank=m.kv_lora_rank,
                    qk_rope_head_dim=m.qk_rope_head_dim, num_heads=m.num_heads,
-                   block_size=config.cache.block_size, query_len=query_len)
+                   block_size=config.cache.block_size, query_len=query_len,
+                   index_topk=m.index_topk)
 
 
 class MLADecodeBackend(BackendDeclarations):
@@ -218,7 +233,8 @@ class MLADecodeBackend(BackendDeclarations):
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLADecodeSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
-        availability, dimensions, block size, query_len. An empty list means valid."""
+        availability, dimensions, block size, query_len, sparsity. An empty list means
+        valid."""
         slots = cls.reason_slots(device_capability, selector_config)
         return [reason for reasons in slots.values() for reason in reasons]
 
@@ -226,8 +242,9 @@ class MLADecodeBackend(BackendDeclarations):
     def reason_slots(cls, device_capability: DeviceCapability | None,
                      selector_config: MLADecodeSelectorConfig) -> dict[str, list[str]]:
         """``validate_configuration``'s reasons by slot, in its order: ``capability``,
-        ``dtype``, ``availability``, ``dimensions``, ``block_size``, ``query_len`` (at most one
-        reason in each). A backend with limits of its own adds them to a slot and flattens
+        ``dtype``, ``availability``, ``dimensions``, ``block_size``, ``query_len``,
+        ``sparsity`` (dense or sparse attention: ``sparsity_reasons``; at most one reason in
+        each). A backend with limits of its own adds them to a slot and flattens
         the lists, so that the order holds (FLASHINFER_MLA, TOKENSPEED_MLA)."""
         capability, dtypes, availability = cls.platform_reason_slots(device_capability,
                                                                      selector_config.dtype)
@@ -248,7 +265,8 @@ class MLADecodeBackend(BackendDeclarations):
             query_len.append(f"query_len {selector_config.query_len} exceeds the maximum "
                              f"{cls.max_query_len}")
         return {"capability": capability, "dtype": dtypes, "availability": availability,
-                "dimensions": dimensions, "block_size": block_size, "query_len": query_len}
+                "dimensions": dimensions, "block_size": block_size, "query_len": query_len,
+                "sparsity": cls.sparsity_reasons(getattr(selector_config, "index_topk", None))}
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int,
                  kv_cache_dtype: torch.dtype, *,
@@ -382,11 +400,45 @@ class MLADecodeBackend(BackendDeclarations):
         target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale, return_lse)
         return target if lse is None else (target, lse)
 
+    def run_sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                          *, return_softmax_lse: bool = False, out: torch.Tensor | None = None,
+                          softmax_scale: float | None = None,
+                          k_scale: float | torch.Tensor | None = None
+                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Sparse absorbed MLA decode (DeepSeek Sparse Attention): each query row attends only
+        to the cache rows its indices name (a backend with ``supports_sparse``; ``TypeError``
+        on one without).
+
+        ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]`` and ``kv_cache [num_blocks,
+        block_size, kv_lora_rank + qk_rope_head_dim]`` as ``run_decode`` takes them (B and
+        query_len from ``prepare_metadata``); ``indices [B, query_len, topk]`` int32: rows of
+        the cache viewed flat (slot ``block_id * block_size + offset``, the indexer's positions
+        through the request's block table: ``SparseIndexerMetadata.to_slots``), ``-1`` for
+        padding, each in ``[-1, num_blocks * block_size)`` (``ValueError`` otherwise). Every
+        entry is one softmax term (a slot named twice counts twice); a row whose entries are
+        all ``-1`` gets out 0 and LSE ``-inf``. The indices are a per-layer argument: each
+        layer's indexer selects its own. Returns what ``run_decode`` returns: ``out [B,
+        query_len, H, kv_lora_rank]`` (q's dtype), with ``return_softmax_lse`` also ``lse [H,
+        B, query_len]`` float32 natural log."""
+        what = f"{type(self).__name__}.run_sparse_decode"
+        check_return_flag(what, "return_softmax_lse", return_softmax_lse)
+        target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale,
+                                   return_softmax_lse, indices=indices)
+        if lse is None:
+            return target
+        return target, lse.permute(2, 0, 1).contiguous()
+
     def _decode(self, what: str, q: torch.Tensor, kv_cache: torch.Tensor,
                 out: torch.Tensor | None, softmax_scale: object, k_scale: object,
-                want_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The template of both verbs: checks, scales, ``out=``, the kernel hook. Returns
-        ``(out, lse [B, query_len, H] or None)``."""
+                want_lse: bool, *, indices: object = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template of the verbs: checks, scales, ``out=``, the kernel hook (the sparse
+        one when ``indices`` is given). Returns ``(out, lse [B, query_len, H] or None)``."""
+        sparse = indices is not None
+        if not (self.supports_sparse if sparse else self.supports_dense):
+            raise TypeError(f"{what}: {type(self).__name__} does not run "
+                            f"{'sparse' if sparse else 'dense'} attention (supports_"
+                            f"{'sparse' if sparse else 'dense'} is False)")
         meta = self.metadata
         scale = check_attention_scale(
             what, "softmax_scale", self.scale if softmax_scale is None else softmax_scale,
@@ -402,6 +454,9 @@ class MLADecodeBackend(BackendDeclarations):
                             qk_rope_head_dim=self.qk_rope_head_dim,
                             kv_cache_dtype=self.kv_cache_dtype)
         shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
+        checked = None if not sparse else check_sparse_indices(
+            what, indices, shape[:2], int(kv_cache.shape[0]) * int(kv_cache.shape[1]),
+            q.device)
         # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
         q, kv_cache = q.resolve_neg(), kv_cache.resolve_neg()
         # An out= that shares memory with q or the cache is written after the kernel, never
@@ -410,7 +465,9 @@ class MLADecodeBackend(BackendDeclarations):
             torch.empty(shape, dtype=q.dtype, device=q.device)
         # Kernels write the LSE token-major (next to their output rows).
         lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device) if want_lse else None
-        if meta.batch:
+        if meta.batch and checked is not None:
+            self._run_sparse_decode(meta, q, kv_cache, checked, target, lse, scale, kscale)
+        elif meta.batch:
             self._run_decode(meta, q, kv_cache, target, lse, scale, kscale)
         if out is not None and target is not out:
             out.copy_(target)
@@ -424,6 +481,17 @@ class MLADecodeBackend(BackendDeclarations):
         """Run the kernel on checked inputs (B >= 1): write ``out [B, query_len, H,
         kv_lora_rank]`` (contiguous, q's dtype) and, when ``lse`` is not None, ``lse [B,
         query_len, H]`` (contiguous float32, natural log). ``q`` may be non-contiguous."""
+
+    def _run_sparse_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor,
+                           kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor | None, softmax_scale: float,
+                           k_scale: float) -> None:
+        """Run the sparse kernel on checked inputs (B >= 1; a backend with
+        ``supports_sparse`` overrides it): ``indices [B, query_len, topk]`` int32 contiguous,
+        every entry a row of ``kv_cache.view(-1, D)`` or -1; write ``out`` and ``lse`` as
+        ``_run_decode`` does."""
+        raise NotImplementedError(f"{type(self).__name__} declares supports_sparse but does "
+                                  f"not implement _run_sparse_decode")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_heads={self.num_heads}, "

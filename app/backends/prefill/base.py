@@ -37,7 +37,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import check_int_at_least, is_int
+from app._validation import FLOAT32_MAX, check_int_at_least, is_int
 from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
 from app.backends.declarations import (
     BackendDeclarations,
@@ -52,6 +52,7 @@ from app.backends.prefill.metadata import (
     RaggedLayout,
     StepLayouts,
 )
+from app.backends.sparse.checks import check_sparse_indices, check_sparse_out, check_sparse_rows
 
 if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
@@ -78,18 +79,32 @@ _PREFILL_DECLARATIONS: tuple[DeclarationRule, ...] = (
 )
 
 
+def _optional_topk(instance: object, attribute: attrs.Attribute[int | None],
+                   value: int | None) -> None:
+    if value is not None:
+        check_int_at_least(f"{type(instance).__name__}.{attribute.name} (or None)", value, 1)
+
+
 @attrs.frozen
 class MLAPrefillSelectorConfig:
-    """What the selector needs to know about the model: its dtype and MLA dimensions."""
+    """What the selector needs to know about the model: its dtype, MLA dimensions and
+    ``index_topk`` (DeepSeek Sparse Attention's top-k; None: a dense model)."""
 
     dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
     mla_dimensions: MLADimensions = attrs.field(
         validator=attrs.validators.instance_of(MLADimensions))
+    index_topk: int | None = attrs.field(default=None, validator=_optional_topk)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the model's attention is sparse (``index_topk`` is set)."""
+        return self.index_topk is not None
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> MLAPrefillSelectorConfig:
         """The selector config of an ``EngineConfig``'s model."""
-        return cls(dtype=config.model.dtype, mla_dimensions=config.model.mla_dimensions)
+        return cls(dtype=config.model.dtype, mla_dimensions=config.model.mla_dimensions,
+                   index_topk=config.model.index_topk)
 
 
 _T = TypeVar("_T")
@@ -168,7 +183,8 @@ class MLAPrefillBackend(BackendDeclarations):
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLAPrefillSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
-        availability, dimensions. An empty list means valid."""
+        availability, dimensions, sparsity (``sparsity_reasons``). An empty list means
+        valid."""
         reasons = cls.platform_reasons(device_capability, selector_config.dtype)
         dims = selector_config.mla_dimensions
         if not cls.supports_mla_dimensions(dims):
@@ -176,7 +192,7 @@ class MLAPrefillBackend(BackendDeclarations):
                 cls.supported_mla_dimensions or [R1_MLA_DIMENSIONS]))
             reasons.append(f"Model does not have supported MLA dimensions "
                            f"(got {dims}; supported: {supported})")
-        return reasons
+        return reasons + cls.sparsity_reasons(getattr(selector_config, "index_topk", None))
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
@@ -332,6 +348,62 @@ class MLAPrefillBackend(BackendDeclarations):
             raise RuntimeError("no LSE computed")
         return result, lse
 
+    def run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                           return_softmax_lse: bool = False, out: torch.Tensor | None = None,
+                           softmax_scale: float | None = None,
+                           k_scale: float | torch.Tensor | None = None
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Sparse prefill in the absorbed form (DeepSeek Sparse Attention): each query row
+        attends only to the latent rows its indices name (a backend with ``supports_sparse``;
+        ``TypeError`` on one without). Needs no step metadata: the indices carry the layout.
+
+        ``q [T, H, kv_lora_rank + qk_rope_head_dim]`` (queries with ``W_UK`` absorbed, any
+        strides), ``kv [N, kv_lora_rank + qk_rope_head_dim]`` latent rows of q's dtype (the
+        paged cache viewed flat, ``kv_cache.view(-1, D)``, or rows gathered into a workspace,
+        one context chunk at a time), ``indices [T, topk]`` int32 rows of ``kv`` in ``[-1,
+        N)`` (``-1``: padding; each entry one softmax term). Returns ``out [T, H,
+        kv_lora_rank]`` in q's dtype and with ``return_softmax_lse`` also ``lse [H, T]``
+        float32 natural log, so that chunks merge with ``merge_attn_states``; a row whose
+        entries are all ``-1`` gets out 0 and LSE ``-inf``. ``softmax_scale`` defaults to the
+        constructor's ``scale``, ``k_scale`` (the cache's dequantisation) to 1."""
+        what = f"{self._label()}.run_sparse_prefill"
+        want = check_return_flag(what, "return_softmax_lse", return_softmax_lse)
+        if not self.supports_sparse:
+            raise TypeError(f"{what}: {type(self).__name__} does not run sparse attention "
+                            f"(supports_sparse is False)")
+        scale = check_attention_scale(what, "softmax_scale", self.scale if softmax_scale is None
+                                      else softmax_scale, tensor_ok=True)
+        kscale = 1.0 if k_scale is None else check_attention_scale(
+            what, "k_scale", k_scale, upper=FLOAT32_MAX, tensor_ok=True)
+        head = self.kv_lora_rank + self.qk_rope_head_dim
+        check_sparse_rows(what, q, kv, num_heads=self.num_heads, head_dim=head,
+                          dtypes=tuple(self.supported_dtypes))
+        idx = check_sparse_indices(what, indices, (int(q.shape[0]),), int(kv.shape[0]),
+                                   q.device)
+        shape = (int(q.shape[0]), self.num_heads, self.kv_lora_rank)
+        if out is not None:
+            check_sparse_out(what, out, shape, q.dtype, q.device)
+        q, kv = q.resolve_neg(), kv.resolve_neg()
+        target = out if out is not None and writes_in_place(out, (q, kv)) else torch.empty(
+            shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if want else None
+        if shape[0]:
+            self._run_sparse_prefill(q, kv, idx, target, lse, scale, kscale)
+        if out is not None and target is not out:
+            out.copy_(target)
+            target = out
+        return target if lse is None else (target, lse.t().contiguous())
+
+    def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                            k_scale: float) -> None:
+        """Run the sparse kernel on checked inputs (T >= 1; a backend with
+        ``supports_sparse`` overrides it): write ``out [T, H, kv_lora_rank]`` (contiguous, q's
+        dtype) and, when given, ``lse [T, H]`` (contiguous float32, natural log, token-major
+        as the decode hooks write it; the base lays it out head-major)."""
+        raise NotImplementedError(f"{type(self).__name__} declares supports_sparse but does "
+                                  f"not implement _run_sparse_prefill")
+
     def _check_inputs(self, layout: RaggedLayout, q: object, k: object, v: object,
                       out: object) -> None:
         """Every check of one call's tensors against the step (``check_attention_inputs``)."""
@@ -350,6 +422,9 @@ class MLAPrefillBackend(BackendDeclarations):
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The template of both verbs: checks, ``out=``, the LSE, empty batches, the kernel
         hook, rows that see no key. Returns ``(out, lse or None)``."""
+        if not self.supports_dense:
+            raise TypeError(f"{self._label()}: {type(self).__name__} runs only sparse attention "
+                            f"(supports_dense is False): call run_sparse_prefill")
         self._check_inputs(layout, q, k, v, out)
         # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
