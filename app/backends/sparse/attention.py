@@ -37,6 +37,8 @@ def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
     topk = int(indices.shape[1])
     out = torch.empty(tokens, heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if kv.shape[0] == 0:            # nothing to name: every index is padding
+        return out.zero_(), lse.fill_(float("-inf"))
     chunk = max(1, GATHER_BUDGET // max(topk * (dim + heads), 1))
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
