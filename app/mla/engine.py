@@ -6,8 +6,10 @@ instance (``container.mla_prefill_backend()``), a decode backend instance for th
 length (``container.mla_decode_backend(query_len=1 + num_speculative_tokens)``; selection
 checks the cache block size), the kernel workspaces and the KV-cache spec bindings
 (``get_kv_cache_groups`` + ``KVCacheManager`` over one ``MLAAttentionSpec`` group of the
-model's layers). To replace a backend for one engine, override the container's providers.
-Afterwards the hot path holds plain references; nothing is resolved per step or per layer.
+model's layers; a sparse model's indexer key caches, ``IndexerKeyCacheSpec``, in the same group:
+one block table) and, for a sparse model, its indexer (``container.sparse_indexer()``). To
+replace a backend for one engine, override the container's providers. Afterwards the hot path
+holds plain references; nothing is resolved per step or per layer.
 
 Serving::
 
@@ -56,9 +58,12 @@ from app.backends.decode.base import MAX_QUERY_LEN, MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.containers import get_container
-from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
+from app.kvcache.grouping import (
+    KVCacheGroupSpec,
+    get_kv_cache_bytes_per_block,
+    get_kv_cache_groups,
+)
 from app.kvcache.kv_cache_manager import KVCacheManager
-from app.kvcache.specs import MLAAttentionSpec
 from app.mla.requests import (
     EngineStats,
     FinishReason,
@@ -72,15 +77,10 @@ from app.mla.requests import (
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter, accept_greedy
 from app.model.cache import check_cache_fits
-from app.model.model import (
-    DeepseekModel,
-    GreedyChoice,
-    Watch,
-    default_compute_dtype,
-    layer_names,
-)
+from app.model.model import DeepseekModel, GreedyChoice, Watch, default_compute_dtype
 from app.model.prefill import PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
+from app.model.sparse.kv_spec import model_kv_cache_specs
 from app.model.weights import ModelWeights
 
 if TYPE_CHECKING:
@@ -145,15 +145,17 @@ class MLAEngine:
         self.backend_class: type[MLAPrefillBackend] = type(prefill_backend)
         self.decode_backend_class: type[MLADecodeBackend] = type(decode_backend)
         num_layers = weights.num_layers
-        spec = MLAAttentionSpec.from_model_config(config.model,
-                                                  block_size=config.cache.block_size)
-        check_cache_fits(config, device, num_layers)
         bindings = container.kv_cache_spec_bindings()
         self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
-            dict.fromkeys(layer_names(num_layers), spec), bindings)
+            model_kv_cache_specs(weights.config, config.model, block_size=config.cache.block_size,
+                                 bindings=bindings), bindings)
+        if len(self.kv_cache_groups) != 1:
+            raise ValueError(f"expected the model's caches in one KV-cache group (one block "
+                             f"table), got {len(self.kv_cache_groups)}: "
+                             f"{[g.describe() for g in self.kv_cache_groups]}")
+        check_cache_fits(config, device, num_layers,
+                         bytes_per_block=get_kv_cache_bytes_per_block(self.kv_cache_groups))
         self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache, bindings=bindings)
-        if len(self.kv_cache_groups) != 1:  # pragma: no cover - identical layers, one group
-            raise ValueError(f"expected one KV-cache group, got {len(self.kv_cache_groups)}")
         #: Tokens per block of the group's block table.
         self.block_size = self.kv_cache_groups[0].block_size
         # -- the model --------------------------------------------------------------------
@@ -167,7 +169,8 @@ class MLAEngine:
             config, weights, prefill_backend, decode_backend,
             num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
             device=device, compute_dtype=default_compute_dtype(model.dtype, device, fast_bf16),
-            timer=self.timer)
+            timer=self.timer,
+            indexer=container.sparse_indexer() if weights.config.indexer is not None else None)
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=step_tokens,
                                    max_num_seqs=max_num_seqs,
                                    num_speculative_tokens=num_speculative_tokens)
