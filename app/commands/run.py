@@ -199,7 +199,7 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
     plain = ReferenceModel(engine.weights, dtype=dtype)   # what the dtype alone costs
     keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
             "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
-            "token_mismatches", "routing_near_ties")
+            "token_mismatches", "routing_near_ties", "selection_near_ties")
     totals = dict.fromkeys(keys, 0)
     prefill_err = decode_err = prefill_abs = decode_abs = scale = dtype_err = 0.0
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
@@ -443,7 +443,10 @@ def render(result: dict[str, Any]) -> str:
                              f"float64 argmax, {check['near_ties']} near-ties (either token "
                              f"within rounding), {check['token_mismatches']} mismatches; "
                              f"{check['routing_near_ties']} rows with a routing near-tie "
-                             "(experts within rounding) not compared")
+                             "(experts within rounding) not compared"
+                             + (f"; {check['selection_near_ties']} rows with a top-k "
+                                "selection near-tie (sparse attention) not compared"
+                                if check["selection_near_ties"] else ""))
         summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
                                  f"of the wall time)")
     else:
