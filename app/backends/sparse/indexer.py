@@ -38,11 +38,35 @@ import torch
 from app._validation import INT32_MAX, check_dense, check_int_at_least
 from app.backends.declarations import BackendDeclarations
 
-__all__ = ["SCORE_BUDGET", "SparseIndexer", "SparseIndexerMetadata", "TorchSparseIndexer"]
+__all__ = ["SCORE_BUDGET", "SparseIndexer", "SparseIndexerMetadata", "TorchSparseIndexer",
+           "topk_positions"]
 
 #: Most float32 scores ``TorchSparseIndexer`` holds at once (per-head scores of a block of
 #: rows over one request's keys): 64 MiB.
 SCORE_BUDGET = 1 << 24
+
+
+def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``topk`` best of each row of ``scores [rows, n]`` (``-inf``: not a candidate) as
+    ``[rows, topk]`` int32 positions in increasing order, ``-1`` padding at the end; of keys
+    tied at the ``topk``-th score, the earliest positions are kept."""
+    rows, n = scores.shape
+    keep = min(topk, n)
+    out = torch.full((rows, topk), -1, dtype=torch.int32, device=scores.device)
+    if not keep or not rows:
+        return out
+    kth = torch.topk(scores, keep, dim=1).values[:, -1:]                    # [rows, 1]
+    candidate = torch.isfinite(scores)
+    above = (scores > kth) & candidate
+    tied = (scores == kth) & candidate
+    room = keep - above.sum(dim=1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(dim=1) <= room))
+    rank = chosen.cumsum(dim=1) - 1                                          # its slot
+    position = torch.arange(n, device=scores.device, dtype=torch.int32).expand(rows, n)
+    wide = torch.full((rows, topk + 1), -1, dtype=torch.int32, device=scores.device)
+    wide.scatter_(1, torch.where(chosen, rank, topk), position)
+    out.copy_(wide[:, :topk])
+    return out
 
 
 @attrs.define(eq=False)
@@ -168,7 +192,7 @@ class SparseIndexer(BackendDeclarations):
         ``q [T, index_n_heads, index_head_dim]`` (any float dtype, roped), ``weights [T,
         index_n_heads]`` float32 (the scales folded in), ``key_cache [num_blocks, block_size,
         index_head_dim]`` of a ``supported_dtypes`` dtype on q's device. Returns ``[T, topk]``
-        int32 positions (best first, ``-1`` padding)."""
+        int32 positions (increasing, ``-1`` padding at the end; ties to the earliest)."""
         what = f"{type(self).__name__}.select"
         check_int_at_least(f"{what}: topk", topk, 1)
         if not isinstance(metadata, SparseIndexerMetadata):
@@ -185,7 +209,7 @@ class SparseIndexer(BackendDeclarations):
     def _select(self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
                 metadata: SparseIndexerMetadata, out: torch.Tensor) -> None:
         """Write each row's best visible positions into ``out [T, topk]`` (pre-filled with
-        -1; checked inputs, at least one row)."""
+        -1; checked inputs, at least one row) as ``topk_positions`` orders and ties them."""
 
 
 def _check_inputs(what: str, q: object, weights: object, key_cache: object,
@@ -233,7 +257,6 @@ class TorchSparseIndexer(SparseIndexer):
             keys = key_cache.index_select(0, blocks).reshape(-1, dim)[:seq_len].float()
             rows = max(1, SCORE_BUDGET // (heads * seq_len))
             position = torch.arange(seq_len, device=q.device)
-            keep = min(topk, seq_len)
             for r0 in range(start, end, rows):
                 r1 = min(r0 + rows, end)
                 qr = q[r0:r1].float().reshape(-1, dim)
@@ -241,7 +264,4 @@ class TorchSparseIndexer(SparseIndexer):
                 total = torch.bmm(weights[r0:r1].unsqueeze(1), scores).squeeze(1)
                 hidden = position.unsqueeze(0) >= metadata.visible[r0:r1].unsqueeze(1)
                 total.masked_fill_(hidden, float("-inf"))
-                best = torch.topk(total, keep, dim=1)
-                chosen = best.indices.to(torch.int32)
-                chosen.masked_fill_(torch.isneginf(best.values), -1)
-                out[r0:r1, :keep] = chosen
+                out[r0:r1] = topk_positions(total, topk)
