@@ -299,7 +299,11 @@ class MLAPrefillBackend(BackendDeclarations):
         return chunks[chunk]
 
     def _step(self) -> StepLayouts:
-        """The current step's checked layouts (``ValueError`` before ``prepare_metadata``)."""
+        """The current step's checked layouts (``ValueError`` before ``prepare_metadata``;
+        ``TypeError`` on a sparse-only backend: the dense verbs read them)."""
+        if not self.supports_dense:
+            raise TypeError(f"{self._label()}: {type(self).__name__} runs only sparse attention "
+                            f"(supports_dense is False): call run_sparse_prefill")
         if self._layouts is None or self._metadata is None:
             raise ValueError(f"{type(self).__name__}: call prepare_metadata() before running")
         return self._layouts
@@ -422,9 +426,6 @@ class MLAPrefillBackend(BackendDeclarations):
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The template of both verbs: checks, ``out=``, the LSE, empty batches, the kernel
         hook, rows that see no key. Returns ``(out, lse or None)``."""
-        if not self.supports_dense:
-            raise TypeError(f"{self._label()}: {type(self).__name__} runs only sparse attention "
-                            f"(supports_dense is False): call run_sparse_prefill")
         self._check_inputs(layout, q, k, v, out)
         # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
