@@ -96,7 +96,7 @@ def test_metadata_and_input_checks() -> None:
     indexer, cache = TorchSparseIndexer(), torch.randn(3, BS, DIM)
     q, w = torch.randn(2, HEADS, DIM), torch.randn(2, HEADS)
     narrow = SparseIndexerMetadata.build(table[:, :1], [1, 1], [4, 5])
-    with pytest.raises(ValueError, match="needs 2 blocks"):
+    with pytest.raises(ValueError, match="need 2 blocks of 4"):
         indexer.select(q, w, cache, narrow, 4)               # request 1 sees 5 tokens
     with pytest.raises(ValueError, match="outside"):
         indexer.select(q, w, cache, SparseIndexerMetadata.build(table, [1, 1], [8, 5]), 4)
