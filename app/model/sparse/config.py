@@ -130,7 +130,12 @@ def _layer_types(r: _Reads, num_layers: int) -> tuple[bool, ...]:
         freq = max(r.integer("index_topk_freq") if "index_topk_freq" in raw else 1, 1)
         offset = r.integer("index_skip_topk_offset", 0) if "index_skip_topk_offset" in raw \
             else 2
-        return tuple(max(i - offset + 1, 0) % freq == 0 for i in range(num_layers))
+        schedule = tuple(max(i - offset + 1, 0) % freq == 0 for i in range(num_layers))
+        if not schedule[0]:
+            raise r.error("index_skip_topk_offset", f"an offset whose schedule (every "
+                          f"{freq} layers) runs layer 0's indexer: a shared layer reuses the "
+                          "previous layer's selection")
+        return schedule
     if isinstance(given, str) and key == "index_topk_pattern":
         given = list(given)
     if not (isinstance(given, list) and len(given) == num_layers
