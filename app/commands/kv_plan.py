@@ -272,9 +272,8 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
     """Groups, managers and page sizes of ``specs``; blocks in ``memory``; per-request needs."""
     from app.kvcache.grouping import get_kv_cache_bytes_per_block, get_kv_cache_groups
     from app.kvcache.specs import SinkFullAttentionSpec, spec_summary
-    from app.seed_api import KVCacheSpecRegistry
-
     from app.model.sparse.kv_spec import IndexerKeyCacheSpec, register_indexer_key_cache_spec
+    from app.seed_api import KVCacheSpecRegistry
 
     bindings = KVCacheSpecRegistry.bindings()  # the active container's
     if any(isinstance(spec, IndexerKeyCacheSpec) for spec in specs.values()):

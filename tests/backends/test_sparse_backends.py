@@ -201,12 +201,12 @@ def test_a_dense_model_never_gets_a_sparse_only_backend() -> None:
             "the model is dense (no index_topk)"]
     forced = EngineConfig(attention=AttentionConfig(mla_decode_backend="TORCH_SPARSE"))
     with use_container(create_container(forced, CpuPlatform())), \
-            pytest.raises(ValueError, match="TORCH_SPARSE is not valid.*non-sparse"):
+            pytest.raises(ValueError, match=r"TORCH_SPARSE is not valid.*non-sparse"):
         get_mla_decode_backend(forced)
     forced_dense = EngineConfig(model=ModelConfig(index_topk=64),
                                 attention=AttentionConfig(mla_decode_backend="CPU_MLA"))
     with use_container(create_container(forced_dense, CpuPlatform())), \
-            pytest.raises(ValueError, match="CPU_MLA is not valid.*sparse not supported"):
+            pytest.raises(ValueError, match=r"CPU_MLA is not valid.*sparse not supported"):
         get_mla_decode_backend(forced_dense)
 
 

@@ -62,7 +62,7 @@ def test_backends_explains_a_sparse_model(capsys: pytest.CaptureFixture[str],
     assert main(["backends", "--deployment", str(deployment), "--kind", "decode",
                  "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    decode = info["decode"] if "decode" in info else info
+    decode = info.get("decode", info)
     assert decode["chosen"] == "TORCH_SPARSE"
     assert any("sparse not supported" in r for r in decode["backends"]["CPU_MLA"]["reasons"])
 
