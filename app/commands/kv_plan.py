@@ -326,8 +326,8 @@ def _group_bytes_per_token(group: Any) -> float:
     """Bytes one token costs in a group (over its layers; a Mamba state is per request, 0)."""
     from app.kvcache.specs import MambaSpec
 
-    return sum(spec.page_size_bytes / spec.block_size for spec in group.layer_specs
-               if not isinstance(spec, MambaSpec))
+    return float(sum(spec.page_size_bytes / spec.block_size for spec in group.layer_specs
+                     if not isinstance(spec, MambaSpec)))
 
 
 def _spec_breakdown(group: Any) -> list[dict[str, Any]]:
