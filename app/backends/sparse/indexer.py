@@ -84,9 +84,12 @@ class SparseIndexerMetadata:
     visible: torch.Tensor
     seq_lens: tuple[int, ...]
     query_request: torch.Tensor
-    _block_table_long: torch.Tensor = attrs.field(repr=False)
+    _block_table_long: torch.Tensor = attrs.field(init=False, repr=False)
     _checked: set[tuple[int, int]] = attrs.field(init=False, factory=set, repr=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._block_table_long = self.block_table.to(torch.long)
 
     @property
     def num_rows(self) -> int:
@@ -137,8 +140,7 @@ class SparseIndexerMetadata:
                                                                                 dtype=torch.long))
         return cls(block_table=table.to(dev), query_start=tuple(starts),
                    visible=torch.tensor(seen, dtype=torch.int64, device=dev),
-                   seq_lens=seq_lens, query_request=request.to(dev),
-                   block_table_long=table.to(device=dev, dtype=torch.long))
+                   seq_lens=seq_lens, query_request=request.to(dev))
 
     def check_cache(self, what: str, block_size: int, num_blocks: int) -> None:
         """Every block a row reads is in its table row and in a cache of this geometry
@@ -244,6 +246,8 @@ def _check_inputs(what: str, q: object, weights: object, key_cache: object,
 
 class TorchSparseIndexer(SparseIndexer):
     """The indexer in plain torch, float32 scores: any device, any key-cache dtype."""
+
+    name: ClassVar[str | None] = "TORCH"
 
     def _select(self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
                 metadata: SparseIndexerMetadata, out: torch.Tensor) -> None:
