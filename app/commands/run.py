@@ -399,7 +399,9 @@ def render(result: dict[str, Any]) -> str:
     for i, group in enumerate(result["kv_cache"]["groups"]):
         lines.append(f"kv group {i}      {group['spec']} -> {group['manager']}, block "
                      f"{group['block_size']} x {group['head_size']} {group['dtype']}, page "
-                     f"{group['page_size_bytes']} B, {len(group['layers'])} layer(s)")
+                     f"{group['page_size_bytes']} B, {len(group['layers'])} layer(s)"
+                     + ("" if len(group.get("specs", {})) < 2 else " (" + ", ".join(
+                         f"{n} {name}" for name, n in group["specs"].items()) + ")"))
     leaked = result["kv_cache"]["leaked_blocks"]
     lines.append(f"kv pool         {pool['num_blocks']} blocks ({pool['cache_bytes'] / 2**20:.0f}"
                  f" MiB), peak used {pool['peak_used_blocks']} ({pool['peak_use']:.1%}), "

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -579,7 +580,8 @@ class MLAEngine:
                 "cache_bytes": self.model.cache_bytes}
 
     def describe_kv_cache_groups(self) -> list[dict[str, Any]]:
-        """The KV-cache groups: layers, spec, manager class, page size."""
+        """The KV-cache groups: layers, spec, manager class, page size, and how many layers
+        of each spec type (a sparse model's indexer keys share the latent layers' group)."""
         result = []
         for group, manager in zip(self.kv_cache_groups, self.kv_manager.managers, strict=True):
             spec = group.kv_cache_spec
@@ -587,5 +589,6 @@ class MLAEngine:
                            "manager": type(manager).__name__, "block_size": group.block_size,
                            "head_size": getattr(spec, "head_size", None),
                            "dtype": str(getattr(spec, "dtype", "")).removeprefix("torch."),
-                           "page_size_bytes": group.page_size_bytes})
+                           "page_size_bytes": group.page_size_bytes,
+                           "specs": dict(Counter(type(s).__name__ for s in group.layer_specs))})
         return result
