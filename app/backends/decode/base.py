@@ -28,7 +28,9 @@ checks the step once and calls the step hook ``_prepare_step``; ``run_decode`` c
 tensor and scale, takes ``out=`` (written after the kernel when it shares memory with an
 input), lays out the LSE and calls the kernel hook ``_run_decode``. ``forward_decode`` is the
 verb's old form (``return_lse=``, LSE ``[B, query_len, H]``), kept for callers written
-against it.
+against it. A backend that declares ``supports_sparse`` also runs ``run_sparse_decode`` (DeepSeek
+Sparse Attention: each row attends to the cache slots its indices name; hook
+``_run_sparse_decode``); one that does not declare ``supports_dense`` runs only that.
 """
 
 from __future__ import annotations

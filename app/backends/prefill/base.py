@@ -21,7 +21,10 @@ an input), allocate the ``[H, T]`` LSE, handle empty batches, call the kernel ho
 ``_run_prefill`` and give rows that see no key out 0 and LSE ``-inf``. A subclass implements
 ``_run_prefill``. One that implements the run verbs themselves instead (how the README showed
 it before) still works and is checked the same way: its verbs are wrapped when the class is
-made, so the checks and the ``out=`` and LSE rules run around them.
+made, so the checks and the ``out=`` and LSE rules run around them. A backend that declares
+``supports_sparse`` also runs ``run_sparse_prefill`` (DeepSeek Sparse Attention, absorbed form:
+each row attends to the latent rows its indices name; hook ``_run_sparse_prefill``); one that
+does not declare ``supports_dense`` runs only that.
 """
 
 from __future__ import annotations
