@@ -40,7 +40,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import FLOAT32_MAX, check_int_at_least, is_int
+from app._validation import check_int_at_least, is_int
 from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
 from app.backends.declarations import (
     BackendDeclarations,
@@ -55,7 +55,7 @@ from app.backends.prefill.metadata import (
     RaggedLayout,
     StepLayouts,
 )
-from app.backends.sparse.checks import check_sparse_indices, check_sparse_out, check_sparse_rows
+from app.backends.sparse.checks import SparseRowsCall
 
 if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
@@ -373,33 +373,18 @@ class MLAPrefillBackend(BackendDeclarations):
         float32 natural log, so that chunks merge with ``merge_attn_states``; a row whose
         entries are all ``-1`` gets out 0 and LSE ``-inf``. ``softmax_scale`` defaults to the
         constructor's ``scale``, ``k_scale`` (the cache's dequantisation) to 1."""
-        what = f"{self._label()}.run_sparse_prefill"
-        want = check_return_flag(what, "return_softmax_lse", return_softmax_lse)
         if not self.supports_sparse:
-            raise TypeError(f"{what}: {type(self).__name__} does not run sparse attention "
-                            f"(supports_sparse is False)")
-        scale = check_attention_scale(what, "softmax_scale", self.scale if softmax_scale is None
-                                      else softmax_scale, tensor_ok=True)
-        kscale = 1.0 if k_scale is None else check_attention_scale(
-            what, "k_scale", k_scale, upper=FLOAT32_MAX, tensor_ok=True)
-        head = self.kv_lora_rank + self.qk_rope_head_dim
-        check_sparse_rows(what, q, kv, num_heads=self.num_heads, head_dim=head,
-                          dtypes=tuple(self.supported_dtypes))
-        idx = check_sparse_indices(what, indices, (int(q.shape[0]),), int(kv.shape[0]),
-                                   q.device)
-        shape = (int(q.shape[0]), self.num_heads, self.kv_lora_rank)
-        if out is not None:
-            check_sparse_out(what, out, shape, q.dtype, q.device)
-        q, kv = q.resolve_neg(), kv.resolve_neg()
-        target = out if out is not None and writes_in_place(out, (q, kv)) else torch.empty(
-            shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if want else None
-        if shape[0]:
-            self._run_sparse_prefill(q, kv, idx, target, lse, scale, kscale)
-        if out is not None and target is not out:
-            out.copy_(target)
-            target = out
-        return target if lse is None else (target, lse.t().contiguous())
+            raise TypeError(f"{self._label()}.run_sparse_prefill: {type(self).__name__} does "
+                            f"not run sparse attention (supports_sparse is False)")
+        call = SparseRowsCall.check(
+            f"{self._label()}.run_sparse_prefill", q, kv, indices, out,
+            self.scale if softmax_scale is None else softmax_scale, k_scale,
+            return_softmax_lse, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim, dtypes=tuple(self.supported_dtypes))
+        if call.rows:
+            self._run_sparse_prefill(call.q, call.kv, call.indices, call.target, call.lse,
+                                     call.softmax_scale, call.k_scale)
+        return call.result(out)
 
     def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,

@@ -10,11 +10,13 @@ it (one ``aminmax`` over the indices) before any kernel runs.
 
 from __future__ import annotations
 
+import attrs
 import torch
 
-from app._validation import check_dense, check_writable_out
+from app._validation import FLOAT32_MAX, check_dense, check_writable_out
+from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
 
-__all__ = ["check_sparse_indices", "check_sparse_out", "check_sparse_rows"]
+__all__ = ["SparseRowsCall", "check_sparse_indices", "check_sparse_out", "check_sparse_rows"]
 
 
 def check_sparse_indices(what: str, indices: object, rows: tuple[int, ...], num_kv_rows: int,
@@ -81,3 +83,59 @@ def check_sparse_out(what: str, out: object, shape: tuple[int, ...], dtype: torc
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise ValueError(f"{what}: out must have shape {list(shape)} dtype {dtype} on {device}, "
                          f"got shape {list(out.shape)} dtype {out.dtype} on {out.device}")
+
+
+@attrs.frozen(eq=False)
+class SparseRowsCall:
+    """One sparse call over latent rows (``run_sparse_prefill``), checked: its inputs, scales,
+    the tensor the kernel writes (``target``: the caller's ``out=`` when it may be written in
+    place) and the token-major LSE ``[T, H]`` to fill (None when not asked for)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    target: torch.Tensor
+    lse: torch.Tensor | None
+    softmax_scale: float
+    k_scale: float
+
+    @property
+    def rows(self) -> int:
+        """Query rows ``T``."""
+        return int(self.q.shape[0])
+
+    @classmethod
+    def check(cls, what: str, q: object, kv: object, indices: object, out: object,
+              softmax_scale: object, k_scale: object, return_softmax_lse: object, *,
+              num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
+              dtypes: tuple[torch.dtype, ...]) -> SparseRowsCall:
+        """Every check of the call (``TypeError`` / ``ValueError`` naming ``what``)."""
+        want = check_return_flag(what, "return_softmax_lse", return_softmax_lse)
+        scale = check_attention_scale(what, "softmax_scale", softmax_scale, tensor_ok=True)
+        kscale = 1.0 if k_scale is None else check_attention_scale(
+            what, "k_scale", k_scale, upper=FLOAT32_MAX, tensor_ok=True)
+        check_sparse_rows(what, q, kv, num_heads=num_heads,
+                          head_dim=kv_lora_rank + qk_rope_head_dim, dtypes=dtypes)
+        if not isinstance(q, torch.Tensor) or not isinstance(kv, torch.Tensor):  # for mypy
+            raise TypeError(f"{what}: q and kv must be tensors")
+        idx = check_sparse_indices(what, indices, (int(q.shape[0]),), int(kv.shape[0]),
+                                   q.device)
+        shape = (int(q.shape[0]), num_heads, kv_lora_rank)
+        if out is not None:
+            check_sparse_out(what, out, shape, q.dtype, q.device)
+        q, kv = q.resolve_neg(), kv.resolve_neg()
+        in_place = isinstance(out, torch.Tensor) and writes_in_place(out, (q, kv))
+        target = out if in_place and isinstance(out, torch.Tensor) else torch.empty(
+            shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if want else None
+        return cls(q, kv, idx, target, lse, scale, kscale)
+
+    def result(self, out: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+        """What the verb returns: the output (the caller's ``out=``, written after the kernel
+        when it shared memory with an input) and, when asked for, the LSE head-major."""
+        target = self.target
+        if out is not None and target is not out:
+            out.copy_(target)
+            target = out
+        return target if self.lse is None else (target, self.lse.t().contiguous())
