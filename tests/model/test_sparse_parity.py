@@ -121,3 +121,37 @@ def test_the_float64_check_follows_the_sparse_model(
         assert result.prefill_relative_error < 1e-5 and result.decode_relative_error < 1e-5
         assert result.selection_near_ties <= 2     # float32: near-ties are rare
     assert sum(r.prefill_rows_checked + r.decode_rows_checked for r in results) > 200
+
+
+def test_an_fp8_copy_gives_transformers_tokens_on_its_dequantized_weights(
+        sparse_checkpoints: dict[str, tuple[Any, Path]], batch: list[list[int]],
+        tmp_path: Path) -> None:
+    """FP8 as DeepSeek ships V3.2: every projection, the indexer's ``wq_b``, ``wk`` and
+    ``weights_proj`` too, block-quantized (with an MTP layer, skipped)."""
+    from safetensors.torch import load_file, save_file
+
+    from app.model import dequantize_fp8_block
+    from tests.model.hf_checkpoints import write_fp8_copy
+
+    model, directory = sparse_checkpoints["v32"]
+    write_fp8_copy(directory, tmp_path / "fp8", block=(16, 16))
+    loaded = load_checkpoint(tmp_path / "fp8", torch.float32)
+    raw = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    key = "model.layers.2.self_attn.indexer.wq_b.weight"
+    assert raw[key].dtype == torch.float8_e4m3fn
+    indexer = loaded.weights.layers[2].attention.indexer
+    assert indexer is not None
+    want = dequantize_fp8_block(raw[key], raw[f"{key}_scale_inv"], (16, 16),
+                                torch.empty(raw[key].shape))
+    assert torch.equal(indexer.wq_b, want)
+    twin = {k: (dequantize_fp8_block(v, raw[f"{k}_scale_inv"], (16, 16), torch.empty(v.shape))
+                if v.dtype == torch.float8_e4m3fn else v) for k, v in raw.items()
+            if not k.endswith("_scale_inv") and not k.startswith("model.layers.3.")}
+    twin_dir = tmp_path / "twin"
+    twin_dir.mkdir()
+    save_file(twin, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(twin_dir)
+    reference = type(model).from_pretrained(twin_dir).eval()
+    outputs = engine_generate(tmp_path / "fp8", batch[:2], NEW_TOKENS)
+    for prompt, out in zip(batch[:2], outputs, strict=True):
+        assert list(out.output_token_ids) == hf_greedy(reference, prompt, NEW_TOKENS)

@@ -44,8 +44,8 @@ SELECTION_TOLERANCES: dict[torch.dtype, float] = {
     torch.bfloat16: 8e-3,
 }
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-#: Query rows scored at once (bounds the ``[rows, heads, positions]`` scores).
-_ROW_BLOCK = 64
+#: Most float64 scores held at once (``[rows, heads, positions]``): 128 MiB.
+_SCORE_BUDGET = 1 << 24
 
 
 def selection_mask(selected: torch.Tensor, end: int) -> torch.Tensor:
@@ -131,8 +131,10 @@ class SparseReference:
             return selected.index_select(0, rows), margins.index_select(0, rows)
         sel = torch.empty(rows.numel(), self.topk, dtype=torch.int64)
         margins = torch.empty(rows.numel(), dtype=torch.float64)
-        for b0 in range(0, rows.numel(), _ROW_BLOCK):
-            part = slice(b0, b0 + _ROW_BLOCK)
+        end = int(rows.max()) + 1 if rows.numel() else 1
+        block = max(1, _SCORE_BUDGET // (self.indexer.index_n_heads * end))
+        for b0 in range(0, rows.numel(), block):
+            part = slice(b0, b0 + block)
             sel[part], margins[part] = self._select_block(i, h[part], rows[part])
         if store:
             self._selected[i] = _grown(self._selected[i], n, common, (self.topk,),
