@@ -151,6 +151,7 @@ PREFILL_BACKENDS = BackendCatalog("prefill", "MLA prefill", {
     "FLASHINFER": "app.backends.prefill.flashinfer.FlashInferPrefillBackend",
     "TRTLLM_RAGGED": "app.backends.prefill.trtllm_ragged.TrtllmRaggedPrefillBackend",
     "TOKENSPEED_MLA": "app.backends.prefill.tokenspeed_mla.TokenSpeedMLAPrefillBackend",
+    "TORCH_SPARSE": "app.backends.prefill.torch_sparse.TorchSparsePrefillBackend",
 })
 
 #: MLA decode backends.
@@ -159,6 +160,7 @@ DECODE_BACKENDS = BackendCatalog("decode", "MLA decode", {
     "TORCH_SDPA": "app.backends.decode.torch_sdpa.TorchSDPADecodeBackend",
     "FLASHINFER_MLA": "app.backends.decode.flashinfer_mla.FlashInferMLADecodeBackend",
     "TOKENSPEED_MLA": "app.backends.decode.tokenspeed_mla.TokenSpeedMLADecodeBackend",
+    "TORCH_SPARSE": "app.backends.decode.torch_sparse.TorchSparseDecodeBackend",
 })
 
 #: Every catalog, by kind.

@@ -120,6 +120,15 @@ def _int_in(minimum: int, maximum: int) -> Any:
     return check
 
 
+def _optional_int_in(minimum: int, maximum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
+        if value is not None:
+            check_int(f"{type(instance).__name__}.{attribute.name} (or None)", value, minimum,
+                      maximum)
+
+    return check
+
+
 def _optional_positive_float(instance: object, attribute: attrs.Attribute[float | None],
                              value: object) -> None:
     if value is None:
@@ -148,6 +157,11 @@ class ModelConfig:
     """The attention shape of an MLA model (defaults: a small DeepSeek-shaped layer).
 
     ``softmax_scale`` defaults to ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
+
+    ``index_topk`` makes the model sparse (DeepSeek Sparse Attention, as DeepSeek-V3.2 and
+    GLM-5 run it): each query attends only to the ``index_topk`` cached tokens its layer's
+    indexer selects; ``index_head_dim`` and ``index_n_heads`` are the indexer's key width and
+    head count (read only when ``index_topk`` is set). None: a dense model.
     """
 
     dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=_model_dtype)
@@ -158,6 +172,14 @@ class ModelConfig:
     qk_rope_head_dim: int = attrs.field(default=64, validator=_int_in(0, MAX_HEAD_DIM))
     v_head_dim: int = attrs.field(default=128, validator=_int_in(1, MAX_HEAD_DIM))
     softmax_scale: float | None = attrs.field(default=None, validator=_optional_positive_float)
+    index_topk: int | None = attrs.field(default=None, validator=_optional_int_in(1, INT32_MAX))
+    index_head_dim: int = attrs.field(default=128, validator=_int_in(1, MAX_HEAD_DIM))
+    index_n_heads: int = attrs.field(default=64, validator=_int_in(1, MAX_NUM_HEADS))
+
+    @property
+    def is_sparse(self) -> bool:
+        """Whether attention is sparse (``index_topk`` is set)."""
+        return self.index_topk is not None
 
     @property
     def qk_head_dim(self) -> int:

@@ -26,6 +26,7 @@ from app.backends import (
     MLAPrefillBackend,
     MLAPrefillBackendEnum,
     MLAPrefillMetadata,
+    get_mla_decode_backend,
     get_mla_prefill_backend,
     register_mla_prefill_backend,
 )
@@ -347,6 +348,35 @@ def _kv(action: str) -> Callable[[], object]:
     return run
 
 
+def _sparse_decode(what: str) -> Callable[[], object]:
+    """A sparse decode call that goes wrong in one way (``what``)."""
+    def run() -> object:
+        from app.backends.decode.metadata import MLADecodeMetadata
+        from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
+        from app.backends.decode.torch_sparse import TorchSparseDecodeBackend
+
+        cls = TorchSDPADecodeBackend if what == "dense" else TorchSparseDecodeBackend
+        backend = cls(2, 0.1, 32, 8, torch.float32)
+        backend.prepare_metadata(MLADecodeMetadata.build(
+            torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)))
+        q, cache = torch.zeros(1, 1, 2, 40), torch.zeros(1, 16, 40)
+        if what == "sparse-only":
+            return backend.run_decode(q, cache)
+        index = 16 if what == "past" else 0
+        return backend.run_sparse_decode(q, cache, torch.tensor([[[index, -1]]],
+                                                                dtype=torch.int32))
+    return run
+
+
+def _v32_config(**changes: object) -> Callable[[], object]:
+    def run() -> object:
+        from app.model import DeepseekConfig
+        from tests.model.test_sparse_config import V32
+
+        return DeepseekConfig.from_dict({**V32, **changes})
+    return run
+
+
 CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("config", "`ModelConfig(num_heads=0)`", lambda: ModelConfig(num_heads=0)),
     ("config", "`ModelConfig(num_heads=\"16\")`", lambda: ModelConfig(num_heads="16")),  # type: ignore[arg-type]
@@ -560,6 +590,18 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _with_host_memory(8, lambda: _cli("run", "--no-progress", "--deployment",
                                        _deployment_file("[model]\nhidden_size = 262144\n"
                                                         "num_heads = 1024\n"))())),
+    # -- DeepSeek Sparse Attention (issue 37) --------------------------------------------
+    ("config", "`ModelConfig(index_topk=0)`", lambda: ModelConfig(index_topk=0)),
+    ("sparse", "`run_sparse_decode` with an index past the cache", _sparse_decode("past")),
+    ("sparse", "`run_sparse_decode` on a dense backend (TORCH_SDPA)", _sparse_decode("dense")),
+    ("sparse", "`run_decode` on a sparse-only backend (TORCH_SPARSE)",
+     _sparse_decode("sparse-only")),
+    ("sparse", "a sparse model with `mla_decode_backend = \"CPU_MLA\"`",
+     _in_fresh_container(lambda: get_mla_decode_backend(EngineConfig(
+         model=ModelConfig(index_topk=2048),
+         attention=AttentionConfig(mla_decode_backend="CPU_MLA"))))),
+    ("checkpoint", "a DeepSeek-V3.2 `config.json` with `rope_interleave: false`",
+     _v32_config(rope_interleave=False)),
 ]
 
 

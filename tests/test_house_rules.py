@@ -235,10 +235,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("platforms and plugin discovery", ("app.platforms", "app.platforms.*", "app.plugins")),
     ("kv cache", ("app.kvcache.*",)),
     ("backend pieces both kinds share: declarations, the contract's checks, vendor facts, "
-     "LSE and merge, workspaces, the native CPU kernels",
+     "LSE and merge, workspaces, the native CPU kernels, sparse attention's pieces",
      ("app.backends.declarations", "app.backends.contract", "app.backends.vendors",
       "app.backends.lse", "app.backends.merge", "app.backends.workspaces", "app.backends.cpu",
-      "app.backends.cpu.*")),
+      "app.backends.cpu.*", "app.backends.sparse", "app.backends.sparse.*")),
     ("backend kinds, side by side (neither imports the other)",
      ("app.backends.prefill", "app.backends.prefill.*", "app.backends.decode",
       "app.backends.decode.*")),

@@ -12,6 +12,9 @@ Where to look:
   override, resolve); ``selection.py``: choosing one (``decide``, ``select_backend``,
   ``explain_selection``).
 - ``lse.py``, ``merge.py``: the log-sum-exp layout and the merge of partial results.
+- ``sparse/``: DeepSeek Sparse Attention's shared pieces: the index checks, the torch
+  reference of sparse attention over selected latent rows, the lightning indexer
+  (``SparseIndexer``, ``TorchSparseIndexer``, ``SparseIndexerMetadata``).
 
 The kernel backends are not imported here: the container's providers import each one the first
 time it is asked for, and a backend whose kernel package is missing says so through
@@ -42,6 +45,7 @@ from app.backends.seed_api import (
     register_mla_prefill_backend,
 )
 from app.backends.selection import check_decode_block_size
+from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata, TorchSparseIndexer
 
 __all__ = [
     "ContextChunkMetadata",
@@ -55,6 +59,9 @@ __all__ = [
     "MLAPrefillBackendEnum",
     "MLAPrefillMetadata",
     "MLAPrefillSelectorConfig",
+    "SparseIndexer",
+    "SparseIndexerMetadata",
+    "TorchSparseIndexer",
     "check_decode_block_size",
     "explain_mla_decode_selection",
     "explain_mla_prefill_selection",

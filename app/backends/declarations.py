@@ -8,6 +8,12 @@ A backend declares, as class attributes:
 - ``compute_capabilities``: the GPUs its kernels run on (``ComputeCapabilities``), and
   ``requires_device_capability``: whether it needs a GPU at all (False: it also runs where there
   is no capability, on a CPU).
+- ``supports_dense`` / ``supports_sparse``: which attention the kernels run: dense (every
+  causal key) and / or DeepSeek Sparse Attention (each query attends to the cache rows its
+  top-k indices name: the kinds' ``run_sparse_*`` verbs). A sparse model gets only backends
+  that support sparse attention and a dense model only those that support dense attention
+  (``sparsity_reasons``, the last reason of ``validate_configuration``; vLLM's ``is_sparse()``
+  reads it).
 - ``probe``: a function of no arguments that returns None (or False) when the kernel package is
   missing; ``install_hint``: what to install then; ``kernel_package``: the package's import
   name, asked instead of the probe where the device already rules the backend out (below).
@@ -96,6 +102,8 @@ _DECLARATIONS: tuple[DeclarationRule, ...] = (
     ("install_hint", lambda v: isinstance(v, str), "a string"),
     ("kernel_package", lambda v: v is None or isinstance(v, str),
      "a package's import name (a string) or None"),
+    ("supports_dense", lambda v: isinstance(v, bool), "a bool"),
+    ("supports_sparse", lambda v: isinstance(v, bool), "a bool"),
 )
 
 
@@ -117,6 +125,10 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
     install_hint: ClassVar[str] = DEFAULT_UNAVAILABLE_REASON
     #: The kernel package's top-level import name (``"flashinfer"``), or None: see the module.
     kernel_package: ClassVar[str | None] = None
+    #: Whether the kernels run dense attention (every causal key).
+    supports_dense: ClassVar[bool] = True
+    #: Whether the kernels run DeepSeek Sparse Attention (the kind's ``run_sparse_*`` verb).
+    supports_sparse: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -152,6 +164,23 @@ class BackendDeclarations(ABC):  # noqa: B024 - abstract through the kinds' run 
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
         """Whether ``dtype`` is in ``supported_dtypes``."""
         return dtype in cls.supported_dtypes
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        """vLLM's name for ``supports_sparse``: whether the backend runs sparse attention."""
+        return bool(cls.supports_sparse)
+
+    @classmethod
+    def sparsity_reasons(cls, index_topk: int | None) -> list[str]:
+        """The reason this backend cannot run a model's attention pattern (empty: it can):
+        ``index_topk`` is the model's (None: a dense model). vLLM's words first."""
+        if index_topk is not None and not cls.supports_sparse:
+            return [f"sparse not supported: the model uses DeepSeek Sparse Attention "
+                    f"(index_topk={index_topk}) and this backend runs dense attention only"]
+        if index_topk is None and not cls.supports_dense:
+            return ["non-sparse not supported: this backend runs only DeepSeek Sparse "
+                    "Attention and the model is dense (no index_topk)"]
+        return []
 
     @classmethod
     def is_available(cls) -> bool:

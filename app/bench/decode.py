@@ -39,7 +39,7 @@ instead, each row beside the same backend on the bf16 cache of the same requests
 (``speedup_vs_bf16_cache``; ``app.bench._decode_fp8``, with its targets).
 
 ``--vllm-python PATH`` adds vLLM's own CPU decode kernel on the same cache contents
-(``app.bench._decode_vllm``: every query_len-1 case at block size 16, every dtype).
+(``app.bench.vllm.decode``: every query_len-1 case at block size 16, every dtype).
 
 Targets (issue 25, CPU, full-size cases): CPU_MLA >= 0.7 of the roofline on ``16x8k``,
 ``64x4k``, ``64x4k q4`` and ``16x8k h128`` in every dtype; >= 5x TORCH_SDPA on every bf16
@@ -78,7 +78,6 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_fp8 import fp8_targets, run_fp8_case
-from app.bench._decode_vllm import compare_with_vllm
 from app.bench._peaks import (
     AMX_BF16,
     BF16_DOT,
@@ -88,7 +87,8 @@ from app.bench._peaks import (
     matmul_rate,
 )
 from app.bench._timing import peak_extra_bytes, time_calls, time_interleaved
-from app.bench.vllm_prefill import VLLM_PYTHON_ENV
+from app.bench.vllm.decode import compare_with_vllm
+from app.bench.vllm.prefill import VLLM_PYTHON_ENV
 from app.commands._args import (
     add_kv_cache_dtype_argument,
     bench_device,

@@ -15,7 +15,7 @@ each engine, interleaved, best of ``--repeat``:
 
 - ``vllm`` (``--baseline vllm --vllm-python PATH``): the whole vLLM CPU engine with its own
   backends (``VLLM_PLUGINS=none``), one engine kept in a subprocess of that python
-  (``app.bench.model_vllm``).
+  (``app.bench.vllm.model``).
 
 Each engine is timed generating 1 token (the prefill) and ``--new-tokens`` tokens; prefill
 tokens/s = ``batch * prompt_len / t_1``. Decode tokens/s is measured inside the ``--new-tokens``
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from app.bench._timing import RunTiming
-from app.bench.vllm_prefill import VLLM_PYTHON_ENV, _cpu_name, _load
+from app.bench.vllm.prefill import VLLM_PYTHON_ENV, _cpu_name, _load
 from app.commands._args import positive_float, positive_int
 from app.commands._output import raise_for_errors
 from app.config import DTYPE_ALIASES, EngineConfig, dtype_name, parse_dtype
@@ -234,7 +234,7 @@ class _Transformers:
 
 def _whole_vllm(directory: Path, dtype: torch.dtype, options: argparse.Namespace
                 ) -> Callable[[list[list[int]], int], Timed]:
-    from app.bench.model_vllm import WholeVLLM
+    from app.bench.vllm.model import WholeVLLM
 
     return WholeVLLM(directory, dtype, options)
 
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.new_tokens < 2:
         raise ValueError("--new-tokens must be >= 2 (decode is timed after the first token)")
     if args.baseline == "vllm":
-        from app.bench.model_vllm import check_vllm_python
+        from app.bench.vllm.model import check_vllm_python
 
         check_vllm_python(args.vllm_python)
     if args.threads:

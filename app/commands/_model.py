@@ -40,8 +40,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, random_default: bool
     """``--model DIR`` (and, where a random model is the default, ``--layers``), ``--dtype``,
     ``--seed``."""
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
-                        help="a Hugging Face DeepSeek-V2/V3 checkpoint directory (config.json "
-                             "and *.safetensors: one file or shards with their index; bf16, "
+                        help="a Hugging Face DeepSeek-V2/V3/V3.2 or GLM-5 checkpoint directory "
+                             "(config.json and *.safetensors: one file or shards with their "
+                             "index; bf16, "
                              "fp16, fp32 or FP8 block-quantized)"
                         + ("; default: a random DeepSeek-V3-shaped model made in memory at "
                            "the config's attention dims" if random_default else ""))
@@ -114,5 +115,16 @@ def model_line(description: dict[str, Any], dtype: torch.dtype, compute: torch.d
             f"L={d['kv_lora_rank']} P={d['qk_nope_head_dim']} R={d['qk_rope_head_dim']} "
             f"V={d['v_head_dim']}, {q}, rope {rope_text}"
             f"{' interleaved' if d['rope_interleave'] else ''}, {mlp}, vocab "
-            f"{d['vocab_size']}, {str(dtype).removeprefix('torch.')} (compute "
+            f"{d['vocab_size']}{_sparse_text(d)}, {str(dtype).removeprefix('torch.')} (compute "
             f"{str(compute).removeprefix('torch.')})")
+
+
+def _sparse_text(description: dict[str, Any]) -> str:
+    """The indexer of a sparse model, in words (empty for a dense one)."""
+    indexer = description.get("indexer")
+    if not indexer:
+        return ""
+    shared = indexer["shared_layers"]
+    return (f", sparse attention: top-{indexer['index_topk']} of an indexer of "
+            f"{indexer['index_n_heads']}x{indexer['index_head_dim']}"
+            + (f" (layers {shared} shared)" if shared else ""))

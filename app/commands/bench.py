@@ -20,8 +20,8 @@ BENCHMARKS: dict[str, str] = {
     "kv": "app.bench.kv",
     "run": "app.bench.run",
     "model": "app.bench.model",
-    "vllm-prefill": "app.bench.vllm_prefill",
-    "vllm-engine": "app.bench.vllm_engine",
+    "vllm-prefill": "app.bench.vllm.prefill",
+    "vllm-engine": "app.bench.vllm.engine",
 }
 
 

@@ -1,4 +1,5 @@
-"""``python -m app generate``: greedy generation from a Hugging Face DeepSeek-V2/V3 checkpoint.
+"""``python -m app generate``: greedy generation from a Hugging Face DeepSeek checkpoint
+(V2, V3, and the sparse V3.2 and GLM-5).
 
 ``--model DIR`` is loaded with ``safetensors`` (``app.model.load_checkpoint``: one file or
 shards, bf16/fp16/fp32 or FP8 block-quantized, MTP layers skipped), the engine serves every
@@ -33,8 +34,8 @@ from app.commands._output import json_text, print_text, raise_for_errors
 from app.commands._tokenizer import CheckpointTokenizer
 from app.config import EngineConfig, dtype_name
 
-HELP = ("greedy generation from a Hugging Face DeepSeek-V2/V3 checkpoint (--model DIR): "
-        "--prompt-ids 1,2,3 or --prompt TEXT")
+HELP = ("greedy generation from a Hugging Face DeepSeek-V2/V3/V3.2 or GLM-5 checkpoint "
+        "(--model DIR): --prompt-ids 1,2,3 or --prompt TEXT")
 
 #: Blocks of the KV cache beyond what the prompts need (block 0 is reserved).
 _SPARE_BLOCKS = 8

@@ -23,9 +23,14 @@ The TOML file lists the model's layers and their KV-cache specs::
 
 Kinds: ``full_attention``, ``mla``, ``sliding_window``, ``sliding_window_mla``,
 ``chunked_local``, ``cross_attention``, ``sink_full_attention``, ``tq_full_attention``,
-``hidden_state``, ``mamba`` (``shapes = [[...], ...]``, ``dtypes = [...]``). MLA kinds also take
-``kv_lora_rank`` + ``qk_rope_head_dim`` instead of ``head_size``. Specs are registered and
-grouped in the active container, so a platform's custom spec kinds work too.
+``hidden_state``, ``mamba`` (``shapes = [[...], ...]``, ``dtypes = [...]``), and
+``indexer_keys`` (DeepSeek Sparse Attention's key cache, ``app.model.IndexerKeyCacheSpec``:
+``head_size`` is ``index_head_dim``; bound in the active container's registry as a plugin
+binds it). MLA kinds also take ``kv_lora_rank`` + ``qk_rope_head_dim`` instead of
+``head_size``. Specs are registered and grouped in the active container, so a platform's
+custom spec kinds work too. The plan shows each group's specs with their bytes per token, and
+the bytes per token of the whole cache (``examples/kv_plan_deepseek_v32.toml``: a DeepSeek-V3.2
+latent cache and its indexer keys in one group).
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ SPEC_KINDS: dict[str, str] = {
     "tq_full_attention": "TQFullAttentionSpec",
     "hidden_state": "HiddenStateCacheSpec",
     "mamba": "MambaSpec",
+}
+#: Spec kinds defined outside ``app.kvcache`` (as a third party's are), by import path.
+EXTERNAL_SPEC_KINDS: dict[str, str] = {
+    "indexer_keys": "app.model.sparse.kv_spec:IndexerKeyCacheSpec",
 }
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -119,9 +128,11 @@ def _spec_class(kind: object, where: str) -> type[Any]:
     where = f"{where}.spec"
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"{where}: expected a kind name, got {kind!r}; kinds: "
-                         f"{', '.join(SPEC_KINDS)}")
+                         f"{', '.join([*SPEC_KINDS, *EXTERNAL_SPEC_KINDS])}")
     if kind in SPEC_KINDS:
         cls: type[Any] = getattr(kv, SPEC_KINDS[kind])
+    elif kind in EXTERNAL_SPEC_KINDS:
+        cls = import_object(EXTERNAL_SPEC_KINDS[kind])
     elif kind in SPEC_KINDS.values():
         cls = getattr(kv, kind)
     elif "." in kind or ":" in kind:
@@ -131,7 +142,8 @@ def _spec_class(kind: object, where: str) -> type[Any]:
             raise ImportError(f"{where} = {kind!r} does not import: {exc}") from None
     else:
         raise ValueError(f"{where}: unknown spec kind {kind!r}; kinds: "
-                         f"{', '.join(SPEC_KINDS)}, or 'package.module:SpecClass'")
+                         f"{', '.join([*SPEC_KINDS, *EXTERNAL_SPEC_KINDS])}, or "
+                         f"'package.module:SpecClass'")
     if not (isinstance(cls, type) and issubclass(cls, kv.KVCacheSpec)):
         raise ValueError(f"{where}: {kind!r} is not a KVCacheSpec subclass")
     return cls
@@ -277,13 +289,17 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
     """Groups, managers and page sizes of ``specs``; blocks in ``memory``; per-request needs."""
     from app.kvcache.grouping import get_kv_cache_bytes_per_block, get_kv_cache_groups
     from app.kvcache.specs import SinkFullAttentionSpec, spec_summary
+    from app.model.sparse.kv_spec import IndexerKeyCacheSpec, register_indexer_key_cache_spec
     from app.seed_api import KVCacheSpecRegistry
 
     bindings = KVCacheSpecRegistry.bindings()  # the active container's
+    if any(isinstance(spec, IndexerKeyCacheSpec) for spec in specs.values()):
+        register_indexer_key_cache_spec(bindings)
     groups = get_kv_cache_groups(specs, bindings)
     bytes_per_block = get_kv_cache_bytes_per_block(groups)
     plan: dict[str, Any] = {"num_layers": len(specs), "groups": [],
-                            "bytes_per_block": bytes_per_block}
+                            "bytes_per_block": bytes_per_block,
+                            "bytes_per_token": sum(_group_bytes_per_token(g) for g in groups)}
     reserved = 0
     per_request = 0
     for group_id, group in enumerate(groups):
@@ -298,6 +314,8 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
             "page_size_bytes_per_layer": sorted({s.page_size_bytes for s in group.layer_specs}),
             "bytes_per_token_per_layer": sorted({s.page_size_bytes // group.block_size
                                                  for s in group.layer_specs}),
+            "bytes_per_token": _group_bytes_per_token(group),
+            "specs": _spec_breakdown(group),
         }
         if isinstance(group.kv_cache_spec, SinkFullAttentionSpec):
             reserved += group.kv_cache_spec.sink_len // group.block_size
@@ -321,6 +339,25 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
         if max_model_len is not None and per_request:
             plan["max_concurrent_requests"] = usable // per_request
     return plan
+
+
+def _group_bytes_per_token(group: Any) -> float:
+    """Bytes one token costs in a group (over its layers; a Mamba state is per request, 0)."""
+    from app.kvcache.specs import MambaSpec
+
+    return float(sum(spec.page_size_bytes / spec.block_size for spec in group.layer_specs
+                     if not isinstance(spec, MambaSpec)))
+
+
+def _spec_breakdown(group: Any) -> list[dict[str, Any]]:
+    """Each distinct spec type of a group: its layers, page and bytes per token per layer."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in group.layer_specs:
+        entry = out.setdefault(type(spec).__name__, {
+            "type": type(spec).__name__, "num_layers": 0, "page_size_bytes": spec.page_size_bytes,
+            "bytes_per_token_per_layer": spec.page_size_bytes / spec.block_size})
+        entry["num_layers"] += 1
+    return list(out.values())
 
 
 def _human(n: int) -> str:
@@ -350,7 +387,13 @@ def render_plan(plan: dict[str, Any]) -> str:
     lines = [f"{plan['num_layers']} layers in {len(plan['groups'])} KV-cache group(s)",
              format_table(headers, rows),
              f"bytes per block (all groups): {plan['bytes_per_block']} "
-             f"({_human(plan['bytes_per_block'])})"]
+             f"({_human(plan['bytes_per_block'])}); bytes per token: "
+             f"{plan['bytes_per_token']:g}"]
+    for g in plan["groups"]:
+        if len(g["specs"]) > 1 or g["specs"][0]["type"] != g["spec"]["type"]:
+            lines.append(f"group {g['group']}: " + "; ".join(
+                f"{s['num_layers']} x {s['type']} ({s['bytes_per_token_per_layer']:g} B/token "
+                f"per layer)" for s in g["specs"]))
     if "max_model_len" in plan:
         lines.append(f"a request of {plan['max_model_len']} tokens holds at most "
                      f"{plan['blocks_per_request']} blocks ({_human(plan['bytes_per_request'])})")

@@ -236,7 +236,7 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
     plain = ReferenceModel(engine.weights, dtype=dtype, kv_cache_dtype=cache_dtype)
     keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
             "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
-            "token_mismatches", "routing_near_ties")
+            "token_mismatches", "routing_near_ties", "selection_near_ties")
     totals = dict.fromkeys(keys, 0)
     prefill_err = decode_err = prefill_abs = decode_abs = scale = dtype_err = 0.0
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
@@ -445,7 +445,9 @@ def render(result: dict[str, Any]) -> str:
     for i, group in enumerate(result["kv_cache"]["groups"]):
         lines.append(f"kv group {i}      {group['spec']} -> {group['manager']}, block "
                      f"{group['block_size']} x {group['head_size']} {group['dtype']}, page "
-                     f"{group['page_size_bytes']} B, {len(group['layers'])} layer(s)")
+                     f"{group['page_size_bytes']} B, {len(group['layers'])} layer(s)"
+                     + ("" if len(group.get("specs", {})) < 2 else " (" + ", ".join(
+                         f"{n} {name}" for name, n in group["specs"].items()) + ")"))
     leaked = result["kv_cache"]["leaked_blocks"]
     lines.append(f"kv pool         {pool['num_blocks']} blocks ({pool['cache_bytes'] / 2**20:.0f}"
                  f" MiB), peak used {pool['peak_used_blocks']} ({pool['peak_use']:.1%}), "
@@ -497,7 +499,10 @@ def render(result: dict[str, Any]) -> str:
                              f"within rounding), {check['token_mismatches']} mismatches; "
                              f"{check['routing_near_ties']} rows with a routing near-tie "
                              f"(experts within {check['routing_tolerance']:g}: rounding) not "
-                             "compared")
+                             "compared"
+                             + (f"; {check['selection_near_ties']} rows with a top-k "
+                                "selection near-tie (sparse attention) not compared"
+                                if check["selection_near_ties"] else ""))
         summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
                                  f"of the wall time)")
     else:

@@ -12,7 +12,9 @@ flip beyond that means a token came from the wrong row or a wrong logit.
 Rows whose routing margin (``ReferenceModel``: the gap between the last expert or group chosen
 and the first left out, in any MoE layer) is within the engine dtype's rounding
 (``ROUTING_TOLERANCES``) may legitimately take other experts: they are counted as routing
-near-ties and left out of the error and the token check.
+near-ties and left out of the error and the token check. A sparse model's rows whose top-k
+selection is as near a tie in any layer (the selection margin, ``SELECTION_TOLERANCES``) may
+legitimately attend to another key: counted as selection near-ties and left out the same way.
 
 The tolerance follows the dtype (``derived_tolerance``): the same dense model computed plainly in
 the engine's dtype (``ReferenceModel(weights, dtype)``, as transformers computes it; with an
@@ -43,6 +45,7 @@ import torch
 from app.mla.requests import RequestOutput, RowKind
 from app.model.reference import (
     ROUTING_TOLERANCES,
+    SELECTION_TOLERANCES,
     ReferenceModel,
     ReferenceRows,
     reference_tolerance,
@@ -115,7 +118,8 @@ class GenerationCheck:
     """One request against the float64 reference: rows checked / computed per path, the
     largest absolute error per path, the reference's scale, the token verdicts, and the
     largest absolute error of the dense model computed in the engine's dtype on the same rows
-    (``dtype_max_abs_error``; 0 when not measured)."""
+    (``dtype_max_abs_error``; 0 when not measured), and a sparse model's rows left out for a
+    top-k selection near a tie (``selection_near_ties``)."""
 
     request_id: str
     prefill_rows_checked: int
@@ -131,6 +135,7 @@ class GenerationCheck:
     token_mismatches: int
     routing_near_ties: int = 0
     dtype_max_abs_error: float = 0.0
+    selection_near_ties: int = 0
 
     @property
     def prefill_relative_error(self) -> float:
@@ -172,21 +177,25 @@ def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def check_generation(reference: ReferenceModel, output: RequestOutput,
                      max_prefill_rows: int | None = 32, max_decode_rows: int | None = 32,
                      routing_tolerance: float | None = None,
-                     dtype_reference: ReferenceModel | None = None) -> GenerationCheck:
+                     dtype_reference: ReferenceModel | None = None, *,
+                     selection_tolerance: float | None = None) -> GenerationCheck:
     """Check ``output`` (kept ``hidden`` and ``row_kinds`` required) on ``sample_rows`` (the
     tokens chosen by the decode rows and the last prefill row checked). Rows with a routing
     margin within ``routing_tolerance`` (default: ``ROUTING_TOLERANCES`` of the output's
-    dtype) are counted apart and not compared. ``dtype_reference`` (the same weights'
-    ``ReferenceModel`` in the engine's dtype) measures ``dtype_max_abs_error`` on the rows
-    compared."""
+    dtype) are counted apart and not compared, and so are a sparse model's rows with a
+    selection margin within ``selection_tolerance`` (default: ``SELECTION_TOLERANCES`` of the
+    dtype). ``dtype_reference`` (the same weights' ``ReferenceModel`` in the engine's dtype)
+    measures ``dtype_max_abs_error`` on the rows compared."""
     return check_generations(reference, [output], max_prefill_rows, max_decode_rows,
-                             routing_tolerance, dtype_reference)[0]
+                             routing_tolerance, dtype_reference,
+                             selection_tolerance=selection_tolerance)[0]
 
 
 def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput],
                       max_prefill_rows: int | None = 32, max_decode_rows: int | None = 32,
                       routing_tolerance: float | None = None,
-                      dtype_reference: ReferenceModel | None = None) -> list[GenerationCheck]:
+                      dtype_reference: ReferenceModel | None = None, *,
+                      selection_tolerance: float | None = None) -> list[GenerationCheck]:
     """``check_generation`` of every output, in order (sort them by their tokens so the
     reference reuses shared prefixes); the reference's last feed-forward runs once for all."""
     sampled = []
@@ -201,7 +210,7 @@ def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput
     refs = iter(reference.outputs_many(todo))
     plain = iter(dtype_reference.outputs_many(todo) if dtype_reference is not None else ())
     return [_evaluate(reference, output, kinds, rows, next(refs), routing_tolerance,
-                      next(plain, None))
+                      next(plain, None), selection_tolerance)
             if rows.numel() else
             GenerationCheck(output.request_id, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
             for output, kinds, rows in sampled]
@@ -209,14 +218,21 @@ def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput
 
 def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Tensor,
               all_rows: torch.Tensor, ref: ReferenceRows, routing_tolerance: float | None,
-              plain: ReferenceRows | None = None) -> GenerationCheck:
+              plain: ReferenceRows | None = None,
+              selection_tolerance: float | None = None) -> GenerationCheck:
     """One output against its reference rows."""
     if output.hidden is None:  # pragma: no cover - checked by the caller
         raise ValueError("no outputs kept")
     tokens = output.token_ids
     tolerance = ROUTING_TOLERANCES.get(output.hidden.dtype, 0.0) if routing_tolerance is None \
         else routing_tolerance
-    clear = ref.margins > tolerance
+    routing_clear = ref.margins > tolerance
+    selection_clear = torch.ones_like(routing_clear)
+    if ref.selection_margins is not None:
+        limit = SELECTION_TOLERANCES.get(output.hidden.dtype, 0.0) \
+            if selection_tolerance is None else selection_tolerance
+        selection_clear = ref.selection_margins > limit
+    clear = routing_clear & selection_clear
     rows, want = all_rows[clear], ref.hidden[clear]
     got = output.hidden.index_select(0, rows.to(output.hidden.device)).to(
         device="cpu", dtype=torch.float64)
@@ -251,6 +267,7 @@ def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Ten
         decode_max_abs_error=_max_error(got[is_decode], want[is_decode]),
         ref_max_abs=_max_error(ref.hidden, torch.zeros_like(ref.hidden)),  # NaN: inf
         tokens_checked=agree + ties + mismatches, tokens_agreeing=agree, near_ties=ties,
-        token_mismatches=mismatches, routing_near_ties=int((~clear).sum()),
+        token_mismatches=mismatches, routing_near_ties=int((~routing_clear).sum()),
         dtype_max_abs_error=0.0 if plain is None else _max_error(
-            plain.hidden[clear].to(dtype=torch.float64), want))
+            plain.hidden[clear].to(dtype=torch.float64), want),
+        selection_near_ties=int((~selection_clear).sum()))

@@ -6,8 +6,10 @@ instance (``container.mla_prefill_backend()``), a decode backend instance for th
 length (``container.mla_decode_backend(query_len=1 + num_speculative_tokens)``; selection
 checks the cache block size), the kernel workspaces and the KV-cache spec bindings
 (``get_kv_cache_groups`` + ``KVCacheManager`` over one ``MLAAttentionSpec`` group of the
-model's layers). To replace a backend for one engine, override the container's providers.
-Afterwards the hot path holds plain references; nothing is resolved per step or per layer.
+model's layers; a sparse model's indexer key caches, ``IndexerKeyCacheSpec``, in the same group:
+one block table) and, for a sparse model, its indexer (``container.sparse_indexer()``). To
+replace a backend for one engine, override the container's providers. Afterwards the hot path
+holds plain references; nothing is resolved per step or per layer.
 
 Serving::
 
@@ -29,13 +31,11 @@ the decode backend; the LM head picks greedy tokens (drafts are verified,
 ``app.mla.speculative``); progress is reported to the ``KVCacheManager`` (full blocks become
 prefix-cache hits) and finished requests free their blocks.
 
-A step whose logits for a request are not finite (a NaN or infinite logit; NaN weights, or an
-overflow) ends that request with ``FinishReason.ERROR`` and an ``error`` naming the step and the
-first stage of the model that produced a non-finite value (found by running the step again with
-every stage checked: the check on the hot path is one look at the step's log-probabilities).
-A speculative step emits no token of a row at or after its first non-finite row, and fails a
-request only where the plain greedy run would (``app.mla.nonfinite``, which also covers decode
-backends that do not isolate non-finite keys).
+Non-finite logits (NaN weights, an overflow) end that request with ``FinishReason.ERROR`` and
+an ``error`` naming the step and the first stage of the model that produced a non-finite value
+(the step run again with every stage checked; the hot path looks once at the step's
+log-probabilities). A speculative step emits no token of a row at or after its first
+non-finite row (``app.mla.nonfinite``, which also covers backends that do not isolate them).
 
 ``run(requests)`` may be called from several threads at once: the calls share the steps (their
 requests are batched together) and each returns exactly its own requests' outputs, whichever
@@ -44,10 +44,10 @@ call's step finished them (see ``run``).
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +60,12 @@ from app.backends.decode.base import MAX_QUERY_LEN, MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
 from app.config import EngineConfig
 from app.containers import get_container
-from app.kvcache.grouping import KVCacheGroupSpec, get_kv_cache_groups
+from app.kvcache.grouping import (
+    KVCacheGroupSpec,
+    get_kv_cache_bytes_per_block,
+    get_kv_cache_groups,
+)
 from app.kvcache.kv_cache_manager import KVCacheManager
-from app.kvcache.specs import MLAAttentionSpec
 from app.mla import nonfinite
 from app.mla.requests import (
     EngineStats,
@@ -77,29 +80,17 @@ from app.mla.requests import (
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter
 from app.model.cache import check_cache_fits
-from app.model.model import (
-    DeepseekModel,
-    GreedyChoice,
-    Watch,
-    default_compute_dtype,
-    layer_names,
-)
+from app.model.model import DeepseekModel, GreedyChoice, Watch, default_compute_dtype
 from app.model.prefill import PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
+from app.model.sparse.kv_spec import model_kv_cache_specs
 from app.model.weights import ModelWeights
 
 if TYPE_CHECKING:
     from app.containers import Application
     from app.platforms import Platform
 
-__all__ = [
-    "EngineStats",
-    "MLAEngine",
-    "RequestTooLargeError",
-    "StepOutput",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["EngineStats", "MLAEngine", "RequestTooLargeError", "StepOutput"]
 
 
 class MLAEngine:
@@ -156,16 +147,18 @@ class MLAEngine:
         self.backend_class: type[MLAPrefillBackend] = type(prefill_backend)
         self.decode_backend_class: type[MLADecodeBackend] = type(decode_backend)
         num_layers = weights.num_layers
-        spec = MLAAttentionSpec.from_model_config(config.model,
-                                                  block_size=config.cache.block_size,
-                                                  kv_cache_dtype=config.cache.kv_cache_dtype)
-        check_cache_fits(config, device, num_layers)
         bindings = container.kv_cache_spec_bindings()
         self.kv_cache_groups: list[KVCacheGroupSpec] = get_kv_cache_groups(
-            dict.fromkeys(layer_names(num_layers), spec), bindings)
+            model_kv_cache_specs(weights.config, config.model, block_size=config.cache.block_size,
+                                 bindings=bindings, kv_cache_dtype=config.cache.kv_cache_dtype),
+            bindings)
+        if len(self.kv_cache_groups) != 1:
+            raise ValueError(f"expected the model's caches in one KV-cache group (one block "
+                             f"table), got {len(self.kv_cache_groups)}: "
+                             f"{[g.describe() for g in self.kv_cache_groups]}")
+        check_cache_fits(config, device, num_layers,
+                         bytes_per_block=get_kv_cache_bytes_per_block(self.kv_cache_groups))
         self.kv_manager = KVCacheManager(self.kv_cache_groups, config.cache, bindings=bindings)
-        if len(self.kv_cache_groups) != 1:  # pragma: no cover - identical layers, one group
-            raise ValueError(f"expected one KV-cache group, got {len(self.kv_cache_groups)}")
         #: Tokens per block of the group's block table.
         self.block_size = self.kv_cache_groups[0].block_size
         # -- the model --------------------------------------------------------------------
@@ -179,7 +172,8 @@ class MLAEngine:
             config, weights, prefill_backend, decode_backend,
             num_blocks=self.kv_manager.block_pool.num_blocks, block_size=self.block_size,
             device=device, compute_dtype=default_compute_dtype(model.dtype, device, fast_bf16),
-            timer=self.timer, decode_batch_sizes=decode_batch_sizes)
+            timer=self.timer, decode_batch_sizes=decode_batch_sizes,
+            indexer=container.sparse_indexer() if weights.config.indexer is not None else None)
         self.scheduler = Scheduler(self.kv_manager, max_num_batched_tokens=step_tokens,
                                    max_num_seqs=max_num_seqs,
                                    num_speculative_tokens=num_speculative_tokens)
@@ -334,7 +328,7 @@ class MLAEngine:
         stats.decode_tokens += sched.num_decode_tokens
         stats.step_seconds += seconds
         if self.model.caches[0].format.per_layer_scale:
-            self._check_fp8_overflow()
+            self.stats.fp8_overflows = self.model.warn_fp8_overflows(self.stats.fp8_overflows)
         return StepOutput(step=stats.steps,
                           new_tokens={rid: tuple(t) for rid, t in emitted.items()},
                           finished=finished, preempted=sched.preempted,
@@ -577,18 +571,6 @@ class MLAEngine:
 
     # -- introspection ------------------------------------------------------------------
 
-    def _check_fp8_overflow(self) -> None:
-        """An ``fp8`` cache's per-layer scale is derived so that nothing saturates
-        (``DeepseekModel.latent_scales``); if a value did anyway, say so once per growth (the
-        count is in ``stats.fp8_overflows``): those tokens' keys were clipped to +-448 x scale."""
-        total = int(self.model.fp8_overflows.sum())
-        if total > self.stats.fp8_overflows:
-            per_layer = self.model.fp8_overflows.tolist()
-            logger.warning("fp8 KV cache: %d latent value(s) beyond their layer's scale were "
-                           "saturated so far (per layer: %s); the scales are %s",
-                           total, per_layer, [c.k_scale for c in self.model.caches])
-            self.stats.fp8_overflows = total
-
     def pool_usage(self) -> dict[str, Any]:
         """Blocks of the pool: total, free now, used now, peak used, cached (prefix cache)."""
         pool = self.kv_manager.block_pool
@@ -603,7 +585,8 @@ class MLAEngine:
                 "fp8_overflows": self.stats.fp8_overflows}
 
     def describe_kv_cache_groups(self) -> list[dict[str, Any]]:
-        """The KV-cache groups: layers, spec, manager class, page size."""
+        """The KV-cache groups: layers, spec, manager class, page size, and how many layers
+        of each spec type (a sparse model's indexer keys share the latent layers' group)."""
         result = []
         for group, manager in zip(self.kv_cache_groups, self.kv_manager.managers, strict=True):
             spec = group.kv_cache_spec
@@ -611,5 +594,6 @@ class MLAEngine:
                            "manager": type(manager).__name__, "block_size": group.block_size,
                            "head_size": getattr(spec, "head_size", None),
                            "dtype": str(getattr(spec, "dtype", "")).removeprefix("torch."),
-                           "page_size_bytes": group.page_size_bytes})
+                           "page_size_bytes": group.page_size_bytes,
+                           "specs": dict(Counter(type(s).__name__ for s in group.layer_specs))})
         return result

@@ -1,6 +1,6 @@
-"""The DeepSeek-V2/V3 model the engine serves: one implementation of the architecture as the
-Hugging Face checkpoints define it, run over the paged latent cache through the selected
-prefill and decode backends.
+"""The DeepSeek-V2/V3 model the engine serves (and its sparse variants, DeepSeek-V3.2 and
+GLM-5): one implementation of the architecture as the Hugging Face checkpoints define it, run
+over the paged latent cache through the selected prefill and decode backends.
 
 - ``config``: ``DeepseekConfig`` from a checkpoint's ``config.json`` (both layouts);
 - ``rope``: rope in the checkpoint's layout, yarn frequencies and magnitude correction;
@@ -14,7 +14,10 @@ prefill and decode backends.
 - ``cache``, ``prefill``, ``decode``: the paged latent cache and the two executors;
 - ``model``: ``DeepseekModel``, the whole model on the cache, greedy with float32 margins;
 - ``reference``: the dense float64 reference of the same model;
-- ``profiling``: per-phase timing.
+- ``profiling``: per-phase timing;
+- ``sparse``: DeepSeek Sparse Attention: the lightning indexer's config, tensors and
+  projections, the sparse layer's executor and plans, its key cache's KV-cache spec
+  (``IndexerKeyCacheSpec``), its float64 reference.
 """
 
 from app.model.attention import MLAAttention, rms_norm
@@ -58,6 +61,7 @@ from app.model.reference import (
     REFERENCE_CACHE_BYTES,
     REFERENCE_TOLERANCES,
     ROUTING_TOLERANCES,
+    SELECTION_TOLERANCES,
     ReferenceModel,
     ReferenceRows,
     reference_attention,
@@ -65,6 +69,22 @@ from app.model.reference import (
     routing_margins,
 )
 from app.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from app.model.sparse.config import IndexerConfig
+from app.model.sparse.executors import (
+    SparseDecodePlan,
+    SparseMLAExecutor,
+    SparsePrefillPlan,
+    plan_sparse_decode,
+    plan_sparse_prefill,
+)
+from app.model.sparse.kv_spec import (
+    IndexerKeyCacheSpec,
+    model_kv_cache_specs,
+    register_indexer_key_cache_spec,
+    sparse_kv_cache_specs,
+)
+from app.model.sparse.layer import LayerIndexer
+from app.model.sparse.weights import IndexerWeights
 from app.model.weights import (
     AttentionWeights,
     LayerWeights,
@@ -83,12 +103,17 @@ __all__ = [
     "REFERENCE_CACHE_BYTES",
     "REFERENCE_TOLERANCES",
     "ROUTING_TOLERANCES",
+    "SELECTION_TOLERANCES",
     "AttentionWeights",
     "DecodePlan",
     "DeepseekConfig",
     "DeepseekModel",
     "Fp8Quantization",
     "GreedyChoice",
+    "IndexerConfig",
+    "IndexerKeyCacheSpec",
+    "IndexerWeights",
+    "LayerIndexer",
     "LayerWeights",
     "LoadReport",
     "LoadedCheckpoint",
@@ -109,6 +134,9 @@ __all__ = [
     "RopeConfig",
     "RotaryEmbedding",
     "Routing",
+    "SparseDecodePlan",
+    "SparseMLAExecutor",
+    "SparsePrefillPlan",
     "StepPlan",
     "SwiGLU",
     "WeightSpec",
@@ -118,19 +146,24 @@ __all__ = [
     "dequantize_fp8_block",
     "layer_names",
     "load_checkpoint",
+    "model_kv_cache_specs",
     "plan_context_chunks",
     "plan_decode_step",
     "plan_prefill_step",
+    "plan_sparse_decode",
+    "plan_sparse_prefill",
     "quantize_fp8_block",
     "random_config",
     "random_weights",
     "read_rss",
     "reference_attention",
     "reference_tolerance",
+    "register_indexer_key_cache_spec",
     "rms_norm",
     "rope_inv_freq",
     "route",
     "routing_margins",
     "slot_indices",
+    "sparse_kv_cache_specs",
     "weight_specs",
 ]

@@ -162,13 +162,23 @@ class MLAAttention:
         ``max_position`` their host-side maximum. Returns ``q [T, H, P+R]`` and
         ``latent [T, L+R]`` (``kv_c`` normed, ``k_pe`` roped), both in the model dtype.
         """
+        q, latent, _ = self.project_with_residual(x, positions, max_position)
+        return q, latent
+
+    def project_with_residual(self, x: torch.Tensor, positions: torch.Tensor,
+                              max_position: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``project``, and the q LoRA's normed residual ``RMSNorm(q_a_proj x) [T, Q]`` in the
+        compute dtype (what a sparse layer's indexer reads; None without a q LoRA)."""
         cd = self.compute_dtype
         xc = x.to(cd)
         t = xc.shape[0]
         p, r, lr = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q, c = self._project_x(xc)
+        residual = None
         if self.q_lora:
-            q = self._q_b(rms_norm(q, self._q_a_norm, self.eps))
+            residual = rms_norm(q, self._q_a_norm, self.eps)
+            q = self._q_b(residual)
         q = q.reshape(t, self.num_heads, p + r)
         latent = torch.empty(t, lr + r, dtype=self.dtype, device=self.device)
         latent[:, :lr] = rms_norm(c[:, :lr], self._kv_a_norm, self.eps)
@@ -176,7 +186,7 @@ class MLAAttention:
             cos, sin = self.rope.cos_sin(positions, max_position)
             q[..., p:] = self.rope.apply(q[..., p:], cos, sin)
             latent[:, lr:] = self.rope.apply(c[:, lr:], cos, sin)
-        return q.to(self.dtype), latent
+        return q.to(self.dtype), latent, residual
 
     def up_project(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of cached or new tokens from their latent ``[N, L+R]``.

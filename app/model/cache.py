@@ -48,16 +48,20 @@ def available_memory_bytes(device: torch.device) -> int | None:
     return physical_memory_bytes()
 
 
-def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1) -> None:
+def check_cache_fits(config: EngineConfig, device: torch.device, num_layers: int = 1, *,
+                     bytes_per_block: int | None = None) -> None:
     """``ValueError`` when ``cache.num_blocks`` blocks cannot fit in memory: the latent cache of
-    ``num_layers`` layers on ``device``, the pool's per-block bookkeeping on the host. Checked
-    before the pool is built (a huge ``num_blocks`` would otherwise spend minutes building it,
-    then fail, or, as the cache's allocation is lazy, bring the OOM killer once its blocks are
-    used); ``MLAEngine`` runs it before it builds anything."""
+    ``num_layers`` layers on ``device`` (or ``bytes_per_block``, every cache of a block: what
+    the KV-cache groups say, a sparse model's key caches included), the pool's per-block
+    bookkeeping on the host. Checked before the pool is built (a huge ``num_blocks`` would
+    otherwise spend minutes building it, then fail, or, as the cache's allocation is lazy,
+    bring the OOM killer once its blocks are used); ``MLAEngine`` runs it before it builds
+    anything."""
     model, cache = config.model, config.cache
     per_token = LatentCacheFormat.from_name(cache.kv_cache_dtype, model.dtype, model.kv_lora_rank,
                                             model.qk_rope_head_dim).bytes_per_token
-    latent = num_layers * cache.block_size * per_token
+    latent = num_layers * cache.block_size * per_token if bytes_per_block is None \
+        else bytes_per_block
     cpu = torch.device("cpu")
     per_block = ({device: latent, cpu: _BLOCK_OVERHEAD_BYTES} if device.type != "cpu"
                  else {cpu: latent + _BLOCK_OVERHEAD_BYTES})

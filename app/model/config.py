@@ -1,4 +1,5 @@
-"""The DeepSeek-V2/V3 architecture as a Hugging Face ``config.json`` describes it.
+"""The DeepSeek-V2/V3 architecture (and V3.2's and GLM-5's sparse variants) as a Hugging Face
+``config.json`` describes it.
 
 ``DeepseekConfig.from_json_file(path)`` reads both layouts a checkpoint may carry: the Hub's
 (``rope_theta`` plus ``rope_scaling``, as DeepSeek ships V2, V2-Lite and V3) and transformers
@@ -34,6 +35,12 @@ import torch
 
 from app._files import load_json
 from app.config import ModelConfig
+from app.model.sparse.config import (
+    SPARSE_ARCHITECTURES,
+    SPARSE_DEFAULTS,
+    IndexerConfig,
+    read_indexer,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -49,6 +56,7 @@ __all__ = [
 ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    **SPARSE_ARCHITECTURES,
 }
 
 #: transformers' defaults for the keys a config may omit, per architecture.
@@ -67,6 +75,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
         "n_group": 8, "topk_group": 4, "num_nextn_predict_layers": 0,
         "max_position_embeddings": 4096},
+    **SPARSE_DEFAULTS,
 }
 #: The largest int any key of a ``config.json`` may hold (sizes, counts, token ids).
 MAX_CONFIG_INT = 2**31 - 1
@@ -291,7 +300,8 @@ class DeepseekConfig:
     """A DeepSeek-V2/V3 model: sizes, attention, rope, MLP and MoE (see the module docstring).
 
     ``dtype`` is the checkpoint's own weight dtype (None: unstated), ``quantization`` its FP8
-    block quantization (None: plain weights).
+    block quantization (None: plain weights), ``indexer`` DeepSeek Sparse Attention's
+    lightning indexer (``app.model.sparse``; None: a dense model).
     """
 
     architecture: str
@@ -318,11 +328,16 @@ class DeepseekConfig:
     quantization: Fp8Quantization | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    indexer: IndexerConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; supported: "
                              f"{sorted(ARCHITECTURES)}")
+        if self.indexer is not None and (self.q_lora_rank is None or len(
+                self.indexer.layer_has_indexer) not in (0, self.num_hidden_layers)):
+            raise ValueError("DeepseekConfig.indexer needs a q LoRA (q_lora_rank) and one "
+                             "layer_has_indexer entry per layer")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even for rope, got "
                              f"{self.qk_rope_head_dim}")
@@ -347,21 +362,27 @@ class DeepseekConfig:
     def model_config(self, dtype: torch.dtype | None = None) -> ModelConfig:
         """The engine's ``ModelConfig``: the attention dims, the softmax scale, ``dtype``
         (default: the checkpoint's; bfloat16 when unstated or FP8)."""
+        sparse: dict[str, Any] = {} if self.indexer is None else {
+            "index_topk": self.indexer.index_topk, "index_head_dim": self.indexer.index_head_dim,
+            "index_n_heads": self.indexer.index_n_heads}
         return ModelConfig(dtype=dtype or self.dtype or torch.bfloat16,
                            num_heads=self.num_attention_heads, hidden_size=self.hidden_size,
                            kv_lora_rank=self.kv_lora_rank,
                            qk_nope_head_dim=self.qk_nope_head_dim,
                            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
-                           softmax_scale=self.softmax_scale)
+                           softmax_scale=self.softmax_scale, **sparse)
 
     def check_model_config(self, model: ModelConfig) -> None:
         """``ValueError`` when an engine's ``ModelConfig`` disagrees with these weights (heads,
-        hidden size, latent dims, head dims, softmax scale)."""
+        hidden size, latent dims, head dims, softmax scale, the sparse indexer's top-k and
+        dims)."""
         want = self.model_config(model.dtype)
+        names = ["num_heads", "hidden_size", "kv_lora_rank", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim", "index_topk"]
+        if self.indexer is not None:
+            names += ["index_head_dim", "index_n_heads"]
         diffs = [f"{name}: config {getattr(model, name)!r}, weights {getattr(want, name)!r}"
-                 for name in ("num_heads", "hidden_size", "kv_lora_rank", "qk_nope_head_dim",
-                              "qk_rope_head_dim", "v_head_dim")
-                 if getattr(model, name) != getattr(want, name)]
+                 for name in names if getattr(model, name) != getattr(want, name)]
         if not math.isclose(model.scale, want.scale, rel_tol=1e-12):
             diffs.append(f"softmax scale: config {model.scale!r}, weights {want.scale!r}")
         if diffs:
@@ -383,7 +404,8 @@ class DeepseekConfig:
                 "tie_word_embeddings": self.tie_word_embeddings,
                 "softmax_scale": self.softmax_scale,
                 "quantization": None if self.quantization is None else "fp8 e4m3 block "
-                f"{self.quantization.block_out}x{self.quantization.block_in}"}
+                f"{self.quantization.block_out}x{self.quantization.block_in}",
+                "indexer": None if self.indexer is None else self.indexer.describe()}
 
     # -- reading -----------------------------------------------------------------------
 
@@ -410,24 +432,31 @@ class DeepseekConfig:
             if raw.get(key):
                 raise r.error(key, "false (DeepSeek checkpoints have no biases)")
         max_positions = r.integer("max_position_embeddings")
+        layers, moe = r.integer("num_hidden_layers"), _moe(raw, r)
+        first_dense, freq = r.integer("first_k_dense_replace", 0), r.integer("moe_layer_freq")
+        indexer = read_indexer(arch, r, num_layers=layers,
+                               qk_rope_head_dim=_even(r, "qk_rope_head_dim"),
+                               q_lora_rank=r.opt_int("q_lora_rank"),
+                               first_k_dense_replace=first_dense, moe_layer_freq=freq,
+                               moe=moe is not None)
         return cls(
             architecture=arch, vocab_size=r.integer("vocab_size"),
             hidden_size=r.integer("hidden_size"),
             intermediate_size=r.integer("intermediate_size"),
-            num_hidden_layers=r.integer("num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=r.integer("num_attention_heads"),
             q_lora_rank=r.opt_int("q_lora_rank"), kv_lora_rank=r.integer("kv_lora_rank"),
             qk_nope_head_dim=r.integer("qk_nope_head_dim"),
             qk_rope_head_dim=_even(r, "qk_rope_head_dim"), v_head_dim=r.integer("v_head_dim"),
             rms_norm_eps=r.number("rms_norm_eps"), max_position_embeddings=max_positions,
             rope=_rope(raw, r, max_positions), rope_interleave=r.boolean("rope_interleave"),
-            tie_word_embeddings=r.boolean("tie_word_embeddings"), moe=_moe(raw, r),
-            first_k_dense_replace=r.integer("first_k_dense_replace", 0),
-            moe_layer_freq=r.integer("moe_layer_freq"),
+            tie_word_embeddings=r.boolean("tie_word_embeddings"), moe=moe,
+            first_k_dense_replace=first_dense, moe_layer_freq=freq,
             num_nextn_predict_layers=r.integer("num_nextn_predict_layers", 0),
             dtype=_dtype(raw, source), quantization=_quantization(raw, source),
             bos_token_id=_bos(r),
-            eos_token_ids=parse_token_ids(raw.get("eos_token_id"), f"{source}: eos_token_id"))
+            eos_token_ids=parse_token_ids(raw.get("eos_token_id"), f"{source}: eos_token_id"),
+            indexer=indexer)
 
 
 def _shown(value: object) -> str:

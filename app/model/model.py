@@ -7,7 +7,10 @@ block table (the layers form one KV-cache group), so block ``b`` of a request is
 every layer's cache.
 
 Prefill runs the non-absorbed form through the prefill backend (``MLAPrefillExecutor``, one
-per layer); decode the absorbed form through the decode backend (``MLADecodeExecutor``). Both
+per layer); decode the absorbed form through the decode backend (``MLADecodeExecutor``). A
+sparse model (DeepSeek-V3.2, GLM-5: ``DeepseekConfig.indexer``) runs each layer through
+``app.model.sparse.SparseMLAExecutor`` instead: a lightning indexer per layer with its own paged
+key cache (the same block table), and the backends' sparse verbs over the selected rows. Both
 are planned the same way, once per step: ``plan_prefill(batch)`` / ``plan_decode(block_tables,
 num_computed, query_len)`` give a plan whose ``metadata`` the step hands its backend's
 ``prepare_metadata`` once, then every layer runs the plan. Both backend instances come from
@@ -21,6 +24,7 @@ top-2 margin are the float32 ones without a float32 copy of the head.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -31,19 +35,36 @@ from app._host import copy_to_device
 from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend
+from app.backends.sparse.indexer import SparseIndexer, TorchSparseIndexer
 from app.config import EngineConfig
 from app.model.attention import MLAAttention, fp8_cache_scale, rms_norm
 from app.model.cache import PagedLatentCache
 from app.model.decode import DecodePlan, MLADecodeExecutor, plan_decode_step
 from app.model.linear import Linear
 from app.model.moe import MoE, SwiGLU
-from app.model.prefill import MLAPrefillExecutor, PrefillPlan, PrefillSlice
+from app.model.prefill import (
+    MLAPrefillExecutor,
+    PrefillPlan,
+    PrefillSlice,
+    plan_prefill_step,
+)
 from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.rope import RotaryEmbedding
+from app.model.sparse.executors import (
+    SparseDecodePlan,
+    SparseMLAExecutor,
+    SparsePrefillPlan,
+    SparseSelection,
+    plan_sparse_decode,
+    plan_sparse_prefill,
+)
+from app.model.sparse.layer import LayerIndexer
 from app.model.weights import ModelWeights, MoEWeights
 
 __all__ = ["FEED_FORWARD_CHUNK", "GREEDY_CANDIDATES", "DeepseekModel", "GreedyChoice", "Watch",
            "default_compute_dtype", "layer_names"]
+
+logger = logging.getLogger(__name__)
 
 #: Candidates per row rescored in float32 when the LM head runs in a 16-bit dtype.
 GREEDY_CANDIDATES = 8
@@ -118,7 +139,9 @@ class DeepseekModel:
 
     ``weights`` must match ``config.model`` (heads, dims, softmax scale); the caches have
     ``num_blocks`` blocks of ``block_size`` tokens in the model dtype (``config.model.dtype``);
-    ``compute_dtype`` is the dtype of the projections, MLPs and LM head.
+    ``compute_dtype`` is the dtype of the projections, MLPs and LM head. A sparse model also
+    keeps a paged key cache per layer with an indexer (``key_caches``, ``index_head_dim`` per
+    token in the model dtype) and scores it with ``indexer`` (default: ``TorchSparseIndexer``).
     ``decode_batch_sizes``: batch sizes a decode step is padded up to (``plan_decode``; the
     same shapes for every batch up to one of them, as a CUDA graph needs; default none).
     """
@@ -127,7 +150,8 @@ class DeepseekModel:
                  prefill_backend: MLAPrefillBackend, decode_backend: MLADecodeBackend, *,
                  num_blocks: int, block_size: int, device: torch.device,
                  compute_dtype: torch.dtype, timer: PhaseTimer | None = None,
-                 decode_batch_sizes: Sequence[int] = ()) -> None:
+                 decode_batch_sizes: Sequence[int] = (),
+                 indexer: SparseIndexer | None = None) -> None:
         arch = weights.config
         arch.check_model_config(config.model)
         self.config = config
@@ -167,13 +191,48 @@ class DeepseekModel:
             for i, (attn, scale) in enumerate(zip(self.attention, self.latent_scales(),
                                                   strict=True))]
         chunk = config.attention.context_chunk_tokens
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+        self.indexers: list[LayerIndexer | None] = []
+        self.key_caches: list[PagedLatentCache | None] = []
+        self.sparse_executors: list[SparseMLAExecutor] = []
+        self.prefill_executors: list[MLAPrefillExecutor] = []
+        self.decode_executors: list[MLADecodeExecutor] = []
+        if arch.indexer is not None:
+            self._build_sparse(weights, rope, indexer or TorchSparseIndexer(), num_blocks,
+                               block_size)
+            return
         self.prefill_executors = [
             MLAPrefillExecutor(attn, cache, prefill_backend, chunk, self.timer)
             for attn, cache in zip(self.attention, self.caches, strict=True)]
         self.decode_executors = [MLADecodeExecutor(attn, cache, decode_backend, self.timer)
                                  for attn, cache in zip(self.attention, self.caches, strict=True)]
-        self.prefill_backend = prefill_backend
-        self.decode_backend = decode_backend
+
+    def _build_sparse(self, weights: ModelWeights, rope: RotaryEmbedding,
+                      selector: SparseIndexer, num_blocks: int, block_size: int) -> None:
+        """A sparse model's layers: each with its indexer and key cache (or none, shared)."""
+        arch, indexer = self.arch, self.arch.indexer
+        if indexer is None:  # pragma: no cover - called for sparse models only
+            raise ValueError("not a sparse model")
+        for layer in weights.layers:
+            own = layer.attention.indexer
+            self.indexers.append(None if own is None else LayerIndexer(
+                indexer, own, rope_dim=arch.qk_rope_head_dim, rope=self.attention[0].rope,
+                dtype=self.dtype, compute_dtype=self.compute_dtype, device=self.device))
+            self.key_caches.append(None if own is None else PagedLatentCache(
+                num_blocks, block_size, indexer.index_head_dim, self.dtype, self.device))
+        self.sparse_executors = [
+            SparseMLAExecutor(attn, cache, indexer=layer_indexer, key_cache=key_cache,
+                              selector=selector, index_topk=indexer.index_topk,
+                              prefill_backend=self.prefill_backend,
+                              decode_backend=self.decode_backend, timer=self.timer)
+            for attn, cache, layer_indexer, key_cache in zip(
+                self.attention, self.caches, self.indexers, self.key_caches, strict=True)]
+
+    @property
+    def is_sparse(self) -> bool:
+        """Whether the model runs DeepSeek Sparse Attention (an indexer per layer)."""
+        return bool(self.sparse_executors)
 
     def latent_scales(self) -> list[float]:
         """Each layer's ``fp8`` cache scale (``app.model.attention.fp8_cache_scale``: the
@@ -203,12 +262,15 @@ class DeepseekModel:
         linears = [self._lm_head_linear]
         for attn, mlp in zip(self.attention, self.mlps, strict=True):
             linears += attn.linears() + mlp.linears()
+        for layer_indexer in self.indexers:
+            linears += [] if layer_indexer is None else layer_indexer.linears()
         return sum(linear.nbytes for linear in linears)
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes of every layer's cache storage."""
-        return sum(cache.nbytes for cache in self.caches)
+        """Bytes of every layer's cache storage (latent, and a sparse model's key caches)."""
+        return sum(cache.nbytes for cache in (*self.caches, *self.key_caches)
+                   if cache is not None)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``token_ids [T]`` int64 -> ``[T, D]`` in the model dtype on the device."""
@@ -235,19 +297,40 @@ class DeepseekModel:
             return rms_norm(h, self._final_norm, self.eps)
 
     def plan_prefill(self, batch: Sequence[PrefillSlice]) -> PrefillPlan:
-        """The plan of a prefill step over ``batch`` (every layer shares the block table)."""
-        return self.prefill_executors[0].plan(batch)
+        """The plan of a prefill step over ``batch`` (every layer shares the block table; a
+        sparse model's is a ``SparsePrefillPlan``)."""
+        if not self.is_sparse:
+            return self.prefill_executors[0].plan(batch)
+        plan = plan_prefill_step(batch, block_size=self.caches[0].block_size,
+                                 context_chunk_tokens=self.config.attention.context_chunk_tokens,
+                                 device=self.device)
+        return plan_sparse_prefill(batch, plan)
+
+    def warn_fp8_overflows(self, reported: int) -> int:
+        """The latent values an ``fp8`` cache saturated so far (``fp8_overflows``, all layers),
+        with a warning when that grew past ``reported``: the per-layer scale is derived so that
+        nothing saturates (``latent_scales``), so those tokens' keys were clipped to
+        +-448 x scale against the derivation."""
+        total = int(self.fp8_overflows.sum())
+        if total > reported:
+            logger.warning("fp8 KV cache: %d latent value(s) beyond their layer's scale were "
+                           "saturated so far (per layer: %s); the scales are %s",
+                           total, self.fp8_overflows.tolist(), [c.k_scale for c in self.caches])
+        return total
 
     def plan_decode(self, block_tables: Sequence[torch.Tensor], num_computed: Sequence[int],
                     query_len: int, *, pad: bool = True) -> DecodePlan:
-        """The plan of a decode step (``plan_decode_step`` on this model's caches), padded
-        (unless ``pad`` is False) to the smallest of ``decode_batch_sizes`` that holds the
-        batch (none: not padded)."""
+        """The plan of a decode step (``plan_decode_step`` on this model's caches; a sparse
+        model's is a ``SparseDecodePlan``, never padded), padded (unless ``pad`` is False) to the
+        smallest of ``decode_batch_sizes`` that holds the batch (none: not padded)."""
         batch = len(block_tables)
-        pad_to = next((n for n in self.decode_batch_sizes if n >= batch), None) if pad else None
-        return plan_decode_step(block_tables, num_computed, query_len,
+        # a sparse step is not padded: the indexer's layout is built from the real rows only
+        pad_to = next((n for n in self.decode_batch_sizes if n >= batch), None) \
+            if pad and not self.is_sparse else None
+        plan = plan_decode_step(block_tables, num_computed, query_len,
                                 self.caches[0].block_size, self.device,
                                 pad_to=None if pad_to == batch else pad_to)
+        return plan_sparse_decode(plan) if self.is_sparse else plan
 
     def _layers(self, h: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
                 watch: Watch | None) -> torch.Tensor:
@@ -293,6 +376,12 @@ class DeepseekModel:
                                  f"{list(token_ids.shape)}")
             self.prefill_backend.prepare_metadata(plan.metadata)
             h = self.embed(token_ids)
+        if self.is_sparse:
+            if not isinstance(plan, SparsePrefillPlan):
+                raise TypeError("a sparse model's prefill needs its own plan: pass the batch, "
+                                "or model.plan_prefill(batch)")
+            sparse, step = self.sparse_executors, SparseSelection()
+            return self._layers(h, lambda i, x: sparse[i].run_prefill(x, plan, step), watch)
         executors = self.prefill_executors
         return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
 
@@ -308,6 +397,11 @@ class DeepseekModel:
         with self.timer.phase("decode_metadata"):
             self.decode_backend.prepare_metadata(plan.metadata)
             h = self.embed(token_ids)
+        if self.is_sparse:
+            sparse_plan = plan if isinstance(plan, SparseDecodePlan) else plan_sparse_decode(plan)
+            sparse, step = self.sparse_executors, SparseSelection()
+            return self._layers(h, lambda i, x: sparse[i].run_decode(x, sparse_plan, step),
+                                watch)
         executors = self.decode_executors
         return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
 

@@ -28,6 +28,8 @@ PHASES: tuple[str, ...] = (
     "decode_metadata",   # decode: block tables, slots, positions, prepare_metadata, inputs
     "absorption",        # decode: q_nope x W_UK, and W_UV over the latent output
     "attention_decode",  # decode backend: run_decode over the latent cache
+    "indexer",           # sparse layers: index q / k / weights, key-cache writes, scores, top-k
+    "attention_sparse",  # sparse layers: run_sparse_prefill / run_sparse_decode
     "mlp",               # RMSNorms around attention and MLP, the SwiGLU MLP or the MoE (router,
                          # grouped experts, shared experts), the final norm
     "lm_head",           # LM head (hidden x lm_head^T)

@@ -5,7 +5,9 @@
 mscale 1, mscale_all_dim 0.8: cos/sin and the softmax scale both corrected), interleaved rope,
 and MoE (16 routed experts in 4 groups, 2 groups and 4 experts per token, a sigmoid gate with a
 score-correction bias, normalised and scaled weights, one shared expert); layer 0 is dense when
-there is more than one layer (``first_k_dense_replace``).
+there is more than one layer (``first_k_dense_replace``). A ``ModelConfig`` with
+``index_topk`` gives DeepSeek-V3.2's sparse variant (``DeepseekV32ForCausalLM``: an indexer
+of ``index_n_heads`` x ``index_head_dim`` in every layer, roped in halves).
 
 ``random_weights(config, dtype, seed)`` draws every tensor in float32 from ``seed`` and rounds
 it once to ``dtype``: deterministic, the same values on every machine. Scales keep activations
@@ -22,6 +24,7 @@ import torch
 from app._validation import MAX_GENERATOR_SEED, check_int_at_least, check_seed
 from app.config import ModelConfig
 from app.model.config import DeepseekConfig, MoEConfig, RopeConfig
+from app.model.sparse.config import IndexerConfig
 from app.model.weights import ModelWeights, weight_specs
 
 __all__ = ["random_config", "random_weights"]
@@ -47,8 +50,12 @@ def random_config(model: ModelConfig, num_layers: int = 1, vocab_size: int = 409
                         norm_topk_prob=True, routed_scaling_factor=2.5)
     rope = RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0,
                       original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.8)
+    indexer = None if model.index_topk is None else IndexerConfig(
+        index_topk=model.index_topk, index_head_dim=model.index_head_dim,
+        index_n_heads=model.index_n_heads, layer_has_indexer=(True,) * num_layers)
     return DeepseekConfig(
-        architecture="DeepseekV3ForCausalLM", vocab_size=vocab_size, hidden_size=d,
+        architecture="DeepseekV3ForCausalLM" if indexer is None else "DeepseekV32ForCausalLM",
+        vocab_size=vocab_size, hidden_size=d, indexer=indexer,
         intermediate_size=2 * d, num_hidden_layers=num_layers,
         num_attention_heads=model.num_heads, q_lora_rank=max(3 * d // 8, 8),
         kv_lora_rank=model.kv_lora_rank, qk_nope_head_dim=model.qk_nope_head_dim,

@@ -25,6 +25,11 @@ key's and value's latent through that FP8 cache dtype as the engine writes it (q
 read back: ``app.kvcache.cache_dtypes``; the ``fp8`` scale the engine's): what the dtype and
 the cache cost together, which the check measures to derive an FP8 engine's tolerance.
 
+A sparse model (DeepSeek-V3.2, GLM-5) runs its indexer in the same dtype
+(``app.model.sparse.reference``): each row attends only to its selected positions, and each
+row also gets its smallest *selection margin* (how near its top-k was to a tie), which the
+checks treat as they treat routing margins (``SELECTION_TOLERANCES``).
+
 ``reference_attention`` is one MLA layer alone (for executor tests).
 """
 
@@ -46,11 +51,12 @@ from app.model.attention import fp8_cache_scale
 from app.model.config import DeepseekConfig, MoEConfig
 from app.model.moe import route
 from app.model.rope import apply_rope, rope_inv_freq
+from app.model.sparse.reference import SELECTION_TOLERANCES, SparseReference, selection_mask
 from app.model.weights import AttentionWeights, MLPWeights, ModelWeights, MoEWeights
 
 __all__ = ["FP8_CACHE_ROUTING_TOLERANCE", "REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES",
-           "ROUTING_TOLERANCES", "TOKEN_MEMO_BYTES", "ReferenceModel", "ReferenceRows",
-           "reference_attention", "reference_tolerance", "routing_margins",
+           "ROUTING_TOLERANCES", "SELECTION_TOLERANCES", "TOKEN_MEMO_BYTES", "ReferenceModel",
+           "ReferenceRows", "reference_attention", "reference_tolerance", "routing_margins",
            "routing_tolerance"]
 
 #: Query rows per block of the blocked causal softmax.
@@ -174,6 +180,14 @@ class _Weights64:
         return out
 
 
+def _q_lora(a: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q LoRA's down projection and norm (empty for a model without one: a sparse model
+    always has one)."""
+    if a.q_a_proj is None or a.q_a_layernorm is None:
+        return torch.empty(0), torch.empty(0)
+    return a.q_a_proj, a.q_a_layernorm
+
+
 def _queries(c: DeepseekConfig, a: AttentionWeights, f: _Weights64, x: torch.Tensor
              ) -> torch.Tensor:
     if a.q_proj is not None:
@@ -249,9 +263,10 @@ class _Layer64:
         return k.transpose(0, 1), kv[..., self.p:].transpose(0, 1)
 
     def attend(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+               v: torch.Tensor, selected: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream after attention ``[n, D]`` at the sorted positions ``rows``
-        (inputs ``h_rows``) over keys/values of every earlier position."""
+        (inputs ``h_rows``) over keys/values of every earlier position (a sparse layer: only
+        those ``selected [n, topk]`` names)."""
         a, f, n = self.w.attention, self.f, h_rows.shape[0]
         x = _rms(h_rows, f(self.w.input_layernorm), self.c.rms_norm_eps)
         q = _queries(self.c, a, f, x).view(n, self.h, self.p + self.r)
@@ -265,6 +280,9 @@ class _Layer64:
             end = int(pos[-1]) + 1
             scores = torch.bmm(q_h[:, b0:b0 + _ROW_BLOCK], k[:, :end].transpose(1, 2))
             scores.masked_fill_(torch.arange(end).view(1, -1) > pos.view(-1, 1), float("-inf"))
+            if selected is not None:
+                keep = selection_mask(selected[b0:b0 + _ROW_BLOCK], end)
+                scores.masked_fill_(~keep.unsqueeze(0), float("-inf"))
             torch.bmm(_softmax(scores), v[:, :end], out=out[:, b0:b0 + _ROW_BLOCK])
         return h_rows + out.transpose(0, 1).reshape(n, self.h * self.v) @ f(a.o_proj).t()
 
@@ -276,9 +294,10 @@ class _Layer64:
         return h + mlp, margins
 
     def forward(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                v: torch.Tensor, selected: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``attend`` then ``feed_forward``: the layer's outputs and the rows' margins."""
-        return self.feed_forward(self.attend(h_rows, rows, k, v))
+        return self.feed_forward(self.attend(h_rows, rows, k, v, selected))
 
     def _swiglu(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
         h = x @ self.f(m.gate_up_proj).t()
@@ -333,11 +352,14 @@ class _Layer64:
 @attrs.frozen(eq=False)
 class ReferenceRows:
     """``hidden [n, D]`` (final normed; the reference's dtype) at the rows asked for, and each
-    row's smallest
-    routing margin over the MoE layers (``margins [n]``, inf for a dense model)."""
+    row's smallest routing margin over the MoE layers (``margins [n]``, inf for a dense
+    model)."""
 
     hidden: torch.Tensor
     margins: torch.Tensor
+    #: A sparse model's: each row's smallest selection margin over its layers
+    #: (``app.model.sparse.reference``; None for a dense model).
+    selection_margins: torch.Tensor | None = None
 
 
 def _fit(buffer: torch.Tensor | None, dim: int, n: int, keep: int,
@@ -385,6 +407,13 @@ class ReferenceModel:
         self._memo_width = 0 if first is None else first.h * (first.p + first.v) + first.r
         self._memo: torch.Tensor | None = None
         self._memo_known: torch.Tensor | None = None
+        self._sparse = None if self.config.indexer is None else SparseReference(
+            self.config, [layer.attention.indexer for layer in weights.layers],
+            [layer.input_layernorm for layer in weights.layers],
+            [_q_lora(layer.attention) for layer in weights.layers], self._f, _rms, dtype)
+        # A sparse model: per layer but the last, the smallest selection margin so far at every
+        # position of the previous sequence.
+        self._selection: list[torch.Tensor | None] = [None] * len(self.layers)
 
     def _first_layer_keys_values(self, tokens: Sequence[int], start: int
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,13 +463,14 @@ class ReferenceModel:
         attended = [self._attend_last(tuple(tokens), rows) for tokens, rows in items]
         if not attended:
             return []
-        out, margins = last.feed_forward(torch.cat([h for h, _ in attended]))
+        out, margins = last.feed_forward(torch.cat([h for h, _, _ in attended]))
         normed = _rms(out, self._f(self.weights.norm), self.config.rms_norm_eps)
         results, start = [], 0
-        for h, before in attended:
+        for h, before, selection in attended:
             end = start + h.shape[0]
             results.append(ReferenceRows(hidden=normed[start:end],
-                                         margins=torch.minimum(before, margins[start:end])))
+                                         margins=torch.minimum(before, margins[start:end]),
+                                         selection_margins=selection))
             start = end
         return results
 
@@ -463,17 +493,19 @@ class ReferenceModel:
         return k, v
 
     def _attend_last(self, tokens: tuple[int, ...], rows: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every layer but the last on the whole sequence (reusing the common prefix), and the
-        last layer's attention at ``rows``: the residual stream there and the margins so far."""
+        last layer's attention at ``rows``: the residual stream there, the routing margins so
+        far and (a sparse model) the selection margins of every layer."""
         common = 0
         if self._keys[0] is not None:
             limit = min(len(self._tokens), len(tokens))
             while common < limit and self._tokens[common] == tokens[common]:
                 common += 1
-        n, last = len(tokens), len(self.layers) - 1
+        n, last, sparse = len(tokens), len(self.layers) - 1, self._sparse
         x = self.embed(tokens[common:])
         margins_new = torch.full((n - common,), float("inf"), dtype=torch.float64)
+        selection_new = margins_new.clone()
         for i, layer in enumerate(self.layers):
             if i == 0:
                 k_new, v_new = self._first_layer_keys_values(tokens[common:], common)
@@ -482,9 +514,18 @@ class ReferenceModel:
             k, v = self._keys_values_room(i, n, common)
             k[:, common:n] = k_new
             v[:, common:n] = v_new
+            if sparse is not None:
+                sparse.add_keys(i, x, common, n)
             if i == last:
                 break
-            x, m = layer.forward(x, torch.arange(common, n), k, v)
+            selected = None
+            if sparse is not None:
+                selected, near = sparse.select(i, x, torch.arange(common, n), common, n, True)
+                selection_new = torch.minimum(selection_new, near)
+                sm = _fit(self._selection[i], 0, n, common, (n,))
+                sm[common:n] = selection_new
+                self._selection[i] = sm
+            x, m = layer.forward(x, torch.arange(common, n), k, v, selected)
             margins_new = torch.minimum(margins_new, m)
             h = _fit(self._hidden[i], 0, n, common, (n, x.shape[1]), self.dtype)
             mg = _fit(self._margins[i], 0, n, common, (n,))
@@ -503,7 +544,13 @@ class ReferenceModel:
         keys, values = self._keys[last], self._values[last]
         if keys is None or values is None:  # pragma: no cover - filled above
             raise RuntimeError("no keys")
-        return self.layers[last].attend(inputs, rows, keys, values), before
+        if sparse is None:
+            return self.layers[last].attend(inputs, rows, keys, values), before, None
+        selected, near = sparse.select(last, inputs, rows, common, n, False)
+        prev_s = self._selection[last - 1] if last else None
+        if prev_s is not None:
+            near = torch.minimum(near, prev_s.index_select(0, rows))
+        return self.layers[last].attend(inputs, rows, keys, values, selected), before, near
 
 
 def reference_attention(config: DeepseekConfig, weights: AttentionWeights, x: torch.Tensor,

@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from app.model.config import DeepseekConfig
+from app.model.sparse.weights import IndexerWeights, indexer_tensor_shapes
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -82,6 +83,10 @@ def weight_specs(config: DeepseekConfig) -> dict[str, WeightSpec]:
         p = f"model.layers.{i}"
         specs[f"{p}.input_layernorm.weight"] = WeightSpec((d,))
         specs.update(_attention_specs(c, f"{p}.self_attn"))
+        if c.indexer is not None and c.q_lora_rank is not None and c.indexer.has_indexer(i):
+            specs.update({f"{p}.self_attn.indexer.{name}": WeightSpec(shape, float32=f32)
+                          for name, (shape, f32) in indexer_tensor_shapes(
+                              c.indexer, hidden_size=d, q_lora_rank=c.q_lora_rank).items()})
         specs[f"{p}.post_attention_layernorm.weight"] = WeightSpec((d,))
         moe = c.moe
         if moe is None or not c.is_moe_layer(i):
@@ -107,7 +112,8 @@ class AttentionWeights:
     """One MLA layer: ``q_proj [H*(P+R), D]`` or the q LoRA (``q_a_proj [Q, D]``,
     ``q_a_layernorm [Q]``, ``q_b_proj [H*(P+R), Q]``); ``kv_a_proj [L+R, D]`` (the latent,
     then the shared rope key), ``kv_a_layernorm [L]``, ``kv_b_proj [H*(P+V), L]`` (per head: the
-    key's nope part, then the value), ``o_proj [D, H*V]``."""
+    key's nope part, then the value), ``o_proj [D, H*V]``; ``indexer``: DeepSeek Sparse
+    Attention's lightning indexer (``app.model.sparse``; None without one)."""
 
     kv_a_proj: torch.Tensor
     kv_a_layernorm: torch.Tensor
@@ -117,6 +123,7 @@ class AttentionWeights:
     q_a_proj: torch.Tensor | None = None
     q_a_layernorm: torch.Tensor | None = None
     q_b_proj: torch.Tensor | None = None
+    indexer: IndexerWeights | None = None
 
 
 @attrs.frozen(eq=False)
@@ -169,7 +176,9 @@ def _layer(c: DeepseekConfig, t: Mapping[str, torch.Tensor], i: int) -> LayerWei
         kv_a_layernorm=t[f"{a}.kv_a_layernorm.weight"],
         kv_b_proj=t[f"{a}.kv_b_proj.weight"], o_proj=t[f"{a}.o_proj.weight"],
         q_proj=t.get(f"{a}.q_proj.weight"), q_a_proj=t.get(f"{a}.q_a_proj.weight"),
-        q_a_layernorm=t.get(f"{a}.q_a_layernorm.weight"), q_b_proj=t.get(f"{a}.q_b_proj.weight"))
+        q_a_layernorm=t.get(f"{a}.q_a_layernorm.weight"), q_b_proj=t.get(f"{a}.q_b_proj.weight"),
+        indexer=IndexerWeights.from_tensors(t, f"{a}.indexer")
+        if c.indexer is not None and c.indexer.has_indexer(i) else None)
     mlp: MLPWeights | MoEWeights
     if c.is_moe_layer(i):
         shared = f"{p}.mlp.shared_experts.gate_up_proj.weight"

@@ -1,7 +1,7 @@
 """Platform hooks: what a CPU, a Hopper GPU or a Blackwell GPU supports and prefers."""
 
 from app._types import DeviceCapability
-from app.platforms.base import Platform, SupportsMLADimensions
+from app.platforms.base import Platform, SupportsMLADimensions, wants_sparse
 from app.platforms.cpu import CpuPlatform
 from app.platforms.cpu_features import CpuFeatures, detect_cpu_features, read_cpu_features
 from app.platforms.cuda import TRTLLM_PREFERRED_DIMENSIONS, CudaPlatform
@@ -30,4 +30,5 @@ __all__ = [
     "platform_for_device",
     "platform_from_environment",
     "read_cpu_features",
+    "wants_sparse",
 ]

@@ -23,6 +23,12 @@ class SupportsMLADimensions(Protocol):
     def mla_dimensions(self) -> MLADimensions: ...
 
 
+def wants_sparse(selector_config: object) -> bool:
+    """Whether a selector config is a sparse model's (its ``index_topk`` is set): platforms
+    then list their backends that run DeepSeek Sparse Attention."""
+    return getattr(selector_config, "index_topk", None) is not None
+
+
 class Platform(ABC):
     """A kind of device: its capability, its backend preferences and its KV-cache spec hook.
 
@@ -45,8 +51,9 @@ class Platform(ABC):
     def mla_decode_backend_priorities(self, selector_config: Any) -> list[str]:
         """Decode backend names in the order the selector should try them for this model
         (``selector_config``: an ``MLADecodeSelectorConfig``; its ``query_len`` matters).
-        Default: ``TORCH_SDPA``, which runs on any device."""
-        return ["TORCH_SDPA"]
+        Default: ``TORCH_SDPA``, which runs on any device (``TORCH_SPARSE`` for a sparse
+        model)."""
+        return ["TORCH_SPARSE"] if wants_sparse(selector_config) else ["TORCH_SDPA"]
 
     def register_custom_kv_cache_specs(  # noqa: B027 - a hook, deliberately a no-op
             self, registry: Any, config: EngineConfig | None) -> None:

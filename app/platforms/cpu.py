@@ -7,15 +7,19 @@ import torch
 from app._cpu import detect_cpu_features
 from app._types import DeviceCapability
 from app.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
-from app.platforms.base import Platform, SupportsMLADimensions
+from app.platforms.base import Platform, SupportsMLADimensions, wants_sparse
 
 # The priority lists, checked against the catalog once, when this module is imported.
 _PREFILL = PREFILL_BACKENDS.check("TORCH_SDPA")
 _DECODE = DECODE_BACKENDS.check("CPU_MLA", "TORCH_SDPA")
+# A sparse model's (DeepSeek Sparse Attention): the backends that run it.
+_SPARSE_PREFILL = PREFILL_BACKENDS.check("TORCH_SPARSE")
+_SPARSE_DECODE = DECODE_BACKENDS.check("TORCH_SPARSE")
 
 
 class CpuPlatform(Platform):
-    """A CPU: no compute capability; TORCH_SDPA prefill, CPU_MLA then TORCH_SDPA decode."""
+    """A CPU: no compute capability; TORCH_SDPA prefill, CPU_MLA then TORCH_SDPA decode
+    (TORCH_SPARSE for both for a sparse model)."""
 
     name = "cpu"
     device_type = "cpu"
@@ -25,12 +29,13 @@ class CpuPlatform(Platform):
         return None
 
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
-        """Only ``TORCH_SDPA`` runs on a CPU."""
-        return list(_PREFILL)
+        """``TORCH_SDPA`` (``TORCH_SPARSE`` for a sparse model)."""
+        return list(_SPARSE_PREFILL if wants_sparse(selector_config) else _PREFILL)
 
     def mla_decode_backend_priorities(self, selector_config: object) -> list[str]:
-        """The native ``CPU_MLA`` kernel, then ``TORCH_SDPA``."""
-        return list(_DECODE)
+        """The native ``CPU_MLA`` kernel, then ``TORCH_SDPA`` (``TORCH_SPARSE`` for a sparse
+        model)."""
+        return list(_SPARSE_DECODE if wants_sparse(selector_config) else _DECODE)
 
     def has_fast_bfloat16(self) -> bool:
         """True only on CPUs with native bf16 products (AVX512-BF16 or AMX-BF16), read from the

@@ -9,7 +9,7 @@ import torch
 from app._types import DeviceCapability, MLADimensions
 from app._validation import check_int_at_least
 from app.catalog import DECODE_BACKENDS, PREFILL_BACKENDS
-from app.platforms.base import Platform, SupportsMLADimensions
+from app.platforms.base import Platform, SupportsMLADimensions, wants_sparse
 
 #: The DeepSeek-V3.2-style dimensions TRTLLM ragged is tuned for: preferred first on SM100.
 TRTLLM_PREFERRED_DIMENSIONS = MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64,
@@ -26,6 +26,9 @@ _PREFILL_OTHER = PREFILL_BACKENDS.check("FLASH_ATTN", "TORCH_SDPA")
 _DECODE_SM100 = DECODE_BACKENDS.check("FLASHINFER_MLA", "TOKENSPEED_MLA", "TORCH_SDPA")
 _DECODE_SM100_MTP = DECODE_BACKENDS.check("TOKENSPEED_MLA", "FLASHINFER_MLA", "TORCH_SDPA")
 _DECODE_OTHER = DECODE_BACKENDS.check("FLASHINFER_MLA", "TORCH_SDPA")
+# A sparse model's (DeepSeek Sparse Attention): no GPU sparse kernel is wired yet.
+_SPARSE_PREFILL = PREFILL_BACKENDS.check("TORCH_SPARSE")
+_SPARSE_DECODE = DECODE_BACKENDS.check("TORCH_SPARSE")
 
 
 class CudaPlatform(Platform):
@@ -62,7 +65,10 @@ class CudaPlatform(Platform):
         return self._capability
 
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
-        """Fastest first: SM100 family, SM90, then everything older or newer."""
+        """Fastest first: SM100 family, SM90, then everything older or newer (a sparse model:
+        ``TORCH_SPARSE``)."""
+        if wants_sparse(selector_config):
+            return list(_SPARSE_PREFILL)
         cap = self._capability
         if cap.is_family(10):
             if selector_config.mla_dimensions == TRTLLM_PREFERRED_DIMENSIONS:
@@ -75,7 +81,10 @@ class CudaPlatform(Platform):
     def mla_decode_backend_priorities(self, selector_config: Any) -> list[str]:
         """SM100 family: FLASHINFER_MLA, TOKENSPEED_MLA, TORCH_SDPA, except that TOKENSPEED_MLA
         goes first when ``selector_config.query_len > 1`` (its gains grow with multi-token
-        prediction); SM90 and others: FLASHINFER_MLA, TORCH_SDPA."""
+        prediction); SM90 and others: FLASHINFER_MLA, TORCH_SDPA; a sparse model:
+        TORCH_SPARSE."""
+        if wants_sparse(selector_config):
+            return list(_SPARSE_DECODE)
         if self._capability.is_family(10):
             if getattr(selector_config, "query_len", 1) > 1:
                 return list(_DECODE_SM100_MTP)

@@ -8,6 +8,9 @@
   Both kits run their cases through one runner, ``run_cases``, and every one of the four
   functions returns the ``ConformanceReport`` (``assert_*`` once it passed); a kit's case
   raises ``CaseFailure`` to say what the backend got wrong.
+- The sparse cases (``SPARSE_DECODE_CASES``, ``SPARSE_PREFILL_CASES``,
+  ``app.testing.sparse_conformance``): both kits run them on a backend that declares
+  ``supports_sparse`` (DeepSeek Sparse Attention), against ``reference_sparse_attention``.
 - ``SelectionOnlyBackend``: a backend to register and select in tests; it runs nothing.
 - ``reference_attention``: the float64 ragged attention the kit compares with.
 - ``fp8_cache_decode_bounds``: error bounds of a decode kernel reading an FP8 cache against
@@ -41,12 +44,19 @@ from app.testing.fp8_bounds import (
     fp8_cache_decode_bounds,
     quantization_error,
 )
+from app.testing.sparse_conformance import (
+    SPARSE_DECODE_CASES,
+    SPARSE_PREFILL_CASES,
+    reference_sparse_attention,
+)
 from app.testing.stubs import SelectionOnlyBackend
 
 __all__ = [
     "CASES",
     "DECODE_CASES",
     "DEFAULT_TOLERANCES",
+    "SPARSE_DECODE_CASES",
+    "SPARSE_PREFILL_CASES",
     "CaseFailure",
     "CaseResult",
     "ConformanceReport",
@@ -58,6 +68,7 @@ __all__ = [
     "quantization_error",
     "reference_attention",
     "reference_decode",
+    "reference_sparse_attention",
     "run_cases",
     "run_conformance",
     "run_decode_conformance",

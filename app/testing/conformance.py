@@ -16,6 +16,11 @@ LSE with a float64 reference (``reference_attention``) computed from the same in
 ``long_causal``            (``long_case=True``) one 1100-token causal request
 =========================  ==================================================================
 
+A backend that declares ``supports_sparse`` also runs ``SPARSE_PREFILL_CASES``
+(``app.testing.sparse_conformance``: the absorbed form over selected latent rows, with repeats,
+-1 padding, fewer candidates than k, k larger than the context, context chunks merged by LSE);
+one that does not declare ``supports_dense`` runs only those.
+
 Run it on your backend (any ``MLAPrefillBackend`` subclass)::
 
     from app.testing import assert_conformance, run_conformance
@@ -54,6 +59,12 @@ from app.backends.prefill.base import (
     MLAPrefillBackend,
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
+)
+from app.testing._kit import CaseFailure, device_capability_of
+from app.testing.sparse_conformance import (
+    SPARSE_KIT_TOPK,
+    SPARSE_PREFILL_CASES,
+    _SparsePrefillKit,
 )
 
 __all__ = [
@@ -181,10 +192,6 @@ class ConformanceReport:
 
     def __str__(self) -> str:
         return self.format()
-
-
-class CaseFailure(Exception):
-    """A kit's case found the backend wrong (the message says how); ``run_cases`` reports it."""
 
 
 _CaseFailure = CaseFailure
@@ -423,14 +430,6 @@ def _pick_dims(backend_cls: type[MLAPrefillBackend], dims: MLADimensions | None
     return _DEEPSEEK if not supported or _DEEPSEEK in supported else supported[0]
 
 
-def device_capability_of(device: torch.device) -> DeviceCapability | None:
-    """The compute capability of a CUDA ``device`` (None for any other device)."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return DeviceCapability(major, minor)
-
-
 def kit_device(who: str, device: object) -> torch.device:
     """``device`` as a ``torch.device`` a kit can run on; ``ValueError`` naming ``who`` for a
     name torch does not know (``"tpu"``) or a CUDA device on a machine without CUDA."""
@@ -458,7 +457,10 @@ def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.devic
     default: the capability of ``device`` (None on a CPU).
 
     ``dims`` defaults to DeepSeek's (128, 64, 128), or the backend's first supported dims;
-    ``cases`` picks a subset of ``CASES``; ``long_case`` adds the 1100-token causal case.
+    ``cases`` picks a subset of ``CASES`` and ``SPARSE_PREFILL_CASES`` (default: the dense
+    cases for a backend that ``supports_dense``, then the sparse ones, in the absorbed form
+    with ``kv_lora_rank`` 512, for one that ``supports_sparse``); ``long_case`` adds the
+    1100-token causal case.
     """
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, MLAPrefillBackend)):
         raise TypeError(f"run_conformance: expected an MLAPrefillBackend subclass, "
@@ -467,26 +469,41 @@ def run_conformance(backend_cls: type[MLAPrefillBackend], *, device: torch.devic
     check_seed("run_conformance: seed", seed)
     if dtype not in DEFAULT_TOLERANCES and tolerances is None:
         raise ValueError(f"run_conformance: no default tolerances for {dtype}; pass tolerances")
-    names = list(cases) if cases is not None else [c for c in CASES
-                                                    if c != "long_causal" or long_case]
-    unknown = sorted(set(names) - set(CASES))
+    known = (*CASES, *SPARSE_PREFILL_CASES)
+    names = list(cases) if cases is not None else [
+        *(c for c in CASES if backend_cls.supports_dense and (c != "long_causal" or long_case)),
+        *(SPARSE_PREFILL_CASES if backend_cls.supports_sparse else ())]
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise ValueError(f"run_conformance: unknown case(s) {unknown}; known: {list(CASES)}")
+        raise ValueError(f"run_conformance: unknown case(s) {unknown}; known: {list(known)}")
     chosen = _pick_dims(backend_cls, dims)
     name = backend_cls.get_name()
     capability = device_capability_of(device) if device_capability is None \
         else device_capability
-    reasons = backend_cls.validate_configuration(
-        capability, MLAPrefillSelectorConfig(dtype=dtype, mla_dimensions=chosen))
-    if reasons:
-        return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
-                                 cases=(), unsupported=tuple(reasons))
+    reasons = {pattern: backend_cls.validate_configuration(capability, MLAPrefillSelectorConfig(
+        dtype=dtype, mla_dimensions=chosen, index_topk=topk))
+        for pattern, topk in (("dense", None), ("sparse", SPARSE_KIT_TOPK))}
+    if reasons["dense"] and reasons["sparse"]:
+        return ConformanceReport(backend=name, device=str(device), dtype=str(dtype), cases=(),
+                                 unsupported=tuple(reasons["dense" if backend_cls.supports_dense
+                                                           else "sparse"]))
     tol = dict(DEFAULT_TOLERANCES.get(dtype, {}))
     tol.update(tolerances or {})
     kit = _Kit(backend_cls, device, dtype, chosen, num_heads, seed, tol, capability)
     skipped = {} if backend_cls.supports_out else {"out_buffer": "supports_out is False"}
-    return run_cases(kit, names, backend=name, device=device, dtype=dtype, tolerances=tol,
-                     skipped=skipped)
+    for pattern, pattern_cases in (("dense", CASES), ("sparse", SPARSE_PREFILL_CASES)):
+        if reasons[pattern]:
+            skipped.update(dict.fromkeys(pattern_cases, "; ".join(reasons[pattern])))
+    dense = run_cases(kit, [n for n in names if n in CASES], backend=name, device=device,
+                      dtype=dtype, tolerances=tol, skipped=skipped)
+    sparse_kit = _SparsePrefillKit(backend_cls, device=device, dtype=dtype, heads=num_heads,
+                                   rank=512, rope=chosen.qk_rope_head_dim, block_size=16,
+                                   seed=seed)
+    sparse = run_cases(sparse_kit, [n for n in names if n in SPARSE_PREFILL_CASES],
+                       backend=name, device=device, dtype=dtype, tolerances=tol,
+                       skipped=skipped)
+    by_name = {c.name: c for c in (*dense.cases, *sparse.cases)}
+    return attrs.evolve(dense, cases=tuple(by_name[n] for n in names))
 
 
 def assert_conformance(backend_cls: type[MLAPrefillBackend], *, allow_unsupported: bool = False,

@@ -37,7 +37,10 @@ dequantises into bf16 (the scale rounded too), rounds its probabilities to bf16 
 q's dtype stays within (``app.testing.fp8_bounds``), not against the fixed tolerances: an
 FP8 cache has no dtype of its own to take them from.
 
-Every case checks the LSE (``return_softmax_lse=True``) and the plain call. Run it on your backend::
+Every case checks the LSE (``return_softmax_lse=True``) and the plain call. A backend that
+declares ``supports_sparse`` also runs ``SPARSE_DECODE_CASES`` (``app.testing.sparse_conformance``:
+indices with repeats, -1 padding, fewer candidates than k, k larger than the context); one that
+does not declare ``supports_dense`` runs only those. Run it on your backend::
 
     from app.testing import assert_decode_conformance
     assert_decode_conformance(MyDecodeBackend, device="cuda", dtype=torch.bfloat16)
@@ -53,6 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from app._validation import check_seed
@@ -73,6 +77,11 @@ from app.testing.conformance import (
     run_cases,
 )
 from app.testing.fp8_bounds import DecodeErrorBounds, fp8_cache_decode_bounds
+from app.testing.sparse_conformance import (
+    SPARSE_DECODE_CASES,
+    SPARSE_KIT_TOPK,
+    _SparseDecodeKit,
+)
 
 __all__ = [
     "DECODE_CASES",
@@ -467,7 +476,9 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
     """Run the decode kit on ``backend_cls``; return the report (a failing case never raises).
 
     ``block_size`` defaults to 16, or the backend's first supported block size; ``cases``
-    picks a subset of ``DECODE_CASES``."""
+    picks a subset of ``DECODE_CASES`` and ``SPARSE_DECODE_CASES`` (default: the dense cases
+    for a backend that ``supports_dense``, then the sparse ones for one that
+    ``supports_sparse``)."""
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, MLADecodeBackend)):
         raise TypeError(f"run_decode_conformance: expected an MLADecodeBackend subclass, "
                         f"got {backend_cls!r}")
@@ -476,30 +487,46 @@ def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,
     if dtype not in DEFAULT_TOLERANCES and tolerances is None:
         raise ValueError(f"run_decode_conformance: no default tolerances for {dtype}; "
                          f"pass tolerances")
-    names = list(cases) if cases is not None else list(DECODE_CASES)
-    unknown = sorted(set(names) - set(DECODE_CASES))
+    known = (*DECODE_CASES, *SPARSE_DECODE_CASES)
+    names = list(cases) if cases is not None else [
+        *(DECODE_CASES if backend_cls.supports_dense else ()),
+        *(SPARSE_DECODE_CASES if backend_cls.supports_sparse else ())]
+    unknown = sorted(set(names) - set(known))
     if unknown:
         raise ValueError(f"run_decode_conformance: unknown case(s) {unknown}; known: "
-                         f"{list(DECODE_CASES)}")
+                         f"{list(known)}")
     sizes = list(backend_cls.supported_block_sizes)
     bs = block_size if block_size is not None else (sizes[0] if sizes else 16)
-    reasons = backend_cls.validate_configuration(
-        device_capability_of(device), MLADecodeSelectorConfig(
-            dtype=dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-            num_heads=num_heads, block_size=bs, query_len=1))
+    capability = device_capability_of(device)
+    reasons = {pattern: backend_cls.validate_configuration(capability, MLADecodeSelectorConfig(
+        dtype=dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+        num_heads=num_heads, block_size=bs, query_len=1, index_topk=topk))
+        for pattern, topk in (("dense", None), ("sparse", SPARSE_KIT_TOPK))}
     name = backend_cls.get_name()
-    if reasons:
-        return ConformanceReport(backend=name, device=str(device), dtype=str(dtype),
-                                 cases=(), unsupported=tuple(reasons))
+    if reasons["dense"] and reasons["sparse"]:
+        return ConformanceReport(backend=name, device=str(device), dtype=str(dtype), cases=(),
+                                 unsupported=tuple(reasons["dense" if backend_cls.supports_dense
+                                                           else "sparse"]))
     tol = dict(DEFAULT_TOLERANCES.get(dtype, {}))
     tol.update(tolerances or {})
     kit = _DecodeKit(backend_cls, device, dtype, num_heads, kv_lora_rank, qk_rope_head_dim,
                      bs, seed, tol)
     skipped = {"other_block_size": "one block size supported"} if len(sizes) == 1 else {}
+    for pattern, pattern_cases in (("dense", DECODE_CASES), ("sparse", SPARSE_DECODE_CASES)):
+        if reasons[pattern]:
+            skipped.update(dict.fromkeys(pattern_cases, "; ".join(reasons[pattern])))
     skipped.update(_fp8_skips(backend_cls, device, dtype, num_heads, kv_lora_rank,
                               qk_rope_head_dim, bs))
-    return run_cases(kit, names, backend=name, device=device, dtype=dtype, tolerances=tol,
-                     skipped=skipped)
+    dense = run_cases(kit, [n for n in names if n in DECODE_CASES], backend=name,
+                      device=device, dtype=dtype, tolerances=tol, skipped=skipped)
+    sparse_kit = _SparseDecodeKit(backend_cls, device=device, dtype=dtype, heads=num_heads,
+                                  rank=kv_lora_rank, rope=qk_rope_head_dim, block_size=bs,
+                                  seed=seed)
+    sparse = run_cases(sparse_kit, [n for n in names if n in SPARSE_DECODE_CASES],
+                       backend=name, device=device, dtype=dtype, tolerances=tol,
+                       skipped=skipped)
+    by_name = {c.name: c for c in (*dense.cases, *sparse.cases)}
+    return attrs.evolve(dense, cases=tuple(by_name[n] for n in names))
 
 
 def _fp8_skips(backend_cls: type[MLADecodeBackend], device: torch.device, dtype: torch.dtype,

@@ -1,8 +1,10 @@
-"""Random DeepSeek-V2 / V3 checkpoints at production attention dims, for engine tests and benches.
+"""Random DeepSeek checkpoints (V2, V3, and the sparse V3.2 and GLM-MoE-DSA) at production
+attention dims, for engine tests and benches.
 
 :func:`write_deepseek_checkpoint` writes a Hugging Face checkpoint (``config.json`` plus
 ``model.safetensors``) of random weights made by transformers' own ``DeepseekV2ForCausalLM`` /
-``DeepseekV3ForCausalLM``, in one of two config layouts:
+``DeepseekV3ForCausalLM`` / ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM``, in one of two
+config layouts:
 
 - ``"hub"``: the layout of the Hub's ``deepseek-ai/DeepSeek-V2-Lite`` and ``DeepSeek-V3``
   ``config.json`` (``rope_theta`` and ``rope_scaling`` at the top level, ``"type": "yarn"``,
@@ -11,6 +13,12 @@
   stays as the Hub writes it.
 - ``"transformers"``: what transformers (5.x) writes itself: a ``rope_parameters`` dict
   (``rope_type``, ``rope_theta``, the yarn keys), ``head_dim``, ``qk_head_dim``.
+
+The sparse families (``"v32"``, ``"glm"``: DeepSeek Sparse Attention) add the indexer's keys
+(``index_topk``, ``index_head_dim``, ``index_n_heads``; GLM-5's ``shared`` layers from
+``indexer_pattern``, e.g. ``"FSFS"``, written as ``index_topk_pattern`` in the Hub layout and as
+transformers' ``indexer_types`` in its own); the key LayerNorm's weight and bias are drawn at
+random (transformers starts them at 1 and 0, which would hide either).
 
 Sizes other than attention are small (hidden 256, a few experts of 128) so that an engine starts
 in seconds; the MLA attention dims are DeepSeek's (``kv_lora_rank`` 512, rope 64, nope 128, v
@@ -35,7 +43,10 @@ __all__ = ["DeepseekCheckpointSpec", "hub_config", "transformers_greedy",
            "write_deepseek_checkpoint"]
 
 Layout = Literal["hub", "transformers"]
-Family = Literal["v2", "v3"]
+Family = Literal["v2", "v3", "v32", "glm"]
+#: The sparse families' architectures and model types.
+_SPARSE = {"v32": ("DeepseekV32ForCausalLM", "deepseek_v32"),
+           "glm": ("GlmMoeDsaForCausalLM", "glm_moe_dsa")}
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -47,12 +58,14 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
 @attrs.frozen
 class DeepseekCheckpointSpec:
     """What to write. ``family`` ``"v2"`` is DeepSeek-V2-Lite-like (no q LoRA, softmax greedy
-    routing), ``"v3"`` DeepSeek-V3-like (q LoRA, sigmoid ``noaux_tc`` routing with groups);
+    routing), ``"v3"`` DeepSeek-V3-like (q LoRA, sigmoid ``noaux_tc`` routing with groups),
+    ``"v32"`` / ``"glm"`` V3-like with DeepSeek Sparse Attention (V3.2's indexer ropes halves,
+    GLM-5's adjacent pairs and may share a layer's selection: ``indexer_pattern``);
     ``rope`` ``"yarn"`` (the Hub's scaling) or ``"default"`` (none); ``moe``: every layer from
     the second on is a MoE layer (else all dense)."""
 
     family: Family = attrs.field(default="v2",
-                                 validator=attrs.validators.in_(("v2", "v3")))
+                                 validator=attrs.validators.in_(("v2", "v3", "v32", "glm")))
     layout: Layout = attrs.field(default="hub",
                                  validator=attrs.validators.in_(("hub", "transformers")))
     rope: Literal["yarn", "default"] = attrs.field(
@@ -72,6 +85,11 @@ class DeepseekCheckpointSpec:
     moe_intermediate_size: int = attrs.field(default=128, validator=_positive)
     initializer_range: float = 0.1
     seed: int = 0
+    index_topk: int = attrs.field(default=16, validator=_positive)
+    index_head_dim: int = attrs.field(default=64, validator=_positive)
+    index_n_heads: int = attrs.field(default=8, validator=_positive)
+    #: GLM-5 only: one letter per layer, ``F`` (own indexer) or ``S`` (shared); None: all F.
+    indexer_pattern: str | None = None
 
 
 def _rope_scaling(spec: DeepseekCheckpointSpec) -> dict[str, Any] | None:
@@ -85,7 +103,7 @@ def _rope_scaling(spec: DeepseekCheckpointSpec) -> dict[str, Any] | None:
 def hub_config(spec: DeepseekCheckpointSpec) -> dict[str, Any]:
     """The ``config.json`` of ``spec`` in the Hub's layout (keys as in DeepSeek-V2-Lite's /
     DeepSeek-V3's own files, sizes from ``spec``)."""
-    v3 = spec.family == "v3"
+    v3 = spec.family != "v2"
     config: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
         "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
@@ -112,6 +130,13 @@ def hub_config(spec: DeepseekCheckpointSpec) -> dict[str, Any]:
     }
     if v3:
         config["num_nextn_predict_layers"] = 0
+    if spec.family in _SPARSE:
+        config["architectures"], config["model_type"] = [_SPARSE[spec.family][0]], \
+            _SPARSE[spec.family][1]
+        config.update(index_topk=spec.index_topk, index_head_dim=spec.index_head_dim,
+                      index_n_heads=spec.index_n_heads)
+        if spec.family == "glm" and spec.indexer_pattern is not None:
+            config["index_topk_pattern"] = spec.indexer_pattern
     return config
 
 
@@ -132,7 +157,9 @@ def write_deepseek_checkpoint(path: str | Path, spec: DeepseekCheckpointSpec) ->
         config = AutoConfig.from_pretrained(hub)          # transformers reads the Hub layout
         torch.manual_seed(spec.seed)
         auto: Any = AutoModelForCausalLM      # typed only where transformers is installed
-        model = auto.from_config(config).to(torch.bfloat16)
+        model = auto.from_config(config)
+        _randomize_indexer_norms(model, spec.seed)
+        model = model.to(torch.bfloat16)
         saved = Path(tmp) / "saved"
         model.save_pretrained(saved)                       # transformers' own layout
         for item in saved.iterdir():
@@ -141,6 +168,19 @@ def write_deepseek_checkpoint(path: str | Path, spec: DeepseekCheckpointSpec) ->
         if spec.layout == "hub":
             shutil.copy2(hub / "config.json", out / "config.json")
     return out
+
+
+def _randomize_indexer_norms(model: Any, seed: int) -> None:
+    """The indexer's key LayerNorm drawn around its identity, so a bias or a scale that is
+    dropped shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".indexer.k_norm." in name:
+                noise = torch.randn(param.shape, generator=gen) * 0.2
+                param.copy_((1.0 + noise) if name.endswith("weight") else noise)
 
 
 def transformers_greedy(path: str | Path, prompts: list[list[int]], max_tokens: int

@@ -29,7 +29,8 @@ from app.containers import (
 from app.platforms import CpuPlatform
 from app.testing import SelectionOnlyBackend
 
-BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA"]
+BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA",
+            "TORCH_SPARSE"]
 
 
 class StubBackend(SelectionOnlyBackend):
@@ -67,7 +68,7 @@ def unique(prefix: str) -> str:
 
 def test_members_and_values() -> None:
     names = list(MLAPrefillBackendEnum.__members__)
-    assert names[:6] == [*BUILTINS, "CUSTOM"]
+    assert names[:7] == [*BUILTINS, "CUSTOM"]
     for name in BUILTINS:
         assert MLAPrefillBackendEnum[name].value == PREFILL_BACKENDS.builtins[name]
     assert MLAPrefillBackendEnum.CUSTOM.value is None
@@ -78,7 +79,7 @@ def test_custom_is_not_an_alias() -> None:
     assert all(custom is not MLAPrefillBackendEnum[n] for n in BUILTINS)
     assert MLAPrefillBackendEnum(None) is custom
     assert MLAPrefillBackendEnum["CUSTOM"] is custom
-    assert len({m.value for m in MLAPrefillBackendEnum if m.name in BUILTINS}) == 5
+    assert len({m.value for m in MLAPrefillBackendEnum if m.name in BUILTINS}) == len(BUILTINS)
 
 
 def test_unknown_name_is_a_value_error_listing_the_options() -> None:
@@ -87,7 +88,7 @@ def test_unknown_name_is_a_value_error_listing_the_options() -> None:
     message = str(info.value)
     assert message.startswith("Unknown MLA prefill backend: 'NOPE'. Valid options are: "
                               "TORCH_SDPA, FLASH_ATTN, FLASHINFER, TRTLLM_RAGGED, "
-                              "TOKENSPEED_MLA, CUSTOM")
+                              "TOKENSPEED_MLA, TORCH_SPARSE, CUSTOM")
 
 
 def test_members_pickle_by_name(app_container: Application) -> None:

@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from app.bench import model as bench_model
-from app.bench.model_vllm import WholeVLLM, check_vllm_python
+from app.bench.vllm.model import WholeVLLM, check_vllm_python
 from app.cli import main
 
 #: A stand-in for the vLLM environment's python: runs the real worker's ``--serve`` (its line
 #: protocol, its stdout redirection) with vLLM's engine replaced by a recorder.
 STAND_IN = textwrap.dedent("""
     import json, sys
-    import app.bench.vllm_engine_worker as worker
+    import app.bench.vllm.engine_worker as worker
 
     mode = sys.argv[1]
-    sys.argv[1:] = sys.argv[4:]        # "-m app.bench.vllm_engine_worker --serve" -> "--serve"
+    sys.argv[1:] = sys.argv[4:]        # "-m app.bench.vllm.engine_worker --serve" -> "--serve"
 
     def build(engine):
         if mode == "broken":

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from app.bench import vllm_engine
+from app.bench.vllm import engine as vllm_engine
 from app.cli import main
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import vllm_prefill
+from app.bench.vllm import prefill as vllm_prefill
 from app.cli import main
 
 

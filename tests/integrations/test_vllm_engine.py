@@ -13,7 +13,7 @@ multiprocess engine loads the plugin in every engine process; tensor parallel 2 
 of 1; on an AMX CPU (faked), a float32 model (which vLLM's AMX_MLA cannot serve) runs ours
 without being asked, and ``attention_backend="CPU_MLA"`` runs ours.
 
-Engines run in subprocesses (``app.bench.vllm_engine_worker``), several engines per process where
+Engines run in subprocesses (``app.bench.vllm.engine_worker``), several engines per process where
 the plugin setting is the same, each result computed once per module (~3-4 minutes in all).
 """
 
@@ -82,7 +82,7 @@ def _run(tmp: Path, name: str, spec: dict[str, Any], *, plugin: bool, in_process
         environ["VLLM_PLUGINS"] = "none"
     if in_process:
         environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    proc = subprocess.run([sys.executable, "-m", "app.bench.vllm_engine_worker", str(spec_file),
+    proc = subprocess.run([sys.executable, "-m", "app.bench.vllm.engine_worker", str(spec_file),
                            str(out_file)], capture_output=True, text=True, timeout=1200,
                           env=environ, cwd=ROOT, check=False)
     log = proc.stdout + proc.stderr

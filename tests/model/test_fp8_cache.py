@@ -130,7 +130,7 @@ def test_a_scale_too_small_is_counted_and_warned(caplog: pytest.LogCaptureFixtur
     for cache in engine.model.caches:
         cache.k_scale = 1e-6          # someone else's scale, far too small
     engine.add_request(Request("r", prompts(1, 9)[0], max_new_tokens=2))
-    with caplog.at_level(logging.WARNING, logger="app.mla.engine"):
+    with caplog.at_level(logging.WARNING, logger="app.model.model"):
         engine.run()
     assert engine.stats.fp8_overflows > 0
     assert "saturated" in caplog.text

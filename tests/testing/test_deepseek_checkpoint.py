@@ -77,3 +77,35 @@ def test_a_bad_spec_is_a_value_error(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field if field in ("num_layers", "num_heads") else
                        "must be in"):
         DeepseekCheckpointSpec(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["v32", "glm"])
+def test_sparse_checkpoints_in_both_layouts_serve_transformers_tokens(tmp_path: Path,
+                                                                      family: str) -> None:
+    """V3.2 and GLM-MoE-DSA: the indexer's keys in both layouts (GLM-5's shared layer as
+    ``index_topk_pattern`` in the Hub's, ``indexer_types`` in transformers'), the key norm
+    drawn at random, and the engine's float32 tokens are transformers'."""
+    import torch
+
+    from tests.model.hf_checkpoints import engine_generate
+
+    small = {**SMALL, "num_heads": 4, "qk_rope_head_dim": 16, "vocab_size": 128,
+             "index_topk": 8, "index_head_dim": 32, "index_n_heads": 16}
+    pattern = "FSF" if family == "glm" else None
+    for layout in ("hub", "transformers"):
+        spec = DeepseekCheckpointSpec(family=family, layout=layout, num_layers=3,
+                                      indexer_pattern=pattern, **small)  # type: ignore[arg-type]
+        path = write_deepseek_checkpoint(tmp_path / layout, spec)
+        config = json.loads((path / "config.json").read_text())
+        assert config["index_topk"] == 8 and config["index_n_heads"] == 16
+        if family == "glm":
+            key = "index_topk_pattern" if layout == "hub" else "indexer_types"
+            assert config[key] in ("FSF", ["full", "shared", "full"])
+        weights = load_file(path / "model.safetensors")
+        norm = weights["model.layers.0.self_attn.indexer.k_norm.bias"]
+        assert float(norm.float().abs().max()) > 0
+        assert ("model.layers.1.self_attn.indexer.wk.weight" in weights) == (family == "v32")
+    prompts = [[(5 * i) % 120 + 3 for i in range(40)], [7, 8, 9]]
+    want = transformers_greedy(tmp_path / "hub", prompts, 4)
+    got = engine_generate(tmp_path / "hub", prompts, 4, dtype=torch.float32)
+    assert [list(o.output_token_ids) for o in got] == [x["tokens"] for x in want]

@@ -46,7 +46,9 @@ checks the step once and calls the step hook ``_prepare_step``; ``run_decode`` c
 tensor and scale, takes ``out=`` (written after the kernel when it shares memory with an
 input), lays out the LSE and calls the kernel hook ``_run_decode``. ``forward_decode`` is the
 verb's old form (``return_lse=``, LSE ``[B, query_len, H]``), kept for callers written
-against it.
+against it. A backend that declares ``supports_sparse`` also runs ``run_sparse_decode`` (DeepSeek
+Sparse Attention: each row attends to the cache slots its indices name; hook
+``_run_sparse_decode``); one that does not declare ``supports_dense`` runs only that.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
@@ -76,7 +77,9 @@ from app.backends.declarations import (
 )
 from app.backends.decode.checks import check_decode_inputs
 from app.backends.decode.metadata import MAX_QUERY_LEN, DecodeMetadata, MLADecodeMetadata
-from app.config import KV_CACHE_DTYPES, parse_kv_cache_dtype
+from app.backends.decode.selector_config import MLADecodeSelectorConfig
+from app.backends.sparse.checks import check_sparse_indices
+from app.config import KV_CACHE_DTYPES
 from app.kvcache.cache_dtypes import canonical_kv_cache_dtype, ds_mla_row_bytes
 
 if TYPE_CHECKING:
@@ -107,55 +110,6 @@ _DECODE_DECLARATIONS: tuple[DeclarationRule, ...] = (
         isinstance(k, str) and isinstance(n, str) for k, n in v.items()),
      "a dict of cache dtype name -> why it is not read"),
 )
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    check_int_at_least(f"{type(instance).__name__}.{attribute.name}", value, 1)
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    check_int_at_least(f"{type(instance).__name__}.{attribute.name}", value, 0)
-
-
-def _selector_cache_dtype(value: object) -> str:
-    return parse_kv_cache_dtype(value, "MLADecodeSelectorConfig.kv_cache_dtype")
-
-
-def _query_len(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not is_int(value) or not 1 <= value <= MAX_QUERY_LEN:
-        raise ValueError(f"{type(instance).__name__}.query_len must be an int in "
-                         f"[1, {MAX_QUERY_LEN}], got {value!r}")
-
-
-@attrs.frozen
-class MLADecodeSelectorConfig:
-    """What decode selection reads: the cache/compute ``dtype``, the latent dims, the number
-    of query heads, the cache ``block_size`` and the step's uniform ``query_len`` (1..16)."""
-
-    dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
-    kv_lora_rank: int = attrs.field(validator=_positive_int)
-    qk_rope_head_dim: int = attrs.field(validator=_non_negative_int)
-    num_heads: int = attrs.field(validator=_positive_int)
-    block_size: int = attrs.field(validator=_positive_int)
-    query_len: int = attrs.field(default=1, validator=_query_len)
-    #: The latent cache's dtype (``app.config.KV_CACHE_DTYPES``; ``"auto"``: ``dtype``).
-    kv_cache_dtype: str = attrs.field(default="auto", converter=_selector_cache_dtype)
-
-    @property
-    def mla_dimensions(self) -> MLADimensions:
-        """The dimensions decode attention reads: ``kv_lora_rank`` and ``qk_rope_head_dim``."""
-        return MLADimensions(kv_lora_rank=self.kv_lora_rank,
-                             qk_rope_head_dim=self.qk_rope_head_dim)
-
-    @classmethod
-    def from_engine_config(cls, config: EngineConfig, query_len: int = 1
-                           ) -> MLADecodeSelectorConfig:
-        """The selector config of an ``EngineConfig`` (model dims, cache block size)."""
-        m = config.model
-        return cls(dtype=m.dtype, kv_lora_rank=m.kv_lora_rank,
-                   qk_rope_head_dim=m.qk_rope_head_dim, num_heads=m.num_heads,
-                   block_size=config.cache.block_size, query_len=query_len,
-                   kv_cache_dtype=config.cache.kv_cache_dtype)
 
 
 class MLADecodeBackend(BackendDeclarations):
@@ -283,7 +237,8 @@ class MLADecodeBackend(BackendDeclarations):
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLADecodeSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
-        availability, dimensions, block size, query_len. An empty list means valid."""
+        availability, dimensions, block size, query_len, sparsity. An empty list means
+        valid."""
         slots = cls.reason_slots(device_capability, selector_config)
         return [reason for reasons in slots.values() for reason in reasons]
 
@@ -291,8 +246,9 @@ class MLADecodeBackend(BackendDeclarations):
     def reason_slots(cls, device_capability: DeviceCapability | None,
                      selector_config: MLADecodeSelectorConfig) -> dict[str, list[str]]:
         """``validate_configuration``'s reasons by slot, in its order: ``capability``,
-        ``dtype``, ``availability``, ``dimensions``, ``block_size``, ``query_len`` (at most one
-        reason in each). A backend with limits of its own adds them to a slot and flattens
+        ``dtype``, ``availability``, ``dimensions``, ``block_size``, ``query_len``,
+        ``sparsity`` (dense or sparse attention: ``sparsity_reasons``; at most one reason in
+        each). A backend with limits of its own adds them to a slot and flattens
         the lists, so that the order holds (FLASHINFER_MLA, TOKENSPEED_MLA)."""
         capability, dtypes, availability = cls.platform_reason_slots(device_capability,
                                                                      selector_config.dtype)
@@ -314,7 +270,8 @@ class MLADecodeBackend(BackendDeclarations):
             query_len.append(f"query_len {selector_config.query_len} exceeds the maximum "
                              f"{cls.max_query_len}")
         return {"capability": capability, "dtype": dtypes, "availability": availability,
-                "dimensions": dimensions, "block_size": block_size, "query_len": query_len}
+                "dimensions": dimensions, "block_size": block_size, "query_len": query_len,
+                "sparsity": cls.sparsity_reasons(getattr(selector_config, "index_topk", None))}
 
     def fp8_query(self) -> bool:
         """Whether the kernel reads the query quantised to e4m3 (one scale per call,
@@ -512,11 +469,45 @@ class MLADecodeBackend(BackendDeclarations):
         target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale, return_lse)
         return target if lse is None else (target, lse)
 
+    def run_sparse_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                          *, return_softmax_lse: bool = False, out: torch.Tensor | None = None,
+                          softmax_scale: float | None = None,
+                          k_scale: float | torch.Tensor | None = None
+                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Sparse absorbed MLA decode (DeepSeek Sparse Attention): each query row attends only
+        to the cache rows its indices name (a backend with ``supports_sparse``; ``TypeError``
+        on one without).
+
+        ``q [B, query_len, H, kv_lora_rank + qk_rope_head_dim]`` and ``kv_cache [num_blocks,
+        block_size, kv_lora_rank + qk_rope_head_dim]`` as ``run_decode`` takes them (B and
+        query_len from ``prepare_metadata``); ``indices [B, query_len, topk]`` int32: rows of
+        the cache viewed flat (slot ``block_id * block_size + offset``, the indexer's positions
+        through the request's block table: ``SparseIndexerMetadata.to_slots``), ``-1`` for
+        padding, each in ``[-1, num_blocks * block_size)`` (``ValueError`` otherwise). Every
+        entry is one softmax term (a slot named twice counts twice); a row whose entries are
+        all ``-1`` gets out 0 and LSE ``-inf``. The indices are a per-layer argument: each
+        layer's indexer selects its own. Returns what ``run_decode`` returns: ``out [B,
+        query_len, H, kv_lora_rank]`` (q's dtype), with ``return_softmax_lse`` also ``lse [H,
+        B, query_len]`` float32 natural log."""
+        what = f"{type(self).__name__}.run_sparse_decode"
+        check_return_flag(what, "return_softmax_lse", return_softmax_lse)
+        target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale,
+                                   return_softmax_lse, indices=indices)
+        if lse is None:
+            return target
+        return target, lse.permute(2, 0, 1).contiguous()
+
     def _decode(self, what: str, q: torch.Tensor, kv_cache: torch.Tensor,
                 out: torch.Tensor | None, softmax_scale: object, k_scale: object,
-                want_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The template of both verbs: checks, scales, ``out=``, the kernel hook. Returns
-        ``(out, lse [B, query_len, H] or None)``."""
+                want_lse: bool, *, indices: object = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The template of the verbs: checks, scales, ``out=``, the kernel hook (the sparse
+        one when ``indices`` is given). Returns ``(out, lse [B, query_len, H] or None)``."""
+        sparse = indices is not None
+        if not (self.supports_sparse if sparse else self.supports_dense):
+            raise TypeError(f"{what}: {type(self).__name__} does not run "
+                            f"{'sparse' if sparse else 'dense'} attention (supports_"
+                            f"{'sparse' if sparse else 'dense'} is False)")
         meta = self.metadata
         scale = check_attention_scale(
             what, "softmax_scale", self.scale if softmax_scale is None else softmax_scale,
@@ -533,6 +524,9 @@ class MLADecodeBackend(BackendDeclarations):
                             kv_cache_dtype=self.kv_cache_dtype,
                             row_width=self.kv_cache_row_width)
         shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
+        checked = None if not sparse else check_sparse_indices(
+            what, indices, shape[:2], int(kv_cache.shape[0]) * int(kv_cache.shape[1]),
+            q.device)
         # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
         q, kv_cache = q.resolve_neg(), kv_cache.resolve_neg()
         # An out= that shares memory with q or the cache is written after the kernel, never
@@ -541,7 +535,9 @@ class MLADecodeBackend(BackendDeclarations):
             torch.empty(shape, dtype=q.dtype, device=q.device)
         # Kernels write the LSE token-major (next to their output rows).
         lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device) if want_lse else None
-        if meta.batch:
+        if meta.batch and checked is not None:
+            self._run_sparse_decode(meta, q, kv_cache, checked, target, lse, scale, kscale)
+        elif meta.batch:
             self._run_decode(meta, q, kv_cache, target, lse, scale, kscale)
         if out is not None and target is not out:
             out.copy_(target)
@@ -555,6 +551,17 @@ class MLADecodeBackend(BackendDeclarations):
         """Run the kernel on checked inputs (B >= 1): write ``out [B, query_len, H,
         kv_lora_rank]`` (contiguous, q's dtype) and, when ``lse`` is not None, ``lse [B,
         query_len, H]`` (contiguous float32, natural log). ``q`` may be non-contiguous."""
+
+    def _run_sparse_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor,
+                           kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor | None, softmax_scale: float,
+                           k_scale: float) -> None:
+        """Run the sparse kernel on checked inputs (B >= 1; a backend with
+        ``supports_sparse`` overrides it): ``indices [B, query_len, topk]`` int32 contiguous,
+        every entry a row of ``kv_cache.view(-1, D)`` or -1; write ``out`` and ``lse`` as
+        ``_run_decode`` does."""
+        raise NotImplementedError(f"{type(self).__name__} declares supports_sparse but does "
+                                  f"not implement _run_sparse_decode")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(num_heads={self.num_heads}, "

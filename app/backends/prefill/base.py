@@ -21,7 +21,10 @@ an input), allocate the ``[H, T]`` LSE, handle empty batches, call the kernel ho
 ``_run_prefill`` and give rows that see no key out 0 and LSE ``-inf``. A subclass implements
 ``_run_prefill``. One that implements the run verbs themselves instead (how the README showed
 it before) still works and is checked the same way: its verbs are wrapped when the class is
-made, so the checks and the ``out=`` and LSE rules run around them.
+made, so the checks and the ``out=`` and LSE rules run around them. A backend that declares
+``supports_sparse`` also runs ``run_sparse_prefill`` (DeepSeek Sparse Attention, absorbed form:
+each row attends to the latent rows its indices name; hook ``_run_sparse_prefill``); one that
+does not declare ``supports_dense`` runs only that.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from app.backends.prefill.metadata import (
     RaggedLayout,
     StepLayouts,
 )
+from app.backends.sparse.checks import SparseRowsCall
 
 if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
@@ -78,18 +82,32 @@ _PREFILL_DECLARATIONS: tuple[DeclarationRule, ...] = (
 )
 
 
+def _optional_topk(instance: object, attribute: attrs.Attribute[int | None],
+                   value: int | None) -> None:
+    if value is not None:
+        check_int_at_least(f"{type(instance).__name__}.{attribute.name} (or None)", value, 1)
+
+
 @attrs.frozen
 class MLAPrefillSelectorConfig:
-    """What the selector needs to know about the model: its dtype and MLA dimensions."""
+    """What the selector needs to know about the model: its dtype, MLA dimensions and
+    ``index_topk`` (DeepSeek Sparse Attention's top-k; None: a dense model)."""
 
     dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
     mla_dimensions: MLADimensions = attrs.field(
         validator=attrs.validators.instance_of(MLADimensions))
+    index_topk: int | None = attrs.field(default=None, validator=_optional_topk)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the model's attention is sparse (``index_topk`` is set)."""
+        return self.index_topk is not None
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> MLAPrefillSelectorConfig:
         """The selector config of an ``EngineConfig``'s model."""
-        return cls(dtype=config.model.dtype, mla_dimensions=config.model.mla_dimensions)
+        return cls(dtype=config.model.dtype, mla_dimensions=config.model.mla_dimensions,
+                   index_topk=config.model.index_topk)
 
 
 _T = TypeVar("_T")
@@ -169,7 +187,8 @@ class MLAPrefillBackend(BackendDeclarations):
     def validate_configuration(cls, device_capability: DeviceCapability | None,
                                selector_config: MLAPrefillSelectorConfig) -> list[str]:
         """Every reason this backend cannot run here, in a fixed order: capability, dtype,
-        availability, dimensions. An empty list means valid."""
+        availability, dimensions, sparsity (``sparsity_reasons``). An empty list means
+        valid."""
         reasons = cls.platform_reasons(device_capability, selector_config.dtype)
         dims = selector_config.mla_dimensions
         if not cls.supports_mla_dimensions(dims):
@@ -177,7 +196,7 @@ class MLAPrefillBackend(BackendDeclarations):
                 cls.supported_mla_dimensions or [R1_MLA_DIMENSIONS]))
             reasons.append(f"Model does not have supported MLA dimensions "
                            f"(got {dims}; supported: {supported})")
-        return reasons
+        return reasons + cls.sparsity_reasons(getattr(selector_config, "index_topk", None))
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, config: EngineConfig | None = None,
@@ -284,7 +303,11 @@ class MLAPrefillBackend(BackendDeclarations):
         return chunks[chunk]
 
     def _step(self) -> StepLayouts:
-        """The current step's checked layouts (``ValueError`` before ``prepare_metadata``)."""
+        """The current step's checked layouts (``ValueError`` before ``prepare_metadata``;
+        ``TypeError`` on a sparse-only backend: the dense verbs read them)."""
+        if not self.supports_dense:
+            raise TypeError(f"{self._label()}: {type(self).__name__} runs only sparse attention "
+                            f"(supports_dense is False): call run_sparse_prefill")
         if self._layouts is None or self._metadata is None:
             raise ValueError(f"{type(self).__name__}: call prepare_metadata() before running")
         return self._layouts
@@ -333,6 +356,47 @@ class MLAPrefillBackend(BackendDeclarations):
         if lse is None:  # pragma: no cover - _run allocates it when asked
             raise RuntimeError("no LSE computed")
         return result, lse
+
+    def run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                           return_softmax_lse: bool = False, out: torch.Tensor | None = None,
+                           softmax_scale: float | None = None,
+                           k_scale: float | torch.Tensor | None = None
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Sparse prefill in the absorbed form (DeepSeek Sparse Attention): each query row
+        attends only to the latent rows its indices name (a backend with ``supports_sparse``;
+        ``TypeError`` on one without). Needs no step metadata: the indices carry the layout.
+
+        ``q [T, H, kv_lora_rank + qk_rope_head_dim]`` (queries with ``W_UK`` absorbed, any
+        strides), ``kv [N, kv_lora_rank + qk_rope_head_dim]`` latent rows of q's dtype (the
+        paged cache viewed flat, ``kv_cache.view(-1, D)``, or rows gathered into a workspace,
+        one context chunk at a time), ``indices [T, topk]`` int32 rows of ``kv`` in ``[-1,
+        N)`` (``-1``: padding; each entry one softmax term). Returns ``out [T, H,
+        kv_lora_rank]`` in q's dtype and with ``return_softmax_lse`` also ``lse [H, T]``
+        float32 natural log, so that chunks merge with ``merge_attn_states``; a row whose
+        entries are all ``-1`` gets out 0 and LSE ``-inf``. ``softmax_scale`` defaults to the
+        constructor's ``scale``, ``k_scale`` (the cache's dequantisation) to 1."""
+        if not self.supports_sparse:
+            raise TypeError(f"{self._label()}.run_sparse_prefill: {type(self).__name__} does "
+                            f"not run sparse attention (supports_sparse is False)")
+        call = SparseRowsCall.check(
+            f"{self._label()}.run_sparse_prefill", q, kv, indices, out,
+            self.scale if softmax_scale is None else softmax_scale, k_scale,
+            return_softmax_lse, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim, dtypes=tuple(self.supported_dtypes))
+        if call.rows:
+            self._run_sparse_prefill(call.q, call.kv, call.indices, call.target, call.lse,
+                                     call.softmax_scale, call.k_scale)
+        return call.result(out)
+
+    def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                            k_scale: float) -> None:
+        """Run the sparse kernel on checked inputs (T >= 1; a backend with
+        ``supports_sparse`` overrides it): write ``out [T, H, kv_lora_rank]`` (contiguous, q's
+        dtype) and, when given, ``lse [T, H]`` (contiguous float32, natural log, token-major
+        as the decode hooks write it; the base lays it out head-major)."""
+        raise NotImplementedError(f"{type(self).__name__} declares supports_sparse but does "
+                                  f"not implement _run_sparse_prefill")
 
     def _check_inputs(self, layout: RaggedLayout, q: object, k: object, v: object,
                       out: object) -> None:

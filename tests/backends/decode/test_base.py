@@ -199,7 +199,7 @@ def test_reason_slots_let_a_backend_add_reasons_in_order() -> None:
                                   num_heads=15, block_size=16, query_len=1)
     slots = EvenHeads.reason_slots(None, bad)
     assert list(slots) == ["capability", "dtype", "availability", "dimensions", "block_size",
-                           "query_len"]
+                           "query_len", "sparsity"]
     assert slots["availability"] == slots["dimensions"] == slots["query_len"] == []
     assert EvenHeads.validate_configuration(None, bad) == [
         "device capability not available", "dtype torch.float64 not supported",

@@ -9,7 +9,7 @@ layout: 16 heads, ``kv_lora_rank`` 512, rope 64, nope 128, v 128, hidden 2048, y
 MLP of ``--mlp-size`` and a vocabulary of ``--vocab-size``, the layers both sides share), then
 starts engines alternately, round by round: ``VLLM_PLUGINS=none`` (vLLM's ``CPU_SDPA_MLA``
 prefill and ``CPU_MLA`` decode) and with our plugin (our TORCH_SDPA prefill and CPU_MLA decode),
-each an in-process engine in its own process (``app.bench.vllm_engine_worker``).
+each an in-process engine in its own process (``app.bench.vllm.engine_worker``).
 
 Workloads (greedy, token-id prompts, contexts of 1-4k):
 
@@ -17,7 +17,7 @@ Workloads (greedy, token-id prompts, contexts of 1-4k):
   tokens/s = prompt tokens / seconds.
 - **decode-heavy**: 8 requests with contexts of 1024-4000 tokens, ``--decode-tokens`` output
   tokens each. The decode phase is timed inside the run: the worker steps vLLM's engine itself
-  and timestamps each step (``vllm_engine_worker``'s ``timeline``), and the decode phase's
+  and timestamps each step (``engine_worker``'s ``timeline``), and the decode phase's
   tokens/s = the tokens generated after every request had its first token / the seconds after
   that moment (so our faster prefill does not inflate it). It was the difference between this
   run and a run of the same requests with one output token, which came out null on an AMX
@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.bench.vllm_prefill import VLLM_PYTHON_ENV, _cpu_name, _load
+from app.bench.vllm.prefill import VLLM_PYTHON_ENV, _cpu_name, _load
 from app.commands._args import int_in, positive_float, positive_int
 
 HELP = ("a whole vLLM engine (CPU build): its own CPU MLA backends vs ours, prefill- and "
@@ -114,7 +114,7 @@ def vllm_worker_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment of a vLLM worker subprocess: ours, minus ``VLLM_PLUGINS``, with vLLM's
     CPU settings (in-process engine, KV cache size, quieter logs), this checkout on
     ``PYTHONPATH``, then ``extra``."""
-    root = str(Path(__file__).resolve().parent.parent.parent)
+    root = str(Path(__file__).resolve().parents[3])   # the tree holding app/
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -153,7 +153,7 @@ def _engine_run(python: str, work: Path, name: str, engine: dict[str, Any], plug
     spec_file, out_file = work / f"{name}.json", work / f"{name}.out.json"
     spec_file.write_text(json.dumps({"engines": [engine]}))
     env = vllm_worker_env({"APP_VLLM_AMX": "ours"} if plugin else {"VLLM_PLUGINS": "none"})
-    error = _call(python, ["-m", "app.bench.vllm_engine_worker", str(spec_file),
+    error = _call(python, ["-m", "app.bench.vllm.engine_worker", str(spec_file),
                            str(out_file)], env, timeout)
     if error is not None:
         return {"error": error}

@@ -2,7 +2,7 @@
 
 One vLLM engine, built once in a subprocess of ``--vllm-python`` (or ``$APP_BENCH_VLLM_PYTHON``)
 with its own backends (``VLLM_PLUGINS=none``: ``CPU_SDPA_MLA`` prefill, ``CPU_MLA`` decode,
-vLLM's CPU MoE and linears) and kept for the whole run: ``app.bench.vllm_engine_worker
+vLLM's CPU MoE and linears) and kept for the whole run: ``app.bench.vllm.engine_worker
 --serve`` (an in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) reads one job per call
 and answers with the seconds the job took, so vLLM's start-up is never timed, as our engine's
 construction is not; the job steps vLLM's engine itself (``timeline``), so the answer also
@@ -29,7 +29,7 @@ from typing import IO, Any
 import torch
 
 from app.bench._timing import RunTiming
-from app.bench.vllm_engine import vllm_worker_env
+from app.bench.vllm.engine import vllm_worker_env
 from app.config import dtype_name
 
 __all__ = ["VLLM_KV_CACHE_GIB", "WholeVLLM", "check_vllm_python"]
@@ -74,7 +74,7 @@ class WholeVLLM:
         # Held for the worker's lifetime (its log, read back on errors); closed in close().
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
         self._proc = subprocess.Popen(
-            [python, "-m", "app.bench.vllm_engine_worker", "--serve"],
+            [python, "-m", "app.bench.vllm.engine_worker", "--serve"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env,
             text=True, encoding="utf-8")
         self.peak_rss_bytes = 0

@@ -1,6 +1,6 @@
 """Whole vLLM engines driven from a JSON spec, inside the vLLM environment (a subprocess).
 
-``python -m app.bench.vllm_engine_worker SPEC.json OUT.json``: for each engine of the spec, in
+``python -m app.bench.vllm.engine_worker SPEC.json OUT.json``: for each engine of the spec, in
 order, in this one process (vLLM is imported once; each engine is built, used and dropped), it
 builds ``vllm.LLM(model=..., skip_tokenizer_init=True, enforce_eager=True, seed=0, ...)``, runs
 the engine's jobs (prompts as token ids, greedy) and writes what came out. Which backends vLLM
@@ -23,7 +23,7 @@ decode phase measured inside the run, never as the difference of two runs.
 ``fake_amx`` makes torch report AMX tiles (vLLM's check) before vLLM is imported, in this
 process only (an in-process engine), to test what vLLM and our plugin do on an AMX CPU.
 
-``python -m app.bench.vllm_engine_worker --serve``: one engine kept for a caller that sends
+``python -m app.bench.vllm.engine_worker --serve``: one engine kept for a caller that sends
 work as it goes (``bench model --baseline vllm``). The first line on stdin is the engine
 (the keys above, and ``enable_prefix_caching``); the answer is one line ``{"ready": true,
 "init_s", "vllm_version", "torch_threads", "registered_here", "peak_rss_bytes"}`` (or
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         return serve(sys.stdin, answers)
     if len(args) != 2:
-        sys.stderr.write("usage: python -m app.bench.vllm_engine_worker SPEC.json OUT.json\n")
+        sys.stderr.write("usage: python -m app.bench.vllm.engine_worker SPEC.json OUT.json\n")
         return 2
     spec = json.loads(Path(args[0]).read_text())
     Path(args[1]).write_text(json.dumps(run_spec(spec)) + "\n")

@@ -166,11 +166,11 @@ def worker_main(spec_json: str) -> None:
 
 
 def _run_vllm_side(python: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    root = str(Path(__file__).resolve().parent.parent.parent)
+    root = str(Path(__file__).resolve().parents[3])   # the tree holding app/
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH"))
                                          if p)}
-    code = "import sys\nfrom app.bench.vllm_prefill import worker_main\nworker_main(sys.argv[1])"
+    code = "import sys\nfrom app.bench.vllm.prefill import worker_main\nworker_main(sys.argv[1])"
     try:
         proc = subprocess.run([python, "-c", code, json.dumps(spec)], capture_output=True,
                               text=True, timeout=timeout, env=env, check=False)
