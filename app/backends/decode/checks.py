@@ -32,7 +32,7 @@ def _check_out(what: str, out: object, shape: tuple[int, ...], dtype: torch.dtyp
 
 def _inputs_pass(meta: MLADecodeMetadata, q: object, kv_cache: object,
                  q_shape: tuple[int, int, int, int], kv_cache_dtype: torch.dtype,
-                 width: int) -> bool:
+                 width: int | None = None) -> bool:
     """Whether ``check_decode_inputs`` (without ``out``) would pass, in one expression: True
     only where each of its checks holds (the cache geometry checked for this step already);
     anything else goes through them for the message."""
@@ -41,7 +41,7 @@ def _inputs_pass(meta: MLADecodeMetadata, q: object, kv_cache: object,
         return False
     where, kv_shape = q.device, kv_cache.shape
     return (q.shape == q_shape and q.dtype in _Q_DTYPES and len(kv_shape) == 3
-            and kv_shape[2] == width and kv_shape[1] >= 1
+            and kv_shape[2] == (q_shape[3] if width is None else width) and kv_shape[1] >= 1
             and kv_cache.dtype == kv_cache_dtype and kv_cache.device == where
             and where.type != "meta" and q.layout == strided and kv_cache.layout == strided
             and kv_cache.stride(2) == 1
