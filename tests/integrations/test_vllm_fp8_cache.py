@@ -79,10 +79,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-fp8")
     model = write_deepseek_checkpoint(tmp / "v2", DeepseekCheckpointSpec(family="v2",
                                                                          layout="hub"))
+    # each engine vLLM refuses is the last of its process: one that fails inside its first
+    # forward leaves vLLM's parallel groups half torn down for the next engine of the process
+    # ("pipeline model parallel group is not initialized")
     own = _run(tmp, "own", [_engine("float32", model, "float32", "auto"),
-                            _engine("own fp8", model, "bfloat16", "fp8"),
-                            _engine("own fp8_ds_mla", model, "bfloat16", "fp8_ds_mla")],
-               plugin=False)
+                            _engine("own fp8", model, "bfloat16", "fp8")], plugin=False)
+    own |= _run(tmp, "own-ds", [_engine("own fp8_ds_mla", model, "bfloat16", "fp8_ds_mla")],
+                plugin=False)
     ours = _run(tmp, "ours", [_engine("bf16", model, "bfloat16", "auto"),
                               _engine("fp8", model, "bfloat16", "fp8"),
                               _engine("fp8_ds_mla", model, "bfloat16", "fp8_ds_mla")],
