@@ -61,6 +61,7 @@ from app.backends.prefill.base import (
     MLAPrefillSelectorConfig,
 )
 from app.testing._kit import CaseFailure, device_capability_of
+from app.testing._kit import max_abs_error as _max_abs
 from app.testing.sparse_conformance import (
     SPARSE_KIT_TOPK,
     SPARSE_PREFILL_CASES,
@@ -414,12 +415,6 @@ class _Kit:
         ref = reference_attention(q, torch.cat(keys), torch.cat(values),
                                   md.cu_seqlens_q_cpu.tolist(), cu_all, True, self.scale)
         self.compare("merged", out, lse, *ref, errors)
-
-
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max().item())
 
 
 def _pick_dims(backend_cls: type[MLAPrefillBackend], dims: MLADimensions | None

@@ -68,6 +68,8 @@ from app.kvcache.cache_dtypes import (
     quantize_fp8_ds_mla,
     quantize_fp8_per_layer,
 )
+from app.testing._kit import describe_value as _describe
+from app.testing._kit import max_abs_error as _max_abs
 from app.testing.conformance import (
     DEFAULT_TOLERANCES,
     CaseFailure,
@@ -452,18 +454,6 @@ def _vllm_ds_mla(latent: torch.Tensor, rank: int) -> torch.Tensor:
                       scales.contiguous().view(torch.uint8).reshape(*lead, -1),
                       latent[..., rank:].bfloat16().contiguous().view(torch.uint8)
                       .reshape(*lead, -1)], dim=-1)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {list(value.shape)}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
-
-
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max().item()) if a.numel() else 0.0
 
 
 def run_decode_conformance(backend_cls: type[MLADecodeBackend], *,

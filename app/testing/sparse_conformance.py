@@ -46,6 +46,8 @@ from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.merge import merge_attn_states
 from app.backends.prefill.base import MLAPrefillBackend
 from app.testing._kit import CaseFailure, device_capability_of
+from app.testing._kit import describe_value as _describe
+from app.testing._kit import max_abs_error as _max_abs
 
 __all__ = ["SPARSE_DECODE_CASES", "SPARSE_KIT_TOPK", "SPARSE_PREFILL_CASES",
            "reference_sparse_attention"]
@@ -465,15 +467,3 @@ class _SparsePrefillKit(_SparseKit):
         be = self.backend()
         self.index_errors(lambda bad: be.run_sparse_prefill(q, kv, bad), slots.to(self.device),
                           int(kv.shape[0]))
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {list(value.shape)}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
-
-
-def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max().item()) if a.numel() else 0.0
