@@ -119,29 +119,70 @@ static inline __attribute__((always_inline, BF16_ISA)) __m512i e4m3x32_fp16(cons
   return h;
 }
 
-/* The dot path's tile: as fp8_tile_f32, into bf16 (vcvtne2ps2bf16: exact for e4m3 and for
- * e4m3 times a power of two; see the top). */
-static BF16_TARGET void fp8_tile_bf16(const mla_decode_args* a, const char* const* rows,
-                                      int64_t n, uint16_t* dst) {
+/* count (% 32 == 0) e4m3fn bytes, each times `scale` -> bf16 (vcvtne2ps2bf16: exact for e4m3
+ * and for e4m3 times a power of two whose products are normal floats; see the top). */
+static inline __attribute__((always_inline, BF16_ISA)) void e4m3_run_bf16(
+    const uint8_t* src, int64_t count, float scale, uint16_t* dst) {
+  __m512 mult, post = _mm512_setzero_ps();
+  const int two = split_scale(scale, &mult, &post);
+  for (int64_t c = 0; c < count; c += 32) {
+    const __m512i h = e4m3x32_fp16(src + c);
+    __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), mult);
+    __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), mult);
+    if (two) lo = _mm512_mul_ps(lo, post), hi = _mm512_mul_ps(hi, post);
+    _mm512_storeu_si512((void*)(dst + c), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+/* The dot path's tile on a CPU without AVX512-VBMI: as fp8_tile_f32, into bf16. */
+static BF16_TARGET void fp8_tile_bf16_fp16(const mla_decode_args* a, const char* const* rows,
+                                           int64_t n, uint16_t* dst) {
   const int64_t rank = a->rank, rope = a->rope, d = rank + rope;
   const int ds = a->cache_dt == MLA_CACHE_FP8_DS_MLA;
-  const int64_t tile = ds ? 128 : d, tiles = ds ? rank / 128 : 1; /* values per scale */
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* r = (const uint8_t*)rows[j];
     uint16_t* out = dst + j * d;
-    for (int64_t t = 0; t < tiles; ++t) {
-      __m512 mult, post = _mm512_setzero_ps();
-      const int two = split_scale(ds ? tile_scale(r, rank, t) : 1.f, &mult, &post);
-      for (int64_t c = t * tile; c < (t + 1) * tile; c += 32) {
-        const __m512i h = e4m3x32_fp16(r + c);
-        __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), mult);
-        __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), mult);
-        if (two) lo = _mm512_mul_ps(lo, post), hi = _mm512_mul_ps(hi, post);
-        _mm512_storeu_si512((void*)(out + c), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
+    if (!ds) {
+      e4m3_run_bf16(r, d, 1.f, out);
+      continue;
     }
-    if (ds) memcpy(out + rank, r + rank + 4 * (rank / 128), sizeof(uint16_t) * (size_t)rope);
+    for (int64_t t = 0; t < rank / 128; ++t)
+      e4m3_run_bf16(r + 128 * t, 128, tile_scale(r, rank, t), out + 128 * t);
+    memcpy(out + rank, r + rank + 4 * (rank / 128), sizeof(uint16_t) * (size_t)rope);
   }
+}
+
+/* e4m3_run_bf16 as a function of its own (the test hook's method 0). */
+static BF16_TARGET void e4m3_run_bf16_target(const uint8_t* src, int64_t count, float scale,
+                                             uint16_t* dst) {
+  e4m3_run_bf16(src, count, scale, dst);
+}
+
+#include "mla_decode_cpu_fp8_vbmi.h" /* fp8_tile_bf16_vbmi: the same tile by table look-ups */
+
+/* The dot path's tile: rows[j] (j < n) of an FP8 cache -> dst + j * d bf16 values, by table
+ * look-ups where the CPU has AVX512-VBMI (decided at run time: never an instruction the CPU
+ * lacks), else through fp16 and float32; the two give the same bits (a NaN's sign aside). */
+static void fp8_tile_bf16(const mla_decode_args* a, const char* const* rows, int64_t n,
+                          uint16_t* dst) {
+  if (cpu_has_vbmi()) fp8_tile_bf16_vbmi(a, rows, n, dst);
+  else fp8_tile_bf16_fp16(a, rows, n, dst);
+}
+
+/* The test hook (mla_decode_cpu.h): the tile's conversion on one run of bytes. */
+int32_t mla_decode_cpu_e4m3_to_bf16(const uint8_t* src, int64_t count, float scale,
+                                    int32_t method, uint16_t* dst) {
+  int k;
+  if (count < 0 || count % 32 != 0 || (method != 0 && method != 1) ||
+      !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw"))
+    return 1;
+  if (method == 0) {
+    e4m3_run_bf16_target(src, count, scale, dst);
+    return 0;
+  }
+  if (!cpu_has_vbmi() || !table_exponent(scale, &k)) return 1;
+  e4m3_run_table_scaled(src, count, k, dst);
+  return 0;
 }
 
 #endif /* MLA_DECODE_CPU_FP8_H */
