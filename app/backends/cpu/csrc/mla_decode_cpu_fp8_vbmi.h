@@ -48,44 +48,68 @@ static const uint8_t byte_iota[64] __attribute__((aligned(64))) = {
     44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63,
 };
 
-/* The look-up tables of one scale 2^k: the low and the high bytes of entries 0 .. 63 and
- * 64 .. 127, and the two indices that interleave looked-up low and high bytes into words. */
+/* The look-up tables: those of the scale 2^k now in use (the low and the high bytes of
+ * entries 0 .. 63 and 64 .. 127), the ones they are made from (2^0 and 2^1: [k & 1]), and
+ * the byte permute that puts 64 bytes in the order the words are interleaved in. */
 typedef struct {
-  __m512i lo0, lo1, hi0, hi1, words0, words1;
+  __m512i lo0, lo1, hi0, hi1;
+  __m512i base_lo[2][2], base_hi[2][2], order;
+  int k;
 } e4m3_tables;
 
-static inline __attribute__((always_inline, VBMI_ISA)) void e4m3_tables_scaled(
-    e4m3_tables* t, int k) {
+/* t at 2^0, with its bases. Entry 0 (zero) and entry 127 (NaN) are never scaled. */
+static inline __attribute__((always_inline, VBMI_ISA)) void e4m3_tables_init(e4m3_tables* t) {
   const __m512i iota = _mm512_load_si512((const void*)byte_iota);
-  const __m512i even = _mm512_add_epi8(iota, iota), odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
-  const __m512i add = _mm512_set1_epi16((short)(k * 128)); /* 2^k: k on the exponent field */
+  const __m512i even = _mm512_add_epi8(iota, iota);
+  const __m512i odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
   const __m512i* w = (const __m512i*)e4m3_bf16_bits;
-  /* entry 0 (zero) is the first word of w[0], entry 127 (NaN) the last of w[3] */
-  const __m512i w0 = _mm512_mask_add_epi16(w[0], 0xFFFFFFFEu, w[0], add);
-  const __m512i w1 = _mm512_add_epi16(w[1], add), w2 = _mm512_add_epi16(w[2], add);
-  const __m512i w3 = _mm512_mask_add_epi16(w[3], 0x7FFFFFFFu, w[3], add);
-  t->lo0 = _mm512_permutex2var_epi8(w0, even, w1);
-  t->hi0 = _mm512_permutex2var_epi8(w0, odd, w1);
-  t->lo1 = _mm512_permutex2var_epi8(w2, even, w3);
-  t->hi1 = _mm512_permutex2var_epi8(w2, odd, w3);
-  /* word i of the first half: low byte from lo[i], high byte from hi[i] (index 64 + i) */
-  const __m512i half = _mm512_and_si512(_mm512_srli_epi16(iota, 1), _mm512_set1_epi8(0x3F));
-  const __m512i from_hi = _mm512_and_si512(_mm512_slli_epi16(iota, 6), _mm512_set1_epi8(0x40));
-  t->words0 = _mm512_or_si512(half, from_hi);
-  t->words1 = _mm512_add_epi8(t->words0, _mm512_set1_epi8(32));
+  for (int p = 0; p < 2; ++p) {
+    const __m512i add = _mm512_set1_epi16((short)(p * 128)); /* 2^p on the exponent field */
+    const __m512i w0 = _mm512_mask_add_epi16(w[0], 0xFFFFFFFEu, w[0], add);
+    const __m512i w1 = _mm512_add_epi16(w[1], add), w2 = _mm512_add_epi16(w[2], add);
+    const __m512i w3 = _mm512_mask_add_epi16(w[3], 0x7FFFFFFFu, w[3], add);
+    t->base_lo[p][0] = _mm512_permutex2var_epi8(w0, even, w1);
+    t->base_hi[p][0] = _mm512_permutex2var_epi8(w0, odd, w1);
+    t->base_lo[p][1] = _mm512_permutex2var_epi8(w2, even, w3);
+    t->base_hi[p][1] = _mm512_permutex2var_epi8(w2, odd, w3);
+  }
+  /* vpunpck{l,h}bw interleave within 128-bit lanes: lane L's first 8 bytes must be bytes
+   * 8L .. 8L + 7 (-> words 0 .. 31), its last 8 bytes 32 + 8L .. (-> words 32 .. 63) */
+  const __m512i lane = _mm512_and_si512(iota, _mm512_set1_epi8(0x30));
+  const __m512i low3 = _mm512_and_si512(iota, _mm512_set1_epi8(7));
+  const __m512i upper = _mm512_and_si512(_mm512_slli_epi16(iota, 2), _mm512_set1_epi8(0x20));
+  t->order = _mm512_or_si512(_mm512_or_si512(_mm512_srli_epi16(lane, 1), low3), upper);
+  t->lo0 = t->base_lo[0][0], t->lo1 = t->base_lo[0][1];
+  t->hi0 = t->base_hi[0][0], t->hi1 = t->base_hi[0][1];
+  t->k = 0;
 }
 
-/* count (% 32 == 0) e4m3fn bytes -> bf16 bits through the tables t. */
+/* t at 2^k (k in -117 .. 119): k = 2m + p adds m to the high byte of the 2^p tables (the
+ * exponent field's upper 7 bits; no carry: every result stays a normal number). */
+static inline __attribute__((always_inline, VBMI_ISA)) void e4m3_tables_scale(e4m3_tables* t,
+                                                                               int k) {
+  const int p = k & 1;
+  const __m512i m = _mm512_set1_epi8((char)((k - p) / 2));
+  t->lo0 = t->base_lo[p][0], t->lo1 = t->base_lo[p][1];
+  t->hi0 = _mm512_mask_add_epi8(t->base_hi[p][0], ~(__mmask64)1, t->base_hi[p][0], m);
+  t->hi1 = _mm512_mask_add_epi8(t->base_hi[p][1], ~(__mmask64)0 >> 1, t->base_hi[p][1], m);
+  t->k = k;
+}
+
+/* count (% 32 == 0) e4m3fn bytes -> bf16 bits through the tables t: the bytes put in
+ * interleave order, looked up (low and high bytes, the sign OR-ed into the high one) and
+ * interleaved into words. */
 static inline __attribute__((always_inline, VBMI_ISA)) void e4m3_run_table(
     const uint8_t* src, int64_t count, const e4m3_tables* t, uint16_t* dst) {
   for (int64_t c = 0; c < count; c += 64) {
     const int whole = count - c >= 64;
-    const __m512i raw = _mm512_maskz_loadu_epi8(whole ? ~(__mmask64)0 : 0xFFFFFFFFu, src + c);
+    const __m512i raw = _mm512_permutexvar_epi8(
+        t->order, _mm512_maskz_loadu_epi8(whole ? ~(__mmask64)0 : 0xFFFFFFFFu, src + c));
     const __m512i lo = _mm512_permutex2var_epi8(t->lo0, raw, t->lo1);
     const __m512i hi = _mm512_ternarylogic_epi32( /* hi | (raw & 0x80): the sign */
         _mm512_permutex2var_epi8(t->hi0, raw, t->hi1), raw, _mm512_set1_epi8((char)0x80), 0xF8);
-    _mm512_storeu_si512((void*)(dst + c), _mm512_permutex2var_epi8(lo, t->words0, hi));
-    if (whole) _mm512_storeu_si512((void*)(dst + c + 32), _mm512_permutex2var_epi8(lo, t->words1, hi));
+    _mm512_storeu_si512((void*)(dst + c), _mm512_unpacklo_epi8(lo, hi));
+    if (whole) _mm512_storeu_si512((void*)(dst + c + 32), _mm512_unpackhi_epi8(lo, hi));
   }
 }
 
@@ -104,8 +128,7 @@ static __attribute__((VBMI_ISA, noinline)) void fp8_tile_bf16_vbmi(
     const mla_decode_args* a, const char* const* rows, int64_t n, uint16_t* dst) {
   const int64_t rank = a->rank, rope = a->rope, d = rank + rope;
   e4m3_tables tables;
-  int table_k = 0;
-  e4m3_tables_scaled(&tables, 0);
+  e4m3_tables_init(&tables);
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* r = (const uint8_t*)rows[j];
     uint16_t* out = dst + j * d;
@@ -120,7 +143,7 @@ static __attribute__((VBMI_ISA, noinline)) void fp8_tile_bf16_vbmi(
         e4m3_run_bf16(r + 128 * t, 128, scale, out + 128 * t);
         continue;
       }
-      if (k != table_k) e4m3_tables_scaled(&tables, k), table_k = k;
+      if (k != tables.k) e4m3_tables_scale(&tables, k);
       e4m3_run_table(r + 128 * t, 128, &tables, out + 128 * t);
     }
     memcpy(out + rank, r + rank + 4 * (rank / 128), sizeof(uint16_t) * (size_t)rope);
@@ -131,7 +154,8 @@ static __attribute__((VBMI_ISA, noinline)) void fp8_tile_bf16_vbmi(
 static __attribute__((VBMI_ISA, noinline)) void e4m3_run_table_scaled(
     const uint8_t* src, int64_t count, int k, uint16_t* dst) {
   e4m3_tables tables;
-  e4m3_tables_scaled(&tables, k);
+  e4m3_tables_init(&tables);
+  e4m3_tables_scale(&tables, k);
   e4m3_run_table(src, count, &tables, dst);
 }
 
