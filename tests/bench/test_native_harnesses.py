@@ -3,8 +3,8 @@ run: ``decode_pair.c`` (paired timing of kernel builds, docs/cpu-decode-kernel.m
 case with a bit-compare of two builds, and its argument check; ``prefetch_cost.c`` (what a
 memory-missing prefetch costs the core) on a small buffer; ``fp8_tile_cost.c`` (the FP8
 tile conversions, alone and in the step) on a small case, with a bit-compare of the two
-conversions' outputs. Timings are not checked here: they are diagnostics, read by a person. Skipped where the kernel cannot run (no x86-64 AVX-512, no
-C compiler)."""
+conversions' outputs. Timings are not checked here: they are diagnostics, read by a person.
+Skipped where the kernel cannot run (no x86-64 AVX-512, no C compiler)."""
 
 from __future__ import annotations
 
