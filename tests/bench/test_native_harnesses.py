@@ -1,9 +1,10 @@
 """The C harnesses under ``benchmarks/native/`` still build against the kernel's sources and
 run: ``decode_pair.c`` (paired timing of kernel builds, docs/cpu-decode-kernel.md) on a small
 case with a bit-compare of two builds, and its argument check; ``prefetch_cost.c`` (what a
-memory-missing prefetch costs the core) on a small buffer. Timings are not checked here: they
-are diagnostics, read by a person. Skipped where the kernel cannot run (no x86-64 AVX-512, no
-C compiler)."""
+memory-missing prefetch costs the core) on a small buffer; ``fp8_tile_cost.c`` (the FP8
+tile conversions, alone and in the step) on a small case, with a bit-compare of the two
+conversions' outputs. Timings are not checked here: they are diagnostics, read by a person.
+Skipped where the kernel cannot run (no x86-64 AVX-512, no C compiler)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,26 @@ def test_prefetch_cost_runs_every_hint(tmp_path: Path) -> None:
     assert lines[0].startswith("buffer 16 MiB; no prefetch:"), run.stdout
     assert [line.split()[0] for line in lines[1:]] == ["T0", "T0", "T1", "T1", "NTA", "NTA",
                                                        "load", "load"], run.stdout
+
+
+def test_fp8_tile_cost_times_both_conversions_and_finds_their_outputs_identical(
+        tmp_path: Path) -> None:
+    compiler = native_compiler_or_skip()
+    if not cpu_mla_decode._cpu_has_bf16_dot():
+        pytest.skip("fp8_tile_cost runs the dot path: needs AVX512-BF16")
+    exe = tmp_path / "fp8_tile_cost"
+    _build([compiler, "-O2", *cpu_mla_decode.SPEC.flags, "-I", str(loader.NATIVE_DIR),
+            str(NATIVE / "fp8_tile_cost.c"), "-o", str(exe), "-lm"])
+    env = {**os.environ, "FLUSH_MB": "0"}
+    for layout in ("ds", "e4m3"):
+        # 3 requests of 130 keys (two chunks and a partial block), 2 query rows
+        run = subprocess.run([str(exe), "step", layout, "3", "130", "16", "2", "1"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "outputs bit-identical: yes" in run.stdout, run.stdout
+        tile = subprocess.run([str(exe), "tile", layout, "other", "10"], capture_output=True,
+                              text=True, timeout=120)
+        assert tile.returncode == 0 and tile.stdout.startswith("tile "), tile.stdout
+    bad = subprocess.run([str(exe), "step", "ds", "1", "2", "16", "4", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr, bad.stderr

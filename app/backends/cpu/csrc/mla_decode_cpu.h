@@ -58,6 +58,13 @@ APP_NATIVE_EXPORT int32_t mla_decode_cpu_openmp(void);
 APP_NATIVE_EXPORT const void* mla_decode_cpu_openmp_runtime(void);
 /* The cache_dt code of an FP8 cache layout ("fp8_e4m3", "fp8_ds_mla"), -1 for another name. */
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_cache_code(const char* name);
+/* Test hook: count (a multiple of 32) e4m3fn bytes, each times `scale`, -> the bf16 bits the
+ * bf16-dot path's tile holds for them. method 0: through fp16 and float32 (any CPU with
+ * AVX512-BF16); 1: by table look-ups (AVX512-VBMI; a positive power-of-two scale 2^-117 ..
+ * 2^119). 0 when done; 1, nothing written, where the method cannot (CPU, scale, count). */
+APP_NATIVE_EXPORT int32_t mla_decode_cpu_e4m3_to_bf16(const uint8_t* src, int64_t count,
+                                                      float scale, int32_t method,
+                                                      uint16_t* dst);
 /* Scratch floats one thread needs for qlen * heads query rows of head dim rank + rope (an
  * FP8 cache's dequantised tile included). */
 APP_NATIVE_EXPORT int64_t mla_decode_cpu_scratch_floats(int64_t qlen, int64_t heads,
