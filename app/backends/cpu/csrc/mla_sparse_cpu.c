@@ -1,0 +1,540 @@
+/* DeepSeek Sparse Attention on an AVX-512 CPU: attention over selected latent rows, the
+ * lightning indexer's scores, and their top-k. The structs and the contract of each exported
+ * function are in mla_sparse_cpu.h; the Python side is app/backends/cpu/sparse_kernel.py.
+ *
+ * Attention: an item is one query row (all its heads: the latent cache has one KV head, so
+ * every latent row loaded serves every head) and a range of its index entries. Entries are
+ * gathered TK at a time as row pointers (no copy; -1 skipped, a repeat counted as a repeat),
+ * scored for every head (q.k over the whole row: AVX512-BF16 dot products for a bf16 cache and
+ * q, else float32 FMAs), folded into an online softmax in base 2, and p.v accumulates in
+ * float32 with 16 heads of one 16-column slice held in registers, each value row loaded once
+ * for them. NaN and inf: a non-finite score makes its row's p (and so its output) non-finite;
+ * rows a query does not name are never read.
+ *
+ * Indexer: an item is up to 8 query rows of one request and a range of its key positions.
+ * Keys are read TI at a time through the block table and transposed once into a tile (pairs of
+ * bf16 dims x TI keys for the dot products, dims x TI float32 otherwise) that every row and
+ * head of the item reuses: each head is then a run of dot products with q's values broadcast,
+ * one vector lane per key, no horizontal sums. Positions a row does not see get -inf.
+ *
+ * Top-k: the k-th largest score by a radix select over the scores' order-preserving 32-bit
+ * keys (four passes of 8 bits), then one pass in position order that keeps what is above it
+ * and the earliest of what equals it: exactly app.backends.sparse.indexer.topk_positions.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "app_native_simd.h"
+#include "mla_sparse_cpu.h"
+
+APP_NATIVE_LIBRARY(MLA_SPARSE_CPU_ABI)
+APP_NATIVE_STRUCT_LAYOUT(mla_sparse_attn_args, MLA_SPARSE_ATTN_ARGS)
+APP_NATIVE_STRUCT_LAYOUT(mla_sparse_index_args, MLA_SPARSE_INDEX_ARGS)
+
+#define TK 32 /* attention: index entries per tile */
+#define HB 16 /* attention: heads whose p.v accumulators stay in registers */
+#define TI 32 /* indexer: keys per tile (two vectors of 16 lanes) */
+#define IR 8  /* indexer: most query rows per item */
+#define LN2 0.69314718055994530942f
+
+/* Elements i .. i + 15 of p (of type dt) as float32. */
+static inline __m512 load16(const void* p, int64_t i, int dt) {
+  if (dt == APP_DT_F32) return _mm512_loadu_ps((const float*)p + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+  if (dt == APP_DT_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Attention over selected rows */
+
+static inline int attn_dims_ok(const mla_sparse_attn_args* a) {
+  const int dts = (a->kv_dt == APP_DT_F32 || a->kv_dt == APP_DT_BF16 || a->kv_dt == APP_DT_F16);
+  return dts && a->q_dt == a->kv_dt &&
+         (a->out_dt == APP_DT_F32 || a->out_dt == APP_DT_BF16 || a->out_dt == APP_DT_F16) &&
+         a->rank > 0 && a->rank % 16 == 0 && (a->rank + a->rope) % 32 == 0 && a->rope >= 0 &&
+         a->heads > 0 && a->block_size > 0 && !(a->bf16_dot && a->kv_dt != APP_DT_BF16);
+}
+
+/* S[h * TK + j] = mult * (q_h . row_j) in float32 FMAs, q packed as float32 [heads, d]. */
+static void qk_f32(const float* qf, int64_t heads, int64_t d, const void* const* rows, int n,
+                   int dt, float mult, float* S) {
+  for (int j = 0; j < n; ++j) {
+    const void* r = rows[j];
+    int64_t h = 0;
+    for (; h + 4 <= heads; h += 4) {
+      __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+      const float* q0 = qf + h * d;
+      for (int64_t e = 0; e < d; e += 16) {
+        const __m512 k = load16(r, e, dt);
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + e), k, c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + e), k, c1);
+        c2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * d + e), k, c2);
+        c3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * d + e), k, c3);
+      }
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c0);
+      S[(h + 1) * TK + j] = mult * _mm512_reduce_add_ps(c1);
+      S[(h + 2) * TK + j] = mult * _mm512_reduce_add_ps(c2);
+      S[(h + 3) * TK + j] = mult * _mm512_reduce_add_ps(c3);
+    }
+    for (; h < heads; ++h) {
+      __m512 c = _mm512_setzero_ps();
+      for (int64_t e = 0; e < d; e += 16)
+        c = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * d + e), load16(r, e, dt), c);
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c);
+    }
+  }
+}
+
+/* As qk_f32 from bf16 q rows (head stride q_sh) and bf16 rows, on AVX512-BF16 dot products. */
+static __attribute__((APP_AVX512BF16_ISA)) void qk_bf16(const uint16_t* q, int64_t q_sh,
+                                                        int64_t heads, int64_t d,
+                                                        const void* const* rows, int n,
+                                                        float mult, float* S) {
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* r = (const uint16_t*)rows[j];
+    int64_t h = 0;
+    for (; h + 4 <= heads; h += 4) {
+      __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+      const uint16_t* q0 = q + h * q_sh;
+      for (int64_t e = 0; e < d; e += 32) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512((const void*)(r + e));
+        c0 = _mm512_dpbf16_ps(c0, (__m512bh)_mm512_loadu_si512((const void*)(q0 + e)), k);
+        c1 = _mm512_dpbf16_ps(c1, (__m512bh)_mm512_loadu_si512((const void*)(q0 + q_sh + e)), k);
+        c2 = _mm512_dpbf16_ps(c2,
+                              (__m512bh)_mm512_loadu_si512((const void*)(q0 + 2 * q_sh + e)), k);
+        c3 = _mm512_dpbf16_ps(c3,
+                              (__m512bh)_mm512_loadu_si512((const void*)(q0 + 3 * q_sh + e)), k);
+      }
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c0);
+      S[(h + 1) * TK + j] = mult * _mm512_reduce_add_ps(c1);
+      S[(h + 2) * TK + j] = mult * _mm512_reduce_add_ps(c2);
+      S[(h + 3) * TK + j] = mult * _mm512_reduce_add_ps(c3);
+    }
+    for (; h < heads; ++h) {
+      __m512 c = _mm512_setzero_ps();
+      for (int64_t e = 0; e < d; e += 32)
+        c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512((const void*)(q + h * q_sh + e)),
+                             (__m512bh)_mm512_loadu_si512((const void*)(r + e)));
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c);
+    }
+  }
+}
+
+/* Fold the scores S[h * TK + j] (base 2) of n rows into head h's running max m, sum l and
+ * accumulator acc (rescaled when the max rises); S becomes the probabilities p. */
+static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m, float* l,
+                         float* acc) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = S + h * TK;
+    float mx = m[h];
+    for (int j = 0; j < n; ++j)
+      if (s[j] > mx) mx = s[j]; /* a NaN is not a max: it reaches p below */
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) {
+      const float p = (mx == -INFINITY && !isnan(s[j])) ? 0.f : exp2f(s[j] - mx);
+      s[j] = p;
+      sum += p;
+    }
+    if (mx != m[h]) {
+      const float alpha = m[h] == -INFINITY ? 0.f : exp2f(m[h] - mx);
+      if (l[h] != 0.f || isnan(l[h])) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < rank; c += 16)
+          _mm512_storeu_ps(acc + h * rank + c,
+                           _mm512_mul_ps(va, _mm512_loadu_ps(acc + h * rank + c)));
+      }
+      l[h] *= alpha;
+      m[h] = mx;
+    }
+    l[h] += sum;
+  }
+}
+
+/* acc[h] += sum_j P[h * TK + j] * v_j over the first rank values of the n rows. */
+static void pv_tile(const float* P, const void* const* rows, int n, int dt, int64_t heads,
+                    int64_t rank, float* acc) {
+  for (int64_t c = 0; c < rank; c += 16) {
+    int64_t h0 = 0;
+    for (; h0 + HB <= heads; h0 += HB) {
+      __m512 t[HB];
+      for (int h = 0; h < HB; ++h) t[h] = _mm512_loadu_ps(acc + (h0 + h) * rank + c);
+      for (int j = 0; j < n; ++j) {
+        const __m512 v = load16(rows[j], c, dt);
+        for (int h = 0; h < HB; ++h)
+          t[h] = _mm512_fmadd_ps(_mm512_set1_ps(P[(h0 + h) * TK + j]), v, t[h]);
+      }
+      for (int h = 0; h < HB; ++h) _mm512_storeu_ps(acc + (h0 + h) * rank + c, t[h]);
+    }
+    for (; h0 < heads; ++h0) {
+      __m512 t = _mm512_loadu_ps(acc + h0 * rank + c);
+      for (int j = 0; j < n; ++j)
+        t = _mm512_fmadd_ps(_mm512_set1_ps(P[h0 * TK + j]), load16(rows[j], c, dt), t);
+      _mm512_storeu_ps(acc + h0 * rank + c, t);
+    }
+  }
+}
+
+static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const float* qf,
+                      const void* const* rows, int n, float* S, float* m, float* l, float* acc) {
+  const int64_t d = a->rank + a->rope;
+  if (a->bf16_dot)
+    qk_bf16((const uint16_t*)qrow, a->q_sh, a->heads, d, rows, n, a->q_mult, S);
+  else
+    qk_f32(qf, a->heads, d, rows, n, a->kv_dt, a->q_mult, S);
+  softmax_tile(S, n, a->heads, a->rank, m, l, acc);
+  pv_tile(S, rows, n, a->kv_dt, a->heads, a->rank, acc);
+}
+
+/* Write head h's normalised output (v_mult * acc / l) and its LSE: natural log into out/lse,
+ * or base 2 into a partial. A head whose row named nothing gets 0 and -inf. */
+static void attn_finish(const mla_sparse_attn_args* a, int64_t row, int64_t part,
+                        const float* m, const float* l, const float* acc) {
+  const int64_t heads = a->heads, rank = a->rank;
+  for (int64_t h = 0; h < heads; ++h) {
+    const int empty = l[h] == 0.f;
+    const __m512 scale = _mm512_set1_ps(empty ? 0.f : a->v_mult / l[h]);
+    const float lse2 = empty ? -INFINITY : m[h] + log2f(l[h]);
+    for (int64_t c = 0; c < rank; c += 16) {
+      const __m512 o = _mm512_mul_ps(scale, _mm512_loadu_ps(acc + h * rank + c));
+      if (part < 0)
+        app_store16(a->out, (row * heads + h) * rank + c, o, a->out_dt);
+      else
+        _mm512_storeu_ps(a->part_out + (part * heads + h) * rank + c, o);
+    }
+    if (part >= 0)
+      a->part_lse[part * heads + h] = lse2;
+    else if (a->lse)
+      a->lse[row * heads + h] = lse2 * LN2;
+  }
+}
+
+static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, int64_t e1,
+                      int64_t part) {
+  const int64_t heads = a->heads, rank = a->rank, d = rank + a->rope;
+  const int64_t esize = app_native_elem_size(a->kv_dt);
+  float* qf = a->scratch;                 /* [heads, d] (float32 path) */
+  float* S = qf + heads * d;              /* [heads, TK] */
+  float* acc = S + heads * TK;            /* [heads, rank] */
+  float* m = acc + heads * rank;          /* [heads] */
+  float* l = m + heads;                   /* [heads] */
+  const char* qrow = (const char*)a->q + row * a->q_st * esize;
+  if (!a->bf16_dot)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t e = 0; e < d; e += 16)
+        _mm512_storeu_ps(qf + h * d + e, load16(qrow + h * a->q_sh * esize, e, a->q_dt));
+  memset(acc, 0, (size_t)(heads * rank) * sizeof(float));
+  for (int64_t h = 0; h < heads; ++h) m[h] = -INFINITY, l[h] = 0.f;
+  const int32_t* idx = a->indices + row * a->topk;
+  const void* rows[TK];
+  int n = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t i = idx[e];
+    if (i < 0) continue;
+    rows[n++] = (const char*)a->kv +
+                ((i / a->block_size) * a->block_stride + (i % a->block_size) * a->row_stride) *
+                    esize;
+    if (n == TK) attn_tile(a, qrow, qf, rows, n, S, m, l, acc), n = 0;
+  }
+  if (n) attn_tile(a, qrow, qf, rows, n, S, m, l, acc);
+  attn_finish(a, row, part, m, l, acc);
+}
+
+APP_NATIVE_EXPORT int64_t mla_sparse_attn_scratch_floats(int64_t heads, int64_t rank,
+                                                         int64_t rope) {
+  return heads * (rank + rope + TK + rank + 2);
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {
+  if (!attn_dims_ok(a)) return 1;
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 4 * it;
+    attn_item(a, item[0], item[1], item[2], item[3]);
+  }
+  return 0;
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a) {
+  if (!attn_dims_ok(a)) return 1;
+  const int64_t heads = a->heads, rank = a->rank;
+  for (int64_t r = 0; r < a->n_merge; ++r) {
+    const int64_t row = a->merge[3 * r], first = a->merge[3 * r + 1], parts = a->merge[3 * r + 2];
+    for (int64_t h = 0; h < heads; ++h) {
+      float mx = -INFINITY;
+      int nan = 0;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float v = a->part_lse[(first + p) * heads + h];
+        nan |= isnan(v);
+        if (v > mx) mx = v;
+      }
+      float w[64], total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float v = a->part_lse[(first + p) * heads + h];
+        w[p] = nan ? NAN : (mx == -INFINITY ? 0.f : exp2f(v - mx));
+        total += w[p];
+      }
+      const float inv = total == 0.f ? 0.f : 1.f / total;
+      for (int64_t c = 0; c < rank; c += 16) {
+        __m512 o = _mm512_setzero_ps();
+        for (int64_t p = 0; p < parts; ++p)
+          o = _mm512_fmadd_ps(_mm512_set1_ps(w[p] * inv),
+                              _mm512_loadu_ps(a->part_out + ((first + p) * heads + h) * rank + c),
+                              o);
+        app_store16(a->out, (row * heads + h) * rank + c, o, a->out_dt);
+      }
+      if (a->lse)
+        a->lse[row * heads + h] = (total == 0.f && !nan) ? -INFINITY
+                                                         : (mx + log2f(total)) * LN2;
+    }
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The lightning indexer's scores */
+
+/* The row of key position pos, through the request's block table. */
+static inline const char* key_row(const mla_sparse_index_args* a, const int32_t* table,
+                                  int64_t pos, int64_t esize) {
+  const int64_t block = table[pos / a->block_size];
+  return (const char*)a->key_cache +
+         (block * a->block_stride + (pos % a->block_size) * a->row_stride) * esize;
+}
+
+/* Store the 32 scores of one tile for one row: lanes at or past `valid` keys of the tile, or
+ * at positions the row does not see, get -inf. */
+static inline void store_scores(float* out, int64_t p0, int64_t valid, int64_t visible,
+                                __m512 s0, __m512 s1) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t limit = visible - p0 < valid ? visible - p0 : valid;
+  const __m512i lim = _mm512_set1_epi32((int32_t)(limit < 0 ? 0 : limit));
+  const __mmask16 k0 = _mm512_cmplt_epi32_mask(lane, lim);
+  const __mmask16 k1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)),
+                                               lim);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const __mmask16 w0 = (__mmask16)(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
+  const __mmask16 w1 = (__mmask16)(valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (1u << (valid - 16)) - 1u);
+  _mm512_mask_storeu_ps(out + p0, w0, _mm512_mask_mov_ps(ninf, k0, s0));
+  _mm512_mask_storeu_ps(out + p0 + 16, w1, _mm512_mask_mov_ps(ninf, k1, s1));
+}
+
+/* One tile's scores for one row from a tile of bf16 pairs T[pair * TI + key]. */
+static __attribute__((APP_AVX512BF16_ISA)) void index_row_bf16(
+    const mla_sparse_index_args* a, const uint32_t* T, const uint16_t* qr, const float* w,
+    __m512* s0, __m512* s1) {
+  const int64_t pairs = a->dim / 2;
+  __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + 4 <= a->heads; h += 4) {
+    __m512 c[8];
+    for (int i = 0; i < 8; ++i) c[i] = zero;
+    const uint16_t* q0 = qr + h * a->q_sh;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI));
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI + 16));
+      for (int g = 0; g < 4; ++g) {
+        uint32_t bits;
+        memcpy(&bits, q0 + g * a->q_sh + 2 * p, sizeof bits);
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32((int32_t)bits);
+        c[2 * g] = _mm512_dpbf16_ps(c[2 * g], qv, b0);
+        c[2 * g + 1] = _mm512_dpbf16_ps(c[2 * g + 1], qv, b1);
+      }
+    }
+    for (int g = 0; g < 4; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[h + g]);
+      t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g]), t0);
+      t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g + 1]), t1);
+    }
+  }
+  for (; h < a->heads; ++h) {
+    __m512 c0 = zero, c1 = zero;
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t bits;
+      memcpy(&bits, qr + h * a->q_sh + 2 * p, sizeof bits);
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32((int32_t)bits);
+      c0 = _mm512_dpbf16_ps(c0, qv, (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI)));
+      c1 = _mm512_dpbf16_ps(c1, qv, (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI + 16)));
+    }
+    const __m512 wg = _mm512_set1_ps(w[h]);
+    t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c0), t0);
+    t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c1), t1);
+  }
+  *s0 = t0, *s1 = t1;
+}
+
+/* As index_row_bf16 from a float32 tile F[dim * TI + key] and q packed as float32. */
+static void index_row_f32(const mla_sparse_index_args* a, const float* F, const float* qf,
+                          const float* w, __m512* s0, __m512* s1) {
+  const int64_t dim = a->dim;
+  __m512 t0 = _mm512_setzero_ps(), t1 = t0;
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + 4 <= a->heads; h += 4) {
+    __m512 c[8];
+    for (int i = 0; i < 8; ++i) c[i] = zero;
+    for (int64_t e = 0; e < dim; ++e) {
+      const __m512 b0 = _mm512_loadu_ps(F + e * TI), b1 = _mm512_loadu_ps(F + e * TI + 16);
+      for (int g = 0; g < 4; ++g) {
+        const __m512 qv = _mm512_set1_ps(qf[(h + g) * dim + e]);
+        c[2 * g] = _mm512_fmadd_ps(qv, b0, c[2 * g]);
+        c[2 * g + 1] = _mm512_fmadd_ps(qv, b1, c[2 * g + 1]);
+      }
+    }
+    for (int g = 0; g < 4; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[h + g]);
+      t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g]), t0);
+      t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g + 1]), t1);
+    }
+  }
+  for (; h < a->heads; ++h) {
+    __m512 c0 = zero, c1 = zero;
+    for (int64_t e = 0; e < dim; ++e) {
+      const __m512 qv = _mm512_set1_ps(qf[h * dim + e]);
+      c0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(F + e * TI), c0);
+      c1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(F + e * TI + 16), c1);
+    }
+    const __m512 wg = _mm512_set1_ps(w[h]);
+    t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c0), t0);
+    t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c1), t1);
+  }
+  *s0 = t0, *s1 = t1;
+}
+
+static void index_item(const mla_sparse_index_args* a, int64_t b, int64_t r0, int64_t r1,
+                       int64_t k0, int64_t k1) {
+  const int32_t* table = a->block_table + b * a->bt_stride;
+  const int64_t dim = a->dim, heads = a->heads;
+  const int64_t esize = app_native_elem_size(a->key_dt), qsize = app_native_elem_size(a->q_dt);
+  float* tile = a->scratch;          /* TI * dim floats (float32), or TI * dim / 2 pairs */
+  float* qf = tile + TI * dim;       /* [rows, heads, dim] float32 (float32 path) */
+  int64_t seen = 0;                  /* the farthest position any row of the item sees */
+  for (int64_t r = r0; r < r1; ++r) seen = a->visible[r] > seen ? a->visible[r] : seen;
+  if (!a->bf16_dot)
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t e = 0; e < dim; ++e)
+          qf[((r - r0) * heads + h) * dim + e] = app_load_elem(
+              (const char*)a->q + (r * a->q_st + h * a->q_sh) * qsize, e, a->q_dt);
+  for (int64_t p0 = k0; p0 < k1; p0 += TI) {
+    const int64_t valid = k1 - p0 < TI ? k1 - p0 : TI;
+    if (p0 >= seen) { /* no row sees these: -inf, nothing read */
+      for (int64_t r = r0; r < r1; ++r)
+        store_scores(a->scores + (r - a->score_row0) * a->score_stride, p0, valid, 0, _mm512_setzero_ps(),
+                     _mm512_setzero_ps());
+      continue;
+    }
+    const int64_t live = seen - p0 < valid ? seen - p0 : valid; /* keys read */
+    if (a->bf16_dot) {
+      uint32_t* T = (uint32_t*)tile;
+      for (int64_t j = 0; j < TI; ++j) {
+        if (j < live) {
+          const char* k = key_row(a, table, p0 + j, esize);
+          for (int64_t p = 0; p < dim / 2; ++p) memcpy(T + p * TI + j, k + 4 * p, 4);
+        } else {
+          for (int64_t p = 0; p < dim / 2; ++p) T[p * TI + j] = 0;
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < TI; ++j) {
+        const char* k = j < live ? key_row(a, table, p0 + j, esize) : NULL;
+        for (int64_t e = 0; e < dim; ++e) tile[e * TI + j] = k ? app_load_elem(k, e, a->key_dt) : 0.f;
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      __m512 s0, s1;
+      const float* w = a->weights + r * heads;
+      if (a->bf16_dot)
+        index_row_bf16(a, (const uint32_t*)tile,
+                       (const uint16_t*)a->q + r * a->q_st, w, &s0, &s1);
+      else
+        index_row_f32(a, tile, qf + (r - r0) * heads * dim, w, &s0, &s1);
+      store_scores(a->scores + (r - a->score_row0) * a->score_stride, p0, valid, a->visible[r], s0, s1);
+    }
+  }
+}
+
+APP_NATIVE_EXPORT int64_t mla_sparse_index_scratch_floats(int64_t heads, int64_t dim) {
+  return TI * dim + IR * heads * dim;
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_index_run(const mla_sparse_index_args* a) {
+  const int dts = a->key_dt == APP_DT_F32 || a->key_dt == APP_DT_BF16 || a->key_dt == APP_DT_F16;
+  const int qdts = a->q_dt == APP_DT_F32 || a->q_dt == APP_DT_BF16 || a->q_dt == APP_DT_F16;
+  if (!dts || !qdts || a->heads < 1 || a->dim < 1 || a->block_size < 1 ||
+      (a->bf16_dot && (a->key_dt != APP_DT_BF16 || a->q_dt != APP_DT_BF16 || a->dim % 2)))
+    return 1;
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 5 * it;
+    if (item[2] - item[1] > IR || item[2] < item[1]) return 1;
+  }
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 5 * it;
+    index_item(a, item[0], item[1], item[2], item[3], item[4]);
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Top-k */
+
+/* x's order-preserving unsigned key (-0 and +0 the same key, as they compare equal). */
+static inline uint32_t order_key(float x) {
+  x += 0.0f;
+  uint32_t b;
+  memcpy(&b, &x, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* The k-th largest (1 <= k <= n) of keys[0 .. n). */
+static uint32_t kth_largest(const uint32_t* keys, int64_t n, int64_t k) {
+  uint32_t prefix = 0, mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    int64_t hist[256];
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < n; ++i)
+      if ((keys[i] & mask) == prefix) ++hist[(keys[i] >> shift) & 0xFFu];
+    int b = 255;
+    while (b > 0 && hist[b] < k) k -= hist[b--];
+    prefix |= (uint32_t)b << shift;
+    mask |= 0xFFu << shift;
+  }
+  return prefix;
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_topk(const float* scores, int64_t score_stride,
+                                          const int64_t* count, int64_t first_row,
+                                          int64_t end_row, int64_t topk, int32_t* out,
+                                          int64_t out_stride, int32_t* flags,
+                                          uint32_t* scratch) {
+  if (topk < 1) return 1;
+  for (int64_t t = first_row; t < end_row; ++t) {
+    const float* s = scores + t * score_stride;
+    const int64_t n = count[t];
+    int32_t* o = out + t * out_stride;
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      memcpy(&bits, s + i, sizeof bits);
+      bad |= (bits & 0x7F800000u) == 0x7F800000u;
+      scratch[i] = order_key(s[i]);
+    }
+    flags[t] = bad;
+    if (bad) continue;
+    if (n <= topk) {
+      for (int64_t i = 0; i < n; ++i) o[i] = (int32_t)i;
+      continue;
+    }
+    const uint32_t kth = kth_largest(scratch, n, topk);
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; ++i) above += scratch[i] > kth;
+    int64_t room = topk - above, w = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = scratch[i];
+      if (u > kth || (u == kth && room-- > 0)) o[w++] = (int32_t)i;
+    }
+  }
+  return 0;
+}
