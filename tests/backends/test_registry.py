@@ -30,7 +30,7 @@ from app.platforms import CpuPlatform
 from app.testing import SelectionOnlyBackend
 
 BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA",
-            "TORCH_SPARSE"]
+            "TORCH_SPARSE", "CPU_MLA_SPARSE"]
 
 
 class StubBackend(SelectionOnlyBackend):
@@ -68,7 +68,7 @@ def unique(prefix: str) -> str:
 
 def test_members_and_values() -> None:
     names = list(MLAPrefillBackendEnum.__members__)
-    assert names[:7] == [*BUILTINS, "CUSTOM"]
+    assert names[:len(BUILTINS) + 1] == [*BUILTINS, "CUSTOM"]
     for name in BUILTINS:
         assert MLAPrefillBackendEnum[name].value == PREFILL_BACKENDS.builtins[name]
     assert MLAPrefillBackendEnum.CUSTOM.value is None
