@@ -46,10 +46,12 @@ from app.backends.seed_api import (
     register_mla_prefill_backend,
 )
 from app.backends.selection import check_decode_block_size
+from app.backends.sparse.cpu_indexer import CpuSparseIndexer
 from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata, TorchSparseIndexer
 
 __all__ = [
     "ContextChunkMetadata",
+    "CpuSparseIndexer",
     "DeviceCapability",
     "MLADecodeBackend",
     "MLADecodeBackendEnum",

@@ -88,7 +88,7 @@ def test_unknown_name_is_a_value_error_listing_the_options() -> None:
     message = str(info.value)
     assert message.startswith("Unknown MLA prefill backend: 'NOPE'. Valid options are: "
                               "TORCH_SDPA, FLASH_ATTN, FLASHINFER, TRTLLM_RAGGED, "
-                              "TOKENSPEED_MLA, TORCH_SPARSE, CUSTOM")
+                              "TOKENSPEED_MLA, TORCH_SPARSE, CPU_MLA_SPARSE, CUSTOM")
 
 
 def test_members_pickle_by_name(app_container: Application) -> None:

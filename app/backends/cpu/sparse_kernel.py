@@ -48,7 +48,7 @@ from app.backends.cpu.scratch import thread_scratch
 from app.backends.sparse.indexer import SCORE_BUDGET, topk_positions
 
 __all__ = ["SPEC", "NativeSparseKernel", "SparseAttnArgs", "SparseIndexArgs",
-           "load_sparse_kernel", "sparse_kernel_status"]
+           "load_sparse_kernel", "sparse_kernel_status", "sparse_kernel_unavailable_reason"]
 
 #: ``MLA_SPARSE_CPU_ABI`` in ``csrc/mla_sparse_cpu.h``.
 ABI_VERSION = 1
@@ -428,6 +428,11 @@ def sparse_kernel_status() -> NativeLibraryStatus:
     """Whether the sparse kernels' library builds, loads and passes its self-test here (built
     on first use); ``reasons`` say why not."""
     return load_native_library(SPEC)
+
+
+def sparse_kernel_unavailable_reason() -> str:
+    """Why the native sparse kernels are unusable here (what their backends and indexer say)."""
+    return "native CPU sparse kernel unavailable: " + "; ".join(sparse_kernel_status().reasons)
 
 
 def load_sparse_kernel() -> NativeSparseKernel | None:

@@ -23,17 +23,13 @@ from app.backends.cpu.sparse_kernel import (
     NativeSparseKernel,
     load_sparse_kernel,
     sparse_kernel_status,
+    sparse_kernel_unavailable_reason,
 )
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.workspaces import WorkspaceSource
 
-__all__ = ["CpuSparseDecodeBackend", "sparse_kernel_unavailable_reason"]
-
-
-def sparse_kernel_unavailable_reason() -> str:
-    """Why the native sparse kernels are unusable here (both kinds' backends say it)."""
-    return "native CPU sparse kernel unavailable: " + "; ".join(sparse_kernel_status().reasons)
+__all__ = ["CpuSparseDecodeBackend"]
 
 
 class CpuSparseDecodeBackend(MLADecodeBackend):

@@ -18,8 +18,11 @@ import torch
 
 from app._types import NO_GPU, ComputeCapabilities, DeviceCapability, MLADimensions
 from app.backends.cpu.decode_kernel import has_bf16_dot
-from app.backends.cpu.sparse_kernel import load_sparse_kernel, sparse_kernel_status
-from app.backends.decode.cpu_sparse import sparse_kernel_unavailable_reason
+from app.backends.cpu.sparse_kernel import (
+    load_sparse_kernel,
+    sparse_kernel_status,
+    sparse_kernel_unavailable_reason,
+)
 from app.backends.prefill.base import MLAPrefillBackend
 from app.backends.prefill.metadata import RaggedLayout
 

@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from app.backends.cpu.sparse_kernel import load_sparse_kernel, sparse_kernel_status
+from app.backends.cpu.sparse_kernel import (
+    load_sparse_kernel,
+    sparse_kernel_status,
+    sparse_kernel_unavailable_reason,
+)
 from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata, TorchSparseIndexer
 
 if TYPE_CHECKING:
@@ -43,8 +47,7 @@ class CpuSparseIndexer(SparseIndexer):
     @classmethod
     def unavailable_reason(cls) -> str:
         """Why the native sparse kernels are unusable here."""
-        return "native CPU sparse kernel unavailable: " + "; ".join(
-            sparse_kernel_status().reasons)
+        return sparse_kernel_unavailable_reason()
 
     def _select(self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
                 metadata: SparseIndexerMetadata, out: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ from app.backends.sparse.cpu_indexer import default_sparse_indexer
 from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata
 from app.bench._peaks import BF16_DOT, FP32_FMA, load_peak_probe
 from app.bench._timing import time_interleaved
-from app.platforms import CpuPlatform
+from app.platforms import platform_for_device
 
 __all__ = ["HELP", "add_arguments", "render", "run"]
 
@@ -159,8 +159,8 @@ def _prefill_row(s: dict[str, int], repeat: int, bw: float, peak: float,
     meta = SparseIndexerMetadata.build(table, [n], list(range(1, n + 1)))
     args = {"num_heads": heads, "scale": 1 / (NOPE + ROPE) ** 0.5, "kv_lora_rank": RANK,
             "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE, "v_head_dim": V}
-    sparse = CpuSparsePrefillBackend(**args)  # type: ignore[arg-type]
-    dense = TorchSDPABackend(**args)  # type: ignore[arg-type]
+    sparse = CpuSparsePrefillBackend(**args)
+    dense = TorchSDPABackend(**args)
     dense.prepare_metadata(MLAPrefillMetadata.build([n]))
     dq = torch.randn(n, heads, NOPE + ROPE, generator=gen).bfloat16()
     dk = torch.randn(n, heads, NOPE + ROPE, generator=gen).bfloat16()
@@ -221,12 +221,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (lambda: (probe.stream_gbs(buffer, repeat=3), probe.rate(kind, repeat=1)))
         if probe is not None else (lambda: (float("nan"), float("nan"))))
     bw, peak = measure()
-    indexer = default_sparse_indexer(CpuPlatform())
+    indexer = default_sparse_indexer(platform_for_device("cpu"))
     rows = [_decode_row(sizes, repeat, bw, peak, indexer)]
     if sizes["prefill_len"]:
         rows.append(_prefill_row(sizes, repeat, bw, peak, indexer))
     bw_after, peak_after = measure()
-    del buffer
     targets = [] if args.quick else [{
         "name": f"sparse decode {sizes['requests']}x{sizes['context']} speedup_vs_dense",
         "target": TARGET_SPEEDUP, "value": rows[0]["speedup_vs_dense"],
