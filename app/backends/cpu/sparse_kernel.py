@@ -58,7 +58,7 @@ MAX_PARTS = 64
 MIN_ENTRIES_PER_PART = 256
 #: Most query rows of one indexer item (``IR`` in the C source).
 INDEX_ROWS = 8
-#: Keys of one indexer tile (``TI`` in the C source): key ranges are cut at its multiples.
+#: Indexer key ranges are cut at multiples of this many keys (whole register tiles).
 INDEX_TILE = 32
 #: Largest per-thread scratch buffer kept between calls.
 SCRATCH_KEEP_BYTES = 64 << 20

@@ -12,10 +12,11 @@
  * rows a query does not name are never read.
  *
  * Indexer: an item is up to 8 query rows of one request and a range of its key positions.
- * Keys are read TI at a time through the block table and transposed once into a tile (pairs of
- * bf16 dims x TI keys for the dot products, dims x TI float32 otherwise) that every row and
- * head of the item reuses: each head is then a run of dot products with q's values broadcast,
- * one vector lane per key, no horizontal sums. Positions a row does not see get -inf.
+ * Each row's q is packed once per item with the heads along the vector lanes (16 per vector,
+ * padded with zero heads); keys are read in place through the block table, KB at a time, each
+ * key's values (bf16 pairs on the dot path) broadcast against HG blocks of 16 heads, so one
+ * reduction per key, after the heads' relu and weights. Positions a row does not see get -inf
+ * (and are never read).
  *
  * Top-k: the k-th largest score by a radix select over the scores' order-preserving 32-bit
  * keys (four passes of 8 bits), then one pass in position order that keeps what is above it
@@ -35,7 +36,6 @@ APP_NATIVE_STRUCT_LAYOUT(mla_sparse_index_args, MLA_SPARSE_INDEX_ARGS)
 
 #define TK 32 /* attention: index entries per tile */
 #define HB 16 /* attention: heads whose p.v accumulators stay in registers */
-#define TI 32 /* indexer: keys per tile (two vectors of 16 lanes) */
 #define IR 8  /* indexer: most query rows per item */
 #define LN2 0.69314718055994530942f
 
@@ -295,6 +295,9 @@ APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a) {
 /* ---------------------------------------------------------------------------------------
  * The lightning indexer's scores */
 
+#define KB 4 /* indexer: keys per register tile */
+#define HG 4 /* indexer: blocks of 16 heads per register tile */
+
 /* The row of key position pos, through the request's block table. */
 static inline const char* key_row(const mla_sparse_index_args* a, const int32_t* table,
                                   int64_t pos, int64_t esize) {
@@ -303,161 +306,121 @@ static inline const char* key_row(const mla_sparse_index_args* a, const int32_t*
          (block * a->block_stride + (pos % a->block_size) * a->row_stride) * esize;
 }
 
-/* Store the 32 scores of one tile for one row: lanes at or past `valid` keys of the tile, or
- * at positions the row does not see, get -inf. */
-static inline void store_scores(float* out, int64_t p0, int64_t valid, int64_t visible,
-                                __m512 s0, __m512 s1) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const int64_t limit = visible - p0 < valid ? visible - p0 : valid;
-  const __m512i lim = _mm512_set1_epi32((int32_t)(limit < 0 ? 0 : limit));
-  const __mmask16 k0 = _mm512_cmplt_epi32_mask(lane, lim);
-  const __mmask16 k1 = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)),
-                                               lim);
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  const __mmask16 w0 = (__mmask16)(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
-  const __mmask16 w1 = (__mmask16)(valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (1u << (valid - 16)) - 1u);
-  _mm512_mask_storeu_ps(out + p0, w0, _mm512_mask_mov_ps(ninf, k0, s0));
-  _mm512_mask_storeu_ps(out + p0 + 16, w1, _mm512_mask_mov_ps(ninf, k1, s1));
+/* Row r's q packed heads-minor, hp = heads rounded up to 16 (the padding heads 0): uint32 bf16
+ * pairs Q[pair * hp + h] on the dot path, else float32 Q[dim * hp + h]; wt[h] its weights
+ * (0 for the padding). */
+static void pack_row(const mla_sparse_index_args* a, int64_t r, int64_t hp, float* qt,
+                     float* wt) {
+  const int64_t heads = a->heads, dim = a->dim, qsize = app_native_elem_size(a->q_dt);
+  const char* q = (const char*)a->q + r * a->q_st * qsize;
+  if (a->bf16_dot) {
+    uint32_t* Q = (uint32_t*)(void*)qt;
+    for (int64_t p = 0; p < dim / 2; ++p)
+      for (int64_t h = 0; h < hp; ++h)
+        if (h < heads)
+          memcpy(Q + p * hp + h, q + (h * a->q_sh + 2 * p) * qsize, 4);
+        else
+          Q[p * hp + h] = 0;
+  } else {
+    for (int64_t e = 0; e < dim; ++e)
+      for (int64_t h = 0; h < hp; ++h)
+        qt[e * hp + h] = h < heads ? app_load_elem(q + h * a->q_sh * qsize, e, a->q_dt) : 0.f;
+  }
+  for (int64_t h = 0; h < hp; ++h) wt[h] = h < heads ? a->weights[r * heads + h] : 0.f;
 }
 
-/* One tile's scores for one row from a tile of bf16 pairs T[pair * TI + key]. */
-static __attribute__((APP_AVX512BF16_ISA)) void index_row_bf16(
-    const mla_sparse_index_args* a, const uint32_t* T, const uint16_t* qr, const float* w,
-    __m512* s0, __m512* s1) {
-  const int64_t pairs = a->dim / 2;
-  __m512 t0 = _mm512_setzero_ps(), t1 = t0;
-  const __m512 zero = _mm512_setzero_ps();
-  int64_t h = 0;
-  for (; h + 4 <= a->heads; h += 4) {
-    __m512 c[8];
-    for (int i = 0; i < 8; ++i) c[i] = zero;
-    const uint16_t* q0 = qr + h * a->q_sh;
+/* sum_h wt[h] * relu(c[h]) over 16 heads of one block, added to what s holds. */
+static inline __m512 weigh(__m512 s, const float* wt, __m512 c) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(wt), _mm512_max_ps(_mm512_setzero_ps(), c), s);
+}
+
+/* The scores of KB keys (rows k[0..KB)) for one packed row, on AVX512-BF16 dot products: the
+ * heads along the vector lanes, each key's bf16 pair broadcast. */
+static __attribute__((APP_AVX512BF16_ISA)) void keys_bf16(const uint32_t* Q, const float* wt,
+                                                          int64_t hp, int64_t pairs,
+                                                          const char* const* k, float* out) {
+  __m512 s[KB];
+  for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+  int64_t hb = 0;
+  for (; hb + 16 * HG <= hp; hb += 16 * HG) {
+    __m512 c[KB][HG];
+    for (int j = 0; j < KB; ++j)
+      for (int g = 0; g < HG; ++g) c[j][g] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
-      const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI));
-      const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI + 16));
-      for (int g = 0; g < 4; ++g) {
+      __m512bh qv[HG];
+      for (int g = 0; g < HG; ++g)
+        qv[g] = (__m512bh)_mm512_loadu_si512((const void*)(Q + p * hp + hb + 16 * g));
+      for (int j = 0; j < KB; ++j) {
         uint32_t bits;
-        memcpy(&bits, q0 + g * a->q_sh + 2 * p, sizeof bits);
-        const __m512bh qv = (__m512bh)_mm512_set1_epi32((int32_t)bits);
-        c[2 * g] = _mm512_dpbf16_ps(c[2 * g], qv, b0);
-        c[2 * g + 1] = _mm512_dpbf16_ps(c[2 * g + 1], qv, b1);
+        memcpy(&bits, k[j] + 4 * p, sizeof bits);
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32((int32_t)bits);
+        for (int g = 0; g < HG; ++g) c[j][g] = _mm512_dpbf16_ps(c[j][g], qv[g], kv);
       }
     }
-    for (int g = 0; g < 4; ++g) {
-      const __m512 wg = _mm512_set1_ps(w[h + g]);
-      t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g]), t0);
-      t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g + 1]), t1);
-    }
+    for (int j = 0; j < KB; ++j)
+      for (int g = 0; g < HG; ++g) s[j] = weigh(s[j], wt + hb + 16 * g, c[j][g]);
   }
-  for (; h < a->heads; ++h) {
-    __m512 c0 = zero, c1 = zero;
+  for (; hb < hp; hb += 16) {
+    __m512 c[KB];
+    for (int j = 0; j < KB; ++j) c[j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
-      uint32_t bits;
-      memcpy(&bits, qr + h * a->q_sh + 2 * p, sizeof bits);
-      const __m512bh qv = (__m512bh)_mm512_set1_epi32((int32_t)bits);
-      c0 = _mm512_dpbf16_ps(c0, qv, (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI)));
-      c1 = _mm512_dpbf16_ps(c1, qv, (__m512bh)_mm512_loadu_si512((const void*)(T + p * TI + 16)));
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(Q + p * hp + hb));
+      for (int j = 0; j < KB; ++j) {
+        uint32_t bits;
+        memcpy(&bits, k[j] + 4 * p, sizeof bits);
+        c[j] = _mm512_dpbf16_ps(c[j], qv, (__m512bh)_mm512_set1_epi32((int32_t)bits));
+      }
     }
-    const __m512 wg = _mm512_set1_ps(w[h]);
-    t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c0), t0);
-    t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c1), t1);
+    for (int j = 0; j < KB; ++j) s[j] = weigh(s[j], wt + hb, c[j]);
   }
-  *s0 = t0, *s1 = t1;
+  for (int j = 0; j < KB; ++j) out[j] = _mm512_reduce_add_ps(s[j]);
 }
 
-/* As index_row_bf16 from a float32 tile F[dim * TI + key] and q packed as float32. */
-static void index_row_f32(const mla_sparse_index_args* a, const float* F, const float* qf,
-                          const float* w, __m512* s0, __m512* s1) {
-  const int64_t dim = a->dim;
-  __m512 t0 = _mm512_setzero_ps(), t1 = t0;
-  const __m512 zero = _mm512_setzero_ps();
-  int64_t h = 0;
-  for (; h + 4 <= a->heads; h += 4) {
-    __m512 c[8];
-    for (int i = 0; i < 8; ++i) c[i] = zero;
+/* As keys_bf16 in float32 FMAs, q packed as float32, keys of type dt. */
+static void keys_f32(const float* Q, const float* wt, int64_t hp, int64_t dim,
+                     const char* const* k, int dt, float* out) {
+  __m512 s[KB];
+  for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+  for (int64_t hb = 0; hb < hp; hb += 16) {
+    __m512 c[KB];
+    for (int j = 0; j < KB; ++j) c[j] = _mm512_setzero_ps();
     for (int64_t e = 0; e < dim; ++e) {
-      const __m512 b0 = _mm512_loadu_ps(F + e * TI), b1 = _mm512_loadu_ps(F + e * TI + 16);
-      for (int g = 0; g < 4; ++g) {
-        const __m512 qv = _mm512_set1_ps(qf[(h + g) * dim + e]);
-        c[2 * g] = _mm512_fmadd_ps(qv, b0, c[2 * g]);
-        c[2 * g + 1] = _mm512_fmadd_ps(qv, b1, c[2 * g + 1]);
-      }
+      const __m512 qv = _mm512_loadu_ps(Q + e * hp + hb);
+      for (int j = 0; j < KB; ++j)
+        c[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(app_load_elem(k[j], e, dt)), c[j]);
     }
-    for (int g = 0; g < 4; ++g) {
-      const __m512 wg = _mm512_set1_ps(w[h + g]);
-      t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g]), t0);
-      t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c[2 * g + 1]), t1);
-    }
+    for (int j = 0; j < KB; ++j) s[j] = weigh(s[j], wt + hb, c[j]);
   }
-  for (; h < a->heads; ++h) {
-    __m512 c0 = zero, c1 = zero;
-    for (int64_t e = 0; e < dim; ++e) {
-      const __m512 qv = _mm512_set1_ps(qf[h * dim + e]);
-      c0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(F + e * TI), c0);
-      c1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(F + e * TI + 16), c1);
-    }
-    const __m512 wg = _mm512_set1_ps(w[h]);
-    t0 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c0), t0);
-    t1 = _mm512_fmadd_ps(wg, _mm512_max_ps(zero, c1), t1);
-  }
-  *s0 = t0, *s1 = t1;
+  for (int j = 0; j < KB; ++j) out[j] = _mm512_reduce_add_ps(s[j]);
 }
 
 static void index_item(const mla_sparse_index_args* a, int64_t b, int64_t r0, int64_t r1,
                        int64_t k0, int64_t k1) {
   const int32_t* table = a->block_table + b * a->bt_stride;
-  const int64_t dim = a->dim, heads = a->heads;
-  const int64_t esize = app_native_elem_size(a->key_dt), qsize = app_native_elem_size(a->q_dt);
-  float* tile = a->scratch;          /* TI * dim floats (float32), or TI * dim / 2 pairs */
-  float* qf = tile + TI * dim;       /* [rows, heads, dim] float32 (float32 path) */
-  int64_t seen = 0;                  /* the farthest position any row of the item sees */
-  for (int64_t r = r0; r < r1; ++r) seen = a->visible[r] > seen ? a->visible[r] : seen;
-  if (!a->bf16_dot)
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t e = 0; e < dim; ++e)
-          qf[((r - r0) * heads + h) * dim + e] = app_load_elem(
-              (const char*)a->q + (r * a->q_st + h * a->q_sh) * qsize, e, a->q_dt);
-  for (int64_t p0 = k0; p0 < k1; p0 += TI) {
-    const int64_t valid = k1 - p0 < TI ? k1 - p0 : TI;
-    if (p0 >= seen) { /* no row sees these: -inf, nothing read */
-      for (int64_t r = r0; r < r1; ++r)
-        store_scores(a->scores + (r - a->score_row0) * a->score_stride, p0, valid, 0, _mm512_setzero_ps(),
-                     _mm512_setzero_ps());
-      continue;
-    }
-    const int64_t live = seen - p0 < valid ? seen - p0 : valid; /* keys read */
-    if (a->bf16_dot) {
-      uint32_t* T = (uint32_t*)tile;
-      for (int64_t j = 0; j < TI; ++j) {
-        if (j < live) {
-          const char* k = key_row(a, table, p0 + j, esize);
-          for (int64_t p = 0; p < dim / 2; ++p) memcpy(T + p * TI + j, k + 4 * p, 4);
-        } else {
-          for (int64_t p = 0; p < dim / 2; ++p) T[p * TI + j] = 0;
-        }
-      }
-    } else {
-      for (int64_t j = 0; j < TI; ++j) {
-        const char* k = j < live ? key_row(a, table, p0 + j, esize) : NULL;
-        for (int64_t e = 0; e < dim; ++e) tile[e * TI + j] = k ? app_load_elem(k, e, a->key_dt) : 0.f;
-      }
-    }
-    for (int64_t r = r0; r < r1; ++r) {
-      __m512 s0, s1;
-      const float* w = a->weights + r * heads;
+  const int64_t hp = app_round_up(a->heads, 16), esize = app_native_elem_size(a->key_dt);
+  float* qt = a->scratch; /* hp * dim */
+  float* wt = qt + hp * a->dim;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* srow = a->scores + (r - a->score_row0) * a->score_stride;
+    const int64_t end = a->visible[r] < k1 ? a->visible[r] : k1;
+    if (k0 < end) pack_row(a, r, hp, qt, wt);
+    for (int64_t p = k0; p < end; p += KB) {
+      const int64_t nk = end - p < KB ? end - p : KB;
+      const char* k[KB];
+      float got[KB];
+      for (int j = 0; j < KB; ++j) k[j] = key_row(a, table, p + (j < nk ? j : 0), esize);
       if (a->bf16_dot)
-        index_row_bf16(a, (const uint32_t*)tile,
-                       (const uint16_t*)a->q + r * a->q_st, w, &s0, &s1);
+        keys_bf16((const uint32_t*)(const void*)qt, wt, hp, a->dim / 2, k, got);
       else
-        index_row_f32(a, tile, qf + (r - r0) * heads * dim, w, &s0, &s1);
-      store_scores(a->scores + (r - a->score_row0) * a->score_stride, p0, valid, a->visible[r], s0, s1);
+        keys_f32(qt, wt, hp, a->dim, k, a->key_dt, got);
+      for (int64_t j = 0; j < nk; ++j) srow[p + j] = got[j];
     }
+    for (int64_t p = end > k0 ? end : k0; p < k1; ++p) srow[p] = -INFINITY;
   }
 }
 
 APP_NATIVE_EXPORT int64_t mla_sparse_index_scratch_floats(int64_t heads, int64_t dim) {
-  return TI * dim + IR * heads * dim;
+  return app_round_up(heads, 16) * (dim + 1);
 }
 
 APP_NATIVE_EXPORT int32_t mla_sparse_index_run(const mla_sparse_index_args* a) {
