@@ -211,6 +211,19 @@ static void attn_finish(const mla_sparse_attn_args* a, int64_t row, int64_t part
   }
 }
 
+/* The row index i (>= 0) names. */
+static inline const char* row_at(const mla_sparse_attn_args* a, int64_t i, int64_t esize) {
+  return (const char*)a->kv +
+         ((i / a->block_size) * a->block_stride + (i % a->block_size) * a->row_stride) * esize;
+}
+
+/* Ask for the lines of the row index i names (nothing for padding). */
+static inline void prefetch_row(const mla_sparse_attn_args* a, int64_t i, int64_t bytes) {
+  if (i < 0) return;
+  const char* p = row_at(a, i, app_native_elem_size(a->kv_dt));
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, int64_t e1,
                       int64_t part) {
   const int64_t heads = a->heads, rank = a->rank, d = rank + a->rope;
@@ -230,12 +243,13 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
   const int32_t* idx = a->indices + row * a->topk;
   const void* rows[TK];
   int n = 0;
+  for (int64_t e = e0; e < e0 + TK && e < e1; ++e) prefetch_row(a, idx[e], d * esize);
   for (int64_t e = e0; e < e1; ++e) {
+    /* the rows are scattered over the cache: each is fetched a tile ahead of its use */
+    if (e + TK < e1) prefetch_row(a, idx[e + TK], d * esize);
     const int64_t i = idx[e];
     if (i < 0) continue;
-    rows[n++] = (const char*)a->kv +
-                ((i / a->block_size) * a->block_stride + (i % a->block_size) * a->row_stride) *
-                    esize;
+    rows[n++] = row_at(a, i, esize);
     if (n == TK) attn_tile(a, qrow, qf, rows, n, S, m, l, acc), n = 0;
   }
   if (n) attn_tile(a, qrow, qf, rows, n, S, m, l, acc);
