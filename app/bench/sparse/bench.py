@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-gib", type=float, default=None,
                         help="GiB read to measure the stream bandwidth (1; quick 1/16)")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes (2 x 4096, topk 256, prefill 1024): a smoke run")
+                        help="small sizes (2 x 2048, topk 256, prefill 512): a smoke run")
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, int]:
@@ -74,7 +74,7 @@ def _sizes(args: argparse.Namespace) -> dict[str, int]:
                                                 "index_heads", "index_dim", "block_size",
                                                 "prefill_len")}
     if args.quick:
-        sizes.update(requests=2, context=4096, topk=256, prefill_len=1024)
+        sizes.update(requests=2, context=2048, topk=256, prefill_len=512)
     for key, low in (("requests", 1), ("context", 1), ("heads", 1), ("topk", 1),
                      ("index_heads", 1), ("index_dim", 2), ("block_size", 1),
                      ("prefill_len", 0)):
@@ -89,8 +89,8 @@ def _bound(nbytes: float, flops: float, t: float, bw: float, peak: float) -> dic
     bound = max(by_bytes, flops / (peak * 1e9))
     return {"mb": round(nbytes / 1e6, 1), "gflop": round(flops / 1e9, 3),
             "byte_roofline_ms": round(by_bytes * 1e3, 3),
-            "byte_roofline_fraction": round(by_bytes / t, 3),
-            "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": round(bound / t, 3),
+            "byte_roofline_fraction": float(f"{by_bytes / t:.3g}"),
+            "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": float(f"{bound / t:.3g}"),
             "bound_by": "memory" if by_bytes >= bound else "compute"}
 
 
@@ -140,7 +140,7 @@ def _decode_row(s: dict[str, int], repeat: int, bw: float, peak: float,
         part["ms"] = round(ms[name] * 1e3, 3)
     return {"row": "decode", "requests": b, "context": ctx, "heads": heads, "topk": topk,
             "index_heads": s["index_heads"], "index_dim": s["index_dim"], "block_size": bs,
-            "dtype": "bf16", "indexer": type(indexer).__name__,
+            "dtype": "bf16", "indexer_class": type(indexer).__name__,
             "sparse_backend": "CPU_MLA_SPARSE", "dense_backend": "CPU_MLA", **parts,
             "speedup_vs_dense": round(ms["dense"] / ms["total"], 2)}
 
@@ -195,7 +195,7 @@ def _prefill_row(s: dict[str, int], repeat: int, bw: float, peak: float,
         part["ms"] = round(ms[name] * 1e3, 3)
     return {"row": "prefill", "tokens": n, "heads": heads, "topk": topk,
             "index_heads": s["index_heads"], "index_dim": s["index_dim"], "dtype": "bf16",
-            "indexer": type(indexer).__name__, "sparse_backend": "CPU_MLA_SPARSE",
+            "indexer_class": type(indexer).__name__, "sparse_backend": "CPU_MLA_SPARSE",
             "dense_backend": "TORCH_SDPA", **parts,
             "speedup_vs_dense": round(ms["dense"] / ms["total"], 2)}
 
@@ -248,7 +248,7 @@ def render(result: dict[str, Any]) -> str:
         for part in ("indexer", "attention", "total", "dense"):
             p = row[part]
             lines.append(f"{row['row']:8s} {part:10s} {p['ms']:9.3f} {p['mb']:8.1f} "
-                         f"{p['gflop']:8.3f} {p['byte_roofline_fraction']:8.3f} "
-                         f"{p['roofline_fraction']:8.3f}")
+                         f"{p['gflop']:8.3f} {p['byte_roofline_fraction']:8.3g} "
+                         f"{p['roofline_fraction']:8.3g}")
         lines.append(f"{row['row']:8s} speedup_vs_dense {row['speedup_vs_dense']}")
     return "\n".join(lines)
