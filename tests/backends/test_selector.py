@@ -27,7 +27,7 @@ from app.platforms import TRTLLM_PREFERRED_DIMENSIONS, CpuPlatform, CudaPlatform
 from app.testing import SelectionOnlyBackend
 
 BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA",
-            "TORCH_SPARSE"]
+            "TORCH_SPARSE", "CPU_MLA_SPARSE"]
 DEEPSEEK = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 

@@ -124,20 +124,31 @@ static __attribute__((APP_AVX512BF16_ISA)) void qk_bf16(const uint16_t* q, int64
 }
 
 /* Fold the scores S[h * TK + j] (base 2) of n rows into head h's running max m, sum l and
- * accumulator acc (rescaled when the max rises); S becomes the probabilities p. */
+ * accumulator acc (rescaled when the max rises); S becomes the probabilities p. Vectorised
+ * over the tile's keys (TK = 32: two vectors); a NaN score is never a max (vmaxps returns its
+ * second operand, the running max, for a NaN first one) and makes its p NaN. */
 static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m, float* l,
                          float* acc) {
+  const __mmask16 k0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+  const __mmask16 k1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = S + h * TK;
-    float mx = m[h];
-    for (int j = 0; j < n; ++j)
-      if (s[j] > mx) mx = s[j]; /* a NaN is not a max: it reaches p below */
-    float sum = 0.f;
-    for (int j = 0; j < n; ++j) {
-      const float p = (mx == -INFINITY && !isnan(s[j])) ? 0.f : exp2f(s[j] - mx);
-      s[j] = p;
-      sum += p;
+    const __m512 s0 = _mm512_mask_loadu_ps(ninf, k0, s);
+    const __m512 s1 = _mm512_mask_loadu_ps(ninf, k1, s + 16);
+    const float mx = fmaxf(m[h], _mm512_reduce_max_ps(_mm512_max_ps(s0, _mm512_max_ps(s1, ninf))));
+    __m512 p0, p1;
+    if (mx == -INFINITY) { /* nothing finite yet: p is 0, or NaN for a NaN score */
+      p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, s0, _CMP_UNORD_Q), s0);
+      p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, s1, _CMP_UNORD_Q), s1);
+    } else {
+      const __m512 vm = _mm512_set1_ps(mx);
+      p0 = _mm512_maskz_mov_ps(k0, app_exp2_nonpositive(_mm512_sub_ps(s0, vm)));
+      p1 = _mm512_maskz_mov_ps(k1, app_exp2_nonpositive(_mm512_sub_ps(s1, vm)));
     }
+    _mm512_storeu_ps(s, p0);
+    _mm512_storeu_ps(s + 16, p1);
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     if (mx != m[h]) {
       const float alpha = m[h] == -INFINITY ? 0.f : exp2f(m[h] - mx);
       if (l[h] != 0.f || isnan(l[h])) {
