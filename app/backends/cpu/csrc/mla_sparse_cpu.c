@@ -58,11 +58,19 @@ static inline int attn_dims_ok(const mla_sparse_attn_args* a) {
          a->heads > 0 && a->block_size > 0 && !(a->bf16_dot && a->kv_dt != APP_DT_BF16);
 }
 
+/* Ask for the lines of bytes at p: the rows an indexer picks are scattered over the cache, so
+ * each row of the next tile is asked for while one of this tile's is scored. */
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char*)p + off, _MM_HINT_T0);
+}
+
 /* S[h * TK + j] = mult * (q_h . row_j) in float32 FMAs, q packed as float32 [heads, d]. */
 static void qk_f32(const float* qf, int64_t heads, int64_t d, const void* const* rows, int n,
-                   int dt, float mult, float* S) {
+                   int dt, float mult, float* S, const void* const* next, int nn) {
+  const int64_t bytes = d * app_native_elem_size(dt);
   for (int j = 0; j < n; ++j) {
     const void* r = rows[j];
+    if (j < nn) prefetch_lines(next[j], bytes);
     int64_t h = 0;
     for (; h + 4 <= heads; h += 4) {
       __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
@@ -92,9 +100,11 @@ static void qk_f32(const float* qf, int64_t heads, int64_t d, const void* const*
 static __attribute__((APP_AVX512BF16_ISA)) void qk_bf16(const uint16_t* q, int64_t q_sh,
                                                         int64_t heads, int64_t d,
                                                         const void* const* rows, int n,
-                                                        float mult, float* S) {
+                                                        float mult, float* S,
+                                                        const void* const* next, int nn) {
   for (int j = 0; j < n; ++j) {
     const uint16_t* r = (const uint16_t*)rows[j];
+    if (j < nn) prefetch_lines(next[j], 2 * d);
     int64_t h = 0;
     for (; h + 4 <= heads; h += 4) {
       __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
@@ -189,12 +199,13 @@ static void pv_tile(const float* P, const void* const* rows, int n, int dt, int6
 }
 
 static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const float* qf,
-                      const void* const* rows, int n, float* S, float* m, float* l, float* acc) {
+                      const void* const* rows, int n, const void* const* next, int nn,
+                      float* S, float* m, float* l, float* acc) {
   const int64_t d = a->rank + a->rope;
   if (a->bf16_dot)
-    qk_bf16((const uint16_t*)qrow, a->q_sh, a->heads, d, rows, n, a->q_mult, S);
+    qk_bf16((const uint16_t*)qrow, a->q_sh, a->heads, d, rows, n, a->q_mult, S, next, nn);
   else
-    qk_f32(qf, a->heads, d, rows, n, a->kv_dt, a->q_mult, S);
+    qk_f32(qf, a->heads, d, rows, n, a->kv_dt, a->q_mult, S, next, nn);
   softmax_tile(S, n, a->heads, a->rank, m, l, acc);
   pv_tile(S, rows, n, a->kv_dt, a->heads, a->rank, acc);
 }
@@ -228,11 +239,15 @@ static inline const char* row_at(const mla_sparse_attn_args* a, int64_t i, int64
          ((i / a->block_size) * a->block_stride + (i % a->block_size) * a->row_stride) * esize;
 }
 
-/* Ask for the lines of the row index i names (nothing for padding). */
-static inline void prefetch_row(const mla_sparse_attn_args* a, int64_t i, int64_t bytes) {
-  if (i < 0) return;
-  const char* p = row_at(a, i, app_native_elem_size(a->kv_dt));
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+/* The next up to TK rows named from entry *e on (-1 skipped; *e advanced past them). */
+static int gather(const mla_sparse_attn_args* a, const int32_t* idx, int64_t* e, int64_t e1,
+                  int64_t esize, const void** rows) {
+  int n = 0;
+  while (*e < e1 && n < TK) {
+    const int64_t i = idx[(*e)++];
+    if (i >= 0) rows[n++] = row_at(a, i, esize);
+  }
+  return n;
 }
 
 static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, int64_t e1,
@@ -252,18 +267,16 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
   memset(acc, 0, (size_t)(heads * rank) * sizeof(float));
   for (int64_t h = 0; h < heads; ++h) m[h] = -INFINITY, l[h] = 0.f;
   const int32_t* idx = a->indices + row * a->topk;
-  const void* rows[TK];
-  int n = 0;
-  for (int64_t e = e0; e < e0 + TK && e < e1; ++e) prefetch_row(a, idx[e], d * esize);
-  for (int64_t e = e0; e < e1; ++e) {
-    /* the rows are scattered over the cache: each is fetched a tile ahead of its use */
-    if (e + TK < e1) prefetch_row(a, idx[e + TK], d * esize);
-    const int64_t i = idx[e];
-    if (i < 0) continue;
-    rows[n++] = row_at(a, i, esize);
-    if (n == TK) attn_tile(a, qrow, qf, rows, n, S, m, l, acc), n = 0;
+  const void* tiles[2][TK];
+  int64_t e = e0;
+  int cur = 0, n = gather(a, idx, &e, e1, esize, tiles[0]);
+  for (int j = 0; j < n; ++j) prefetch_lines(tiles[0][j], d * esize);
+  while (n) { /* the next tile's rows are asked for while this one is scored */
+    const int nn = gather(a, idx, &e, e1, esize, tiles[cur ^ 1]);
+    attn_tile(a, qrow, qf, tiles[cur], n, tiles[cur ^ 1], nn, S, m, l, acc);
+    cur ^= 1;
+    n = nn;
   }
-  if (n) attn_tile(a, qrow, qf, rows, n, S, m, l, acc);
   attn_finish(a, row, part, m, l, acc);
 }
 
@@ -284,6 +297,8 @@ APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a) {
   if (!attn_dims_ok(a)) return 1;
   const int64_t heads = a->heads, rank = a->rank;
+  for (int64_t r = 0; r < a->n_merge; ++r)
+    if (a->merge[3 * r + 2] < 1 || a->merge[3 * r + 2] > 64) return 1;
   for (int64_t r = 0; r < a->n_merge; ++r) {
     const int64_t row = a->merge[3 * r], first = a->merge[3 * r + 1], parts = a->merge[3 * r + 2];
     for (int64_t h = 0; h < heads; ++h) {
@@ -434,6 +449,8 @@ static void index_item(const mla_sparse_index_args* a, int64_t b, int64_t r0, in
       const char* k[KB];
       float got[KB];
       for (int j = 0; j < KB; ++j) k[j] = key_row(a, table, p + (j < nk ? j : 0), esize);
+      for (int64_t j = p + 4 * KB; j < p + 5 * KB && j < end; ++j) /* a block may start there */
+        prefetch_lines(key_row(a, table, j, esize), a->dim * esize);
       if (a->bf16_dot)
         keys_bf16((const uint32_t*)(const void*)qt, wt, hp, a->dim / 2, k, got);
       else

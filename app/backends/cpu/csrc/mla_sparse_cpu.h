@@ -22,7 +22,7 @@
  * items: n_items quadruples (row, first entry, end entry, part) of indices[row]: part < 0
  * writes out/lse directly (the range must be the whole row); part >= 0 writes a partial
  * (normalised fp32, base-2 LSE) into part_out [parts, heads, rank] / part_lse [parts, heads],
- * merged by mla_sparse_attn_merge with merge: n_merge triples (row, first part, parts).
+ * merged by mla_sparse_attn_merge with merge: n_merge triples (row, first part, parts <= 64).
  * scratch: mla_sparse_attn_scratch_floats() floats, 64-byte aligned, one per thread.
  * bf16_dot: 1 for AVX512-BF16 dot products in q.k (bf16 kv and q only; the caller checks the
  * CPU); p.v is float32 FMAs on every path. */
