@@ -338,14 +338,6 @@ APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a) {
 #define KB 4 /* indexer: keys per register tile */
 #define HG 4 /* indexer: blocks of 16 heads per register tile */
 
-/* The row of key position pos, through the request's block table. */
-static inline const char* key_row(const mla_sparse_index_args* a, const int32_t* table,
-                                  int64_t pos, int64_t esize) {
-  const int64_t block = table[pos / a->block_size];
-  return (const char*)a->key_cache +
-         (block * a->block_stride + (pos % a->block_size) * a->row_stride) * esize;
-}
-
 /* Row r's q packed heads-minor, hp = heads rounded up to 16 (the padding heads 0): uint32 bf16
  * pairs Q[pair * hp + h] on the dot path, else float32 Q[dim * hp + h]; wt[h] its weights
  * (0 for the padding). */
@@ -434,23 +426,50 @@ static void keys_f32(const float* Q, const float* wt, int64_t hp, int64_t dim,
   for (int j = 0; j < KB; ++j) out[j] = _mm512_reduce_add_ps(s[j]);
 }
 
+/* Walks a request's key positions in order through its block table: one division when it
+ * starts, none per key (a division per key cost a quarter of the indexer's time). */
+typedef struct key_cursor {
+  const mla_sparse_index_args* a;
+  const int32_t* table;
+  int64_t block, offset, esize;
+} key_cursor;
+
+static inline key_cursor cursor_at(const mla_sparse_index_args* a, const int32_t* table,
+                                   int64_t pos, int64_t esize) {
+  key_cursor c = {a, table, pos / a->block_size, pos % a->block_size, esize};
+  return c;
+}
+
+/* The row under the cursor; the cursor moves to the next position. */
+static inline const char* cursor_next(key_cursor* c) {
+  const char* row = (const char*)c->a->key_cache +
+                    ((int64_t)c->table[c->block] * c->a->block_stride +
+                     c->offset * c->a->row_stride) * c->esize;
+  if (++c->offset == c->a->block_size) c->offset = 0, ++c->block;
+  return row;
+}
+
 static void index_item(const mla_sparse_index_args* a, int64_t b, int64_t r0, int64_t r1,
                        int64_t k0, int64_t k1) {
   const int32_t* table = a->block_table + b * a->bt_stride;
   const int64_t hp = app_round_up(a->heads, 16), esize = app_native_elem_size(a->key_dt);
+  const int64_t bytes = a->dim * esize;
   float* qt = a->scratch; /* hp * dim */
   float* wt = qt + hp * a->dim;
   for (int64_t r = r0; r < r1; ++r) {
     float* srow = a->scores + (r - a->score_row0) * a->score_stride;
     const int64_t end = a->visible[r] < k1 ? a->visible[r] : k1;
     if (k0 < end) pack_row(a, r, hp, qt, wt);
+    key_cursor at = cursor_at(a, table, k0, esize);
+    key_cursor ahead = cursor_at(a, table, k0, esize); /* 4 tiles ahead: asked for */
+    for (int64_t j = k0; j < k0 + 4 * KB && j < end; ++j) prefetch_lines(cursor_next(&ahead), bytes);
     for (int64_t p = k0; p < end; p += KB) {
       const int64_t nk = end - p < KB ? end - p : KB;
       const char* k[KB];
       float got[KB];
-      for (int j = 0; j < KB; ++j) k[j] = key_row(a, table, p + (j < nk ? j : 0), esize);
-      for (int64_t j = p + 4 * KB; j < p + 5 * KB && j < end; ++j) /* a block may start there */
-        prefetch_lines(key_row(a, table, j, esize), a->dim * esize);
+      for (int j = 0; j < KB; ++j) k[j] = j < nk ? cursor_next(&at) : k[0];
+      for (int64_t j = p + 4 * KB; j < p + 5 * KB && j < end; ++j)
+        prefetch_lines(cursor_next(&ahead), bytes);
       if (a->bf16_dot)
         keys_bf16((const uint32_t*)(const void*)qt, wt, hp, a->dim / 2, k, got);
       else
