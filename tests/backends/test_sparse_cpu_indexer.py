@@ -113,6 +113,14 @@ def test_a_row_with_a_non_finite_score_is_ordered_as_topk_positions_orders_it() 
 
 
 @needs_kernel
+def test_a_float64_q_selects_as_the_torch_indexer() -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, w, cache, meta = _step(gen, torch.float32, [2], [30, 31])
+    want = TorchSparseIndexer().select(q.double(), w, cache, meta, 8)
+    assert torch.equal(CpuSparseIndexer().select(q.double(), w, cache, meta, 8), want)
+
+
+@needs_kernel
 def test_minus_zero_and_zero_tie() -> None:
     kernel = load_sparse_kernel()
     assert kernel is not None

@@ -57,6 +57,8 @@ class CpuSparseIndexer(SparseIndexer):
         kernel = load_sparse_kernel()
         if kernel is None:
             raise ValueError(f"{type(self).__name__}.select: {self.unavailable_reason()}")
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            q = q.float()  # float64: the scores are float32 whatever q's dtype
         if q.stride(-1) != 1:
             q = q.contiguous()
         if key_cache.stride(-1) != 1:
