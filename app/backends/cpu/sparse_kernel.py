@@ -13,8 +13,10 @@ on first use (``APP_CPU_NATIVE_KERNEL=0`` turns it off, as for the other CPU ker
   dealt as (row, range of its entries): a step with fewer rows than threads splits each row's
   entries into parts merged by LSE, so a decode step of a few requests uses every core.
 - **the lightning indexer's scores** ``sum_h w[t, h] * relu(q[t, h] . key[s])`` over a
-  request's paged key cache, read through its block table (a tile of keys transposed once and
-  reused by up to 8 rows and every head), float32 sums (bf16 products on the dot path);
+  request's paged key cache, read in place through its block table (each row's q packed once
+  with the heads along the vector lanes, each key's values broadcast against them; items of up
+  to 8 rows of a request and a range of its keys), float32 sums (bf16 products on the dot
+  path);
 - **top-k** of those scores exactly as :func:`app.backends.sparse.indexer.topk_positions`
   orders and ties them (a radix select of the k-th score, then one pass in position order). A
   row holding a non-finite score is handed back and ordered by ``topk_positions`` itself.
