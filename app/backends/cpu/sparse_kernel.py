@@ -8,8 +8,9 @@ on first use (``APP_CPU_NATIVE_KERNEL=0`` turns it off, as for the other CPU ker
   :func:`app.backends.sparse.sparse_attention_rows` defines it (``-1`` padding skipped, a
   repeat one term per entry, a row naming nothing out 0 and LSE ``-inf``). The rows are read
   in place (a paged cache's flat slots, or rows of a tensor), each loaded once for all heads;
-  q.k runs on AVX512-BF16 dot products for a bf16 cache and q on a CPU that has them
-  (``APP_CPU_DECODE_BF16_DOT=0`` keeps float32, as for CPU_MLA), p.v in float32. Work is
+  q.k and p.v run on AVX512-BF16 dot products for a bf16 cache and q on a CPU that has them
+  (p rounded to bf16 for p.v, as CPU_MLA does; ``APP_CPU_DECODE_BF16_DOT=0`` keeps float32),
+  with float32 sums. Work is
   dealt as (row, range of its entries): a step with fewer rows than threads splits each row's
   entries into parts merged by LSE, so a decode step of a few requests uses every core.
 - **the lightning indexer's scores** ``sum_h w[t, h] * relu(q[t, h] . key[s])`` over a
@@ -53,7 +54,7 @@ __all__ = ["SPEC", "NativeSparseKernel", "SparseAttnArgs", "SparseIndexArgs",
            "load_sparse_kernel", "sparse_kernel_status", "sparse_kernel_unavailable_reason"]
 
 #: ``MLA_SPARSE_CPU_ABI`` in ``csrc/mla_sparse_cpu.h``.
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: Most parts one row's entries are split into (the C merge's limit).
 MAX_PARTS = 64
 #: A row is split only into parts of at least this many entries.

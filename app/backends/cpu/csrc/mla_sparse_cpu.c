@@ -6,9 +6,10 @@
  * every latent row loaded serves every head) and a range of its index entries. Entries are
  * gathered TK at a time as row pointers (no copy; -1 skipped, a repeat counted as a repeat),
  * scored for every head (q.k over the whole row: AVX512-BF16 dot products for a bf16 cache and
- * q, else float32 FMAs), folded into an online softmax in base 2, and p.v accumulates in
- * float32 with 16 heads of one 16-column slice held in registers, each value row loaded once
- * for them. NaN and inf: a non-finite score makes its row's p (and so its output) non-finite;
+ * q, else float32 FMAs), folded into an online softmax in base 2 (vectorised over the tile's
+ * keys), and p.v accumulates in float32: on the dot path as bf16 dot products over pairs of
+ * keys (p rounded to bf16, and summed rounded, as CPU_MLA does), else as float32 FMAs with 16
+ * heads of one 16-column slice held in registers, each value row loaded once for them. NaN and inf: a non-finite score makes its row's p (and so its output) non-finite;
  * rows a query does not name are never read.
  *
  * Indexer: an item is up to 8 query rows of one request and a range of its key positions.
@@ -138,7 +139,7 @@ static __attribute__((APP_AVX512BF16_ISA)) void qk_bf16(const uint16_t* q, int64
  * over the tile's keys (TK = 32: two vectors); a NaN score is never a max (vmaxps returns its
  * second operand, the running max, for a NaN first one) and makes its p NaN. */
 static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m, float* l,
-                         float* acc) {
+                         float* acc, int bf16_pv) {
   const __mmask16 k0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
   const __mmask16 k1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -155,6 +156,10 @@ static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m,
       const __m512 vm = _mm512_set1_ps(mx);
       p0 = _mm512_maskz_mov_ps(k0, app_exp2_nonpositive(_mm512_sub_ps(s0, vm)));
       p1 = _mm512_maskz_mov_ps(k1, app_exp2_nonpositive(_mm512_sub_ps(s1, vm)));
+    }
+    if (bf16_pv) { /* p.v multiplies p in bf16: the sum takes the same rounded p */
+      p0 = app_round_to_bf16(p0);
+      p1 = app_round_to_bf16(p1);
     }
     _mm512_storeu_ps(s, p0);
     _mm512_storeu_ps(s + 16, p1);
@@ -198,6 +203,63 @@ static void pv_tile(const float* P, const void* const* rows, int n, int dt, int6
   }
 }
 
+/* Whether p.v runs on AVX512-BF16 dot products: the bf16 dot path with rank % 32 == 0. */
+static inline int bf16_pv(const mla_sparse_attn_args* a) {
+  return a->bf16_dot && a->rank % 32 == 0;
+}
+
+/* rank zero bf16 values at the end of the scratch (the partner of an odd tile's last row: a
+ * zero probability times a NaN would be NaN). */
+static inline const void* zero_row(const mla_sparse_attn_args* a) {
+  const int64_t d = a->rank + a->rope;
+  return a->scratch + a->heads * (d + TK + a->rank + 2);
+}
+
+/* The bf16 p.v of one tile: keys in pairs (j, j + 1), their 32-column slices interleaved
+ * (unpacklo/hi_epi16) so that one dot product multiplies both keys' values by both keys' p
+ * (rounded to bf16 by the softmax). Accumulator lane 4L + k of the "lo" vector of a 32-column
+ * slice holds column 8L + k, of the "hi" vector column 8L + 4 + k (attn_finish puts them back
+ * in order). 8 heads x 2 vectors in registers per slice. */
+static __attribute__((APP_AVX512BF16_ISA)) void pv_tile_bf16(float* P,
+                                                             const void* const* rows, int n,
+                                                             int64_t heads, int64_t rank,
+                                                             float* acc, const void* zero) {
+  uint32_t* pp = (uint32_t*)(void*)P; /* pairs of p as bf16 bits, over P's own storage: */
+  for (int64_t h = 0; h < heads; ++h) /* pair j / 2 of head h overwrites P[h * TK + j / 2] */
+    for (int j = 0; j < n; j += 2) {
+      uint32_t lo, hi = 0;
+      memcpy(&lo, P + h * TK + j, 4);
+      if (j + 1 < n) memcpy(&hi, P + h * TK + j + 1, 4);
+      pp[h * TK + j / 2] = (lo >> 16) | (hi & 0xFFFF0000u);
+    }
+  for (int64_t c = 0; c < rank; c += 32) {
+    for (int64_t h0 = 0; h0 < heads; h0 += 8) {
+      const int nh = heads - h0 < 8 ? (int)(heads - h0) : 8;
+      __m512 lo[8], hi[8];
+      for (int h = 0; h < 8; ++h) {
+        lo[h] = h < nh ? _mm512_loadu_ps(acc + (h0 + h) * rank + c) : _mm512_setzero_ps();
+        hi[h] = h < nh ? _mm512_loadu_ps(acc + (h0 + h) * rank + c + 16) : _mm512_setzero_ps();
+      }
+      for (int j = 0; j < n; j += 2) {
+        const __m512i a = _mm512_loadu_si512((const uint16_t*)rows[j] + c);
+        const __m512i b = _mm512_loadu_si512((const uint16_t*)(j + 1 < n ? rows[j + 1] : zero) + c);
+        const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < 8; ++h) {
+          if (h >= nh) break;
+          const __m512bh pv = (__m512bh)_mm512_set1_epi32((int32_t)pp[(h0 + h) * TK + j / 2]);
+          lo[h] = _mm512_dpbf16_ps(lo[h], vl, pv);
+          hi[h] = _mm512_dpbf16_ps(hi[h], vh, pv);
+        }
+      }
+      for (int h = 0; h < nh; ++h) {
+        _mm512_storeu_ps(acc + (h0 + h) * rank + c, lo[h]);
+        _mm512_storeu_ps(acc + (h0 + h) * rank + c + 16, hi[h]);
+      }
+    }
+  }
+}
+
 static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const float* qf,
                       const void* const* rows, int n, const void* const* next, int nn,
                       float* S, float* m, float* l, float* acc) {
@@ -206,8 +268,11 @@ static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const flo
     qk_bf16((const uint16_t*)qrow, a->q_sh, a->heads, d, rows, n, a->q_mult, S, next, nn);
   else
     qk_f32(qf, a->heads, d, rows, n, a->kv_dt, a->q_mult, S, next, nn);
-  softmax_tile(S, n, a->heads, a->rank, m, l, acc);
-  pv_tile(S, rows, n, a->kv_dt, a->heads, a->rank, acc);
+  softmax_tile(S, n, a->heads, a->rank, m, l, acc, bf16_pv(a));
+  if (bf16_pv(a))
+    pv_tile_bf16(S, rows, n, a->heads, a->rank, acc, zero_row(a));
+  else
+    pv_tile(S, rows, n, a->kv_dt, a->heads, a->rank, acc);
 }
 
 /* Write head h's normalised output (v_mult * acc / l) and its LSE: natural log into out/lse,
@@ -215,12 +280,22 @@ static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const flo
 static void attn_finish(const mla_sparse_attn_args* a, int64_t row, int64_t part,
                         const float* m, const float* l, const float* acc) {
   const int64_t heads = a->heads, rank = a->rank;
+  const int permuted = bf16_pv(a); /* pv_tile_bf16's column order, per 32 columns */
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
   for (int64_t h = 0; h < heads; ++h) {
     const int empty = l[h] == 0.f;
     const __m512 scale = _mm512_set1_ps(empty ? 0.f : a->v_mult / l[h]);
     const float lse2 = empty ? -INFINITY : m[h] + log2f(l[h]);
     for (int64_t c = 0; c < rank; c += 16) {
-      const __m512 o = _mm512_mul_ps(scale, _mm512_loadu_ps(acc + h * rank + c));
+      __m512 v = _mm512_loadu_ps(acc + h * rank + c);
+      if (permuted) {
+        const int64_t base = h * rank + (c & ~(int64_t)31);
+        v = _mm512_permutex2var_ps(_mm512_loadu_ps(acc + base), c & 16 ? second : first,
+                                   _mm512_loadu_ps(acc + base + 16));
+      }
+      const __m512 o = _mm512_mul_ps(scale, v);
       if (part < 0)
         app_store16(a->out, (row * heads + h) * rank + c, o, a->out_dt);
       else
@@ -265,6 +340,7 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
       for (int64_t e = 0; e < d; e += 16)
         _mm512_storeu_ps(qf + h * d + e, load16(qrow + h * a->q_sh * esize, e, a->q_dt));
   memset(acc, 0, (size_t)(heads * rank) * sizeof(float));
+  if (bf16_pv(a)) memset((void*)zero_row(a), 0, (size_t)rank * 2);
   for (int64_t h = 0; h < heads; ++h) m[h] = -INFINITY, l[h] = 0.f;
   const int32_t* idx = a->indices + row * a->topk;
   const void* tiles[2][TK];
@@ -282,7 +358,7 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
 
 APP_NATIVE_EXPORT int64_t mla_sparse_attn_scratch_floats(int64_t heads, int64_t rank,
                                                          int64_t rope) {
-  return heads * (rank + rope + TK + rank + 2);
+  return heads * (rank + rope + TK + rank + 2) + rank / 2 + 16;
 }
 
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {

@@ -7,7 +7,7 @@
 #include "app_native.h"
 
 /* Bump on any change to these structs or to an exported function of mla_sparse_cpu.c. */
-#define MLA_SPARSE_CPU_ABI 1
+#define MLA_SPARSE_CPU_ABI 2
 
 /* Sparse absorbed MLA over selected latent rows (one KV head), D = rank + rope:
  *   kv: rows of kv_dt; index i names the row at kv + (i / block_size) * block_stride
@@ -24,8 +24,8 @@
  * (normalised fp32, base-2 LSE) into part_out [parts, heads, rank] / part_lse [parts, heads],
  * merged by mla_sparse_attn_merge with merge: n_merge triples (row, first part, parts <= 64).
  * scratch: mla_sparse_attn_scratch_floats() floats, 64-byte aligned, one per thread.
- * bf16_dot: 1 for AVX512-BF16 dot products in q.k (bf16 kv and q only; the caller checks the
- * CPU); p.v is float32 FMAs on every path. */
+ * bf16_dot: 1 for AVX512-BF16 dot products (bf16 kv and q only; the caller checks the CPU):
+ * q.k, and p.v with p rounded to bf16 when rank % 32 == 0 (float32 sums either way). */
 #define MLA_SPARSE_ATTN_ARGS(X)                                                              \
   X(const void*, kv) X(const void*, q) X(const int32_t*, indices) X(void*, out) X(float*, lse)  \
   X(const int64_t*, items) X(const int64_t*, merge) X(float*, part_out) X(float*, part_lse)   \
