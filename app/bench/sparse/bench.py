@@ -11,7 +11,8 @@ together, interleaved with the dense step (best of ``--repeat``), and reported w
 reads (``mb``: the index keys, the selected latent rows, the whole latent context), its FLOPs,
 and its fractions of the roofline: ``byte_roofline_fraction`` = (bytes / stream bandwidth) /
 time, ``roofline_fraction`` = max(that bound, FLOPs / the peak of the unit it multiplies on) /
-time (stream bandwidth and peaks measured by ``app.bench._peaks``'s probe).
+time (stream bandwidth and peak measured by ``app.bench._peaks``'s probe before and after the
+rows; the best of the two readings).
 ``speedup_vs_dense`` = dense ms / sparse total ms (target: >= 3x at 16 x 32k).
 
 **Prefill row** (one request of ``--prefill-len`` new tokens): the indexer over every row
@@ -49,6 +50,7 @@ __all__ = ["HELP", "add_arguments", "render", "run"]
 HELP = "DeepSeek Sparse Attention (indexer + top-k + sparse attention) vs dense, CPU: ms, roofline"
 RANK, ROPE, NOPE, V = 512, 64, 128, 128
 TARGET_SPEEDUP = 3.0
+_PARTS = ("indexer", "attention", "total", "dense")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,19 +85,28 @@ def _sizes(args: argparse.Namespace) -> dict[str, int]:
     return sizes
 
 
-def _bound(nbytes: float, flops: float, t: float, bw: float, peak: float) -> dict[str, Any]:
-    """A part's figures: its bytes, FLOPs and fractions of the roofline."""
-    by_bytes = nbytes / (bw * 1e9)
-    bound = max(by_bytes, flops / (peak * 1e9))
-    return {"mb": round(nbytes / 1e6, 1), "gflop": round(flops / 1e9, 3),
-            "byte_roofline_ms": round(by_bytes * 1e3, 3),
-            "byte_roofline_fraction": float(f"{by_bytes / t:.3g}"),
-            "roofline_ms": round(bound * 1e3, 3), "roofline_fraction": float(f"{bound / t:.3g}"),
-            "bound_by": "memory" if by_bytes >= bound else "compute"}
+def _bound(nbytes: float, flops: float, t: float) -> dict[str, Any]:
+    """A part's time, bytes and FLOPs (its roofline comes with :func:`_rooflines`)."""
+    return {"ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 1),
+            "gflop": round(flops / 1e9, 3)}
 
 
-def _decode_row(s: dict[str, int], repeat: int, bw: float, peak: float,
-                indexer: SparseIndexer) -> dict[str, Any]:
+def _rooflines(rows: list[dict[str, Any]], bw: float, peak: float) -> None:
+    """Each part's fractions of the roofline, against the run's best stream bandwidth and best
+    peak (a reading taken while the machine was busy would flatter every part)."""
+    for row in rows:
+        for part in _PARTS:
+            p = row[part]
+            t, by_bytes = p["ms"] / 1e3, p["mb"] * 1e6 / (bw * 1e9)
+            bound = max(by_bytes, p["gflop"] * 1e9 / (peak * 1e9))
+            p.update({"byte_roofline_ms": round(by_bytes * 1e3, 3),
+                      "byte_roofline_fraction": float(f"{by_bytes / t:.3g}"),
+                      "roofline_ms": round(bound * 1e3, 3),
+                      "roofline_fraction": float(f"{bound / t:.3g}"),
+                      "bound_by": "memory" if by_bytes >= bound else "compute"})
+
+
+def _decode_row(s: dict[str, int], repeat: int, indexer: SparseIndexer) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     b, ctx, bs, topk = s["requests"], s["context"], s["block_size"], s["topk"]
     per = -(-ctx // bs)
@@ -129,15 +140,12 @@ def _decode_row(s: dict[str, int], repeat: int, bw: float, peak: float,
     attn_flops = 2.0 * (2 * RANK + ROPE) * heads * b
     parts = {
         "indexer": _bound(b * ctx * s["index_dim"] * 2, 2.0 * b * ctx * s["index_heads"]
-                          * s["index_dim"], ms["indexer"], bw, peak),
-        "attention": _bound(b * sel * (RANK + ROPE) * 2, attn_flops * sel, ms["attention"],
-                            bw, peak),
-        "dense": _bound(b * ctx * (RANK + ROPE) * 2, attn_flops * ctx, ms["dense"], bw, peak)}
+                          * s["index_dim"], ms["indexer"]),
+        "attention": _bound(b * sel * (RANK + ROPE) * 2, attn_flops * sel, ms["attention"]),
+        "dense": _bound(b * ctx * (RANK + ROPE) * 2, attn_flops * ctx, ms["dense"])}
     parts["total"] = _bound(parts["indexer"]["mb"] * 1e6 + parts["attention"]["mb"] * 1e6,
                             (parts["indexer"]["gflop"] + parts["attention"]["gflop"]) * 1e9,
-                            ms["total"], bw, peak)
-    for name, part in parts.items():
-        part["ms"] = round(ms[name] * 1e3, 3)
+                            ms["total"])
     return {"row": "decode", "requests": b, "context": ctx, "heads": heads, "topk": topk,
             "index_heads": s["index_heads"], "index_dim": s["index_dim"], "block_size": bs,
             "dtype": "bf16", "indexer_class": type(indexer).__name__,
@@ -145,8 +153,7 @@ def _decode_row(s: dict[str, int], repeat: int, bw: float, peak: float,
             "speedup_vs_dense": round(ms["dense"] / ms["total"], 2)}
 
 
-def _prefill_row(s: dict[str, int], repeat: int, bw: float, peak: float,
-                 indexer: SparseIndexer) -> dict[str, Any]:
+def _prefill_row(s: dict[str, int], repeat: int, indexer: SparseIndexer) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     n, bs, topk, heads = s["prefill_len"], s["block_size"], s["topk"], s["heads"]
     per = -(-n // bs)
@@ -183,16 +190,14 @@ def _prefill_row(s: dict[str, int], repeat: int, bw: float, peak: float,
     picked = sum(min(topk, i) for i in range(1, n + 1))
     parts = {
         "indexer": _bound(n * s["index_dim"] * 2, 2.0 * pairs * s["index_heads"]
-                          * s["index_dim"], ms["indexer"], bw, peak),
+                          * s["index_dim"], ms["indexer"]),
         "attention": _bound(n * (RANK + ROPE) * 2, 2.0 * (2 * RANK + ROPE) * heads * picked,
-                            ms["attention"], bw, peak),
+                            ms["attention"]),
         "dense": _bound(n * heads * (2 * (NOPE + ROPE) + V) * 2,
-                        2.0 * (NOPE + ROPE + V) * heads * pairs, ms["dense"], bw, peak)}
+                        2.0 * (NOPE + ROPE + V) * heads * pairs, ms["dense"])}
     parts["total"] = _bound(parts["indexer"]["mb"] * 1e6 + parts["attention"]["mb"] * 1e6,
                             (parts["indexer"]["gflop"] + parts["attention"]["gflop"]) * 1e9,
-                            ms["total"], bw, peak)
-    for name, part in parts.items():
-        part["ms"] = round(ms[name] * 1e3, 3)
+                            ms["total"])
     return {"row": "prefill", "tokens": n, "heads": heads, "topk": topk,
             "index_heads": s["index_heads"], "index_dim": s["index_dim"], "dtype": "bf16",
             "indexer_class": type(indexer).__name__, "sparse_backend": "CPU_MLA_SPARSE",
@@ -222,10 +227,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if probe is not None else (lambda: (float("nan"), float("nan"))))
     bw, peak = measure()
     indexer = default_sparse_indexer(platform_for_device("cpu"))
-    rows = [_decode_row(sizes, repeat, bw, peak, indexer)]
+    rows = [_decode_row(sizes, repeat, indexer)]
     if sizes["prefill_len"]:
-        rows.append(_prefill_row(sizes, repeat, bw, peak, indexer))
+        rows.append(_prefill_row(sizes, repeat, indexer))
     bw_after, peak_after = measure()
+    _rooflines(rows, max(bw, bw_after), max(peak, peak_after))
     targets = [] if args.quick else [{
         "name": f"sparse decode {sizes['requests']}x{sizes['context']} speedup_vs_dense",
         "target": TARGET_SPEEDUP, "value": rows[0]["speedup_vs_dense"],
