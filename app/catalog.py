@@ -152,6 +152,7 @@ PREFILL_BACKENDS = BackendCatalog("prefill", "MLA prefill", {
     "TRTLLM_RAGGED": "app.backends.prefill.trtllm_ragged.TrtllmRaggedPrefillBackend",
     "TOKENSPEED_MLA": "app.backends.prefill.tokenspeed_mla.TokenSpeedMLAPrefillBackend",
     "TORCH_SPARSE": "app.backends.prefill.torch_sparse.TorchSparsePrefillBackend",
+    "CPU_MLA_SPARSE": "app.backends.prefill.cpu_sparse.CpuSparsePrefillBackend",
 })
 
 #: MLA decode backends.
@@ -161,6 +162,7 @@ DECODE_BACKENDS = BackendCatalog("decode", "MLA decode", {
     "FLASHINFER_MLA": "app.backends.decode.flashinfer_mla.FlashInferMLADecodeBackend",
     "TOKENSPEED_MLA": "app.backends.decode.tokenspeed_mla.TokenSpeedMLADecodeBackend",
     "TORCH_SPARSE": "app.backends.decode.torch_sparse.TorchSparseDecodeBackend",
+    "CPU_MLA_SPARSE": "app.backends.decode.cpu_sparse.CpuSparseDecodeBackend",
 })
 
 #: Every catalog, by kind.

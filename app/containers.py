@@ -40,7 +40,7 @@ from app._container_state import (
 from app._imports import import_object
 from app.backends.registry import DECODE, PREFILL
 from app.backends.selection import SelectionCache, select_backend
-from app.backends.sparse.indexer import TorchSparseIndexer
+from app.backends.sparse.cpu_indexer import default_sparse_indexer
 from app.backends.workspaces import KernelWorkspaces
 from app.catalog import CUSTOM, DECODE_BACKENDS, PREFILL_BACKENDS, BackendCatalog
 from app.config import EngineConfig
@@ -124,7 +124,9 @@ class Application(containers.DeclarativeContainer):
         class, built with the platform's device capability and the workspaces (decode:
         ``mla_decode_backend(query_len=N)`` selects for that query length).
       - ``sparse_indexer``: a new DeepSeek Sparse Attention indexer (scores and top-k over
-        the paged key cache; ``TorchSparseIndexer``), for a sparse model's engine.
+        the paged key cache), for a sparse model's engine: ``CpuSparseIndexer`` (the native
+        kernels) on the CPU platform where they run, else ``TorchSparseIndexer``
+        (``default_sparse_indexer``).
       - ``applied_general_plugins``: which general plugins ran on this container.
     """
 
@@ -148,7 +150,7 @@ class Application(containers.DeclarativeContainer):
     mla_decode_backend = CountedFactory(
         build_decode_backend, mla_decode_backend_class.provider, config, platform,
         kernel_workspaces)
-    sparse_indexer = CountedFactory(TorchSparseIndexer)
+    sparse_indexer = CountedFactory(default_sparse_indexer, platform)
     applied_general_plugins: CountedSingleton[dict[str, bool]] = CountedSingleton(dict)
 
 

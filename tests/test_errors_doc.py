@@ -348,6 +348,12 @@ def _kv(action: str) -> Callable[[], object]:
     return run
 
 
+def _cpu_sparse_decode() -> type:
+    from app.backends.decode.cpu_sparse import CpuSparseDecodeBackend
+
+    return CpuSparseDecodeBackend
+
+
 def _sparse_decode(what: str) -> Callable[[], object]:
     """A sparse decode call that goes wrong in one way (``what``)."""
     def run() -> object:
@@ -600,6 +606,10 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _in_fresh_container(lambda: get_mla_decode_backend(EngineConfig(
          model=ModelConfig(index_topk=2048),
          attention=AttentionConfig(mla_decode_backend="CPU_MLA"))))),
+    ("sparse", "`CPU_MLA_SPARSE` (decode) with `kv_lora_rank = 96`",
+     lambda: _cpu_sparse_decode()(4, 0.1, 96, 64, torch.bfloat16)),
+    ("CLI", "`python -m app bench sparse --requests 0`",
+     _cli("bench", "sparse", "--requests", "0")),
     ("checkpoint", "a DeepSeek-V3.2 `config.json` with `rope_interleave: false`",
      _v32_config(rope_interleave=False)),
 ]

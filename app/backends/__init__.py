@@ -14,7 +14,8 @@ Where to look:
 - ``lse.py``, ``merge.py``: the log-sum-exp layout and the merge of partial results.
 - ``sparse/``: DeepSeek Sparse Attention's shared pieces: the index checks, the torch
   reference of sparse attention over selected latent rows, the lightning indexer
-  (``SparseIndexer``, ``TorchSparseIndexer``, ``SparseIndexerMetadata``).
+  (``SparseIndexer``, ``TorchSparseIndexer``, ``SparseIndexerMetadata``; the native CPU one,
+  ``CpuSparseIndexer``, in ``sparse.cpu_indexer``).
 
 The kernel backends are not imported here: the container's providers import each one the first
 time it is asked for, and a backend whose kernel package is missing says so through
@@ -45,10 +46,12 @@ from app.backends.seed_api import (
     register_mla_prefill_backend,
 )
 from app.backends.selection import check_decode_block_size
+from app.backends.sparse.cpu_indexer import CpuSparseIndexer
 from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata, TorchSparseIndexer
 
 __all__ = [
     "ContextChunkMetadata",
+    "CpuSparseIndexer",
     "DeviceCapability",
     "MLADecodeBackend",
     "MLADecodeBackendEnum",

@@ -9,7 +9,8 @@ from app._files import write_regular_file
 from app.commands._args import output_file
 from app.commands._output import json_text, print_json, print_text
 
-HELP = "run a benchmark (selection, prefill, decode, kv, run, model, vllm-*) and report JSON"
+HELP = ("run a benchmark (selection, prefill, decode, kv, run, model, sparse, vllm-*) and "
+        "report JSON")
 
 #: Benchmark name -> module with ``add_arguments(parser)``, ``run(args) -> dict`` and
 #: ``render(result) -> str``.
@@ -20,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "kv": "app.bench.kv",
     "run": "app.bench.run",
     "model": "app.bench.model",
+    "sparse": "app.bench.sparse.bench",
     "vllm-prefill": "app.bench.vllm.prefill",
     "vllm-engine": "app.bench.vllm.engine",
 }

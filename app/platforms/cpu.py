@@ -13,13 +13,14 @@ from app.platforms.base import Platform, SupportsMLADimensions, wants_sparse
 _PREFILL = PREFILL_BACKENDS.check("TORCH_SDPA")
 _DECODE = DECODE_BACKENDS.check("CPU_MLA", "TORCH_SDPA")
 # A sparse model's (DeepSeek Sparse Attention): the backends that run it.
-_SPARSE_PREFILL = PREFILL_BACKENDS.check("TORCH_SPARSE")
-_SPARSE_DECODE = DECODE_BACKENDS.check("TORCH_SPARSE")
+# The native CPU_MLA_SPARSE kernels first, TORCH_SPARSE where they cannot run.
+_SPARSE_PREFILL = PREFILL_BACKENDS.check("CPU_MLA_SPARSE", "TORCH_SPARSE")
+_SPARSE_DECODE = DECODE_BACKENDS.check("CPU_MLA_SPARSE", "TORCH_SPARSE")
 
 
 class CpuPlatform(Platform):
     """A CPU: no compute capability; TORCH_SDPA prefill, CPU_MLA then TORCH_SDPA decode
-    (TORCH_SPARSE for both for a sparse model)."""
+    (CPU_MLA_SPARSE then TORCH_SPARSE for both for a sparse model)."""
 
     name = "cpu"
     device_type = "cpu"
@@ -29,12 +30,12 @@ class CpuPlatform(Platform):
         return None
 
     def mla_prefill_backend_priorities(self, selector_config: SupportsMLADimensions) -> list[str]:
-        """``TORCH_SDPA`` (``TORCH_SPARSE`` for a sparse model)."""
+        """``TORCH_SDPA`` (``CPU_MLA_SPARSE`` then ``TORCH_SPARSE`` for a sparse model)."""
         return list(_SPARSE_PREFILL if wants_sparse(selector_config) else _PREFILL)
 
     def mla_decode_backend_priorities(self, selector_config: object) -> list[str]:
-        """The native ``CPU_MLA`` kernel, then ``TORCH_SDPA`` (``TORCH_SPARSE`` for a sparse
-        model)."""
+        """The native ``CPU_MLA`` kernel, then ``TORCH_SDPA`` (``CPU_MLA_SPARSE`` then
+        ``TORCH_SPARSE`` for a sparse model)."""
         return list(_SPARSE_DECODE if wants_sparse(selector_config) else _DECODE)
 
     def has_fast_bfloat16(self) -> bool:

@@ -30,7 +30,7 @@ from app.platforms import CpuPlatform
 from app.testing import SelectionOnlyBackend
 
 BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA",
-            "TORCH_SPARSE"]
+            "TORCH_SPARSE", "CPU_MLA_SPARSE"]
 
 
 class StubBackend(SelectionOnlyBackend):
@@ -68,7 +68,7 @@ def unique(prefix: str) -> str:
 
 def test_members_and_values() -> None:
     names = list(MLAPrefillBackendEnum.__members__)
-    assert names[:7] == [*BUILTINS, "CUSTOM"]
+    assert names[:len(BUILTINS) + 1] == [*BUILTINS, "CUSTOM"]
     for name in BUILTINS:
         assert MLAPrefillBackendEnum[name].value == PREFILL_BACKENDS.builtins[name]
     assert MLAPrefillBackendEnum.CUSTOM.value is None
@@ -88,7 +88,7 @@ def test_unknown_name_is_a_value_error_listing_the_options() -> None:
     message = str(info.value)
     assert message.startswith("Unknown MLA prefill backend: 'NOPE'. Valid options are: "
                               "TORCH_SDPA, FLASH_ATTN, FLASHINFER, TRTLLM_RAGGED, "
-                              "TOKENSPEED_MLA, TORCH_SPARSE, CUSTOM")
+                              "TOKENSPEED_MLA, TORCH_SPARSE, CPU_MLA_SPARSE, CUSTOM")
 
 
 def test_members_pickle_by_name(app_container: Application) -> None:

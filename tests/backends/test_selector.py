@@ -27,7 +27,7 @@ from app.platforms import TRTLLM_PREFERRED_DIMENSIONS, CpuPlatform, CudaPlatform
 from app.testing import SelectionOnlyBackend
 
 BUILTINS = ["TORCH_SDPA", "FLASH_ATTN", "FLASHINFER", "TRTLLM_RAGGED", "TOKENSPEED_MLA",
-            "TORCH_SPARSE"]
+            "TORCH_SPARSE", "CPU_MLA_SPARSE"]
 DEEPSEEK = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
@@ -418,7 +418,7 @@ def test_container_provider_uses_its_own_container() -> None:
 def test_explain_covers_every_member(stubbed: Callable[..., None]) -> None:
     stubbed(cuda(9, 0), FLASH_ATTN=HalfOnly, FLASHINFER=Valid, TORCH_SDPA=AlsoValid)
     explanation = explain_mla_prefill_selection(engine_config())
-    assert list(explanation["backends"])[:7] == [*BUILTINS, "CUSTOM"]
+    assert list(explanation["backends"])[:len(BUILTINS) + 1] == [*BUILTINS, "CUSTOM"]
     assert set(MLAPrefillBackendEnum.__members__) <= set(explanation["backends"])
     backends = explanation["backends"]
     assert backends["FLASH_ATTN"]["valid"] is False

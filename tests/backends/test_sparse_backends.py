@@ -20,9 +20,11 @@ from app.backends import (
     get_mla_prefill_backend,
     register_mla_decode_backend,
 )
+from app.backends.decode.cpu_sparse import CpuSparseDecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend
 from app.backends.decode.torch_sparse import TorchSparseDecodeBackend
+from app.backends.prefill.cpu_sparse import CpuSparsePrefillBackend
 from app.backends.prefill.torch_sdpa import TorchSDPAPrefillBackend
 from app.backends.prefill.torch_sparse import TorchSparsePrefillBackend
 from app.backends.sparse.attention import sparse_attention_rows
@@ -180,12 +182,15 @@ def test_a_row_naming_nothing_and_nan_outside_the_selection() -> None:
 
 
 def test_selection_gives_a_sparse_model_only_sparse_backends() -> None:
+    native = CpuSparseDecodeBackend.is_available()  # the CPU prefers the native kernels
     with use_container(create_container(SPARSE, CpuPlatform())):
-        assert get_mla_decode_backend(SPARSE) is TorchSparseDecodeBackend
-        assert get_mla_prefill_backend(SPARSE) is TorchSparsePrefillBackend
+        assert get_mla_decode_backend(SPARSE) is (
+            CpuSparseDecodeBackend if native else TorchSparseDecodeBackend)
+        assert get_mla_prefill_backend(SPARSE) is (
+            CpuSparsePrefillBackend if native else TorchSparsePrefillBackend)
         for explain in (explain_mla_decode_selection(SPARSE),
                         explain_mla_prefill_selection(SPARSE)):
-            assert explain["priorities"] == ["TORCH_SPARSE"]
+            assert explain["priorities"] == ["CPU_MLA_SPARSE", "TORCH_SPARSE"]
             assert explain["selector_config"]["index_topk"] == 2048
             dense_verdict = explain["backends"]["TORCH_SDPA"]
             assert not dense_verdict["valid"]

@@ -1,0 +1,640 @@
+/* DeepSeek Sparse Attention on an AVX-512 CPU: attention over selected latent rows, the
+ * lightning indexer's scores, and their top-k. The structs and the contract of each exported
+ * function are in mla_sparse_cpu.h; the Python side is app/backends/cpu/sparse_kernel.py.
+ *
+ * Attention: an item is one query row (all its heads: the latent cache has one KV head, so
+ * every latent row loaded serves every head) and a range of its index entries. Entries are
+ * gathered TK at a time as row pointers (no copy; -1 skipped, a repeat counted as a repeat),
+ * scored for every head (q.k over the whole row: AVX512-BF16 dot products for a bf16 cache and
+ * q, else float32 FMAs), folded into an online softmax in base 2 (vectorised over the tile's
+ * keys), and p.v accumulates in float32: on the dot path as bf16 dot products over pairs of
+ * keys (p rounded to bf16, and summed rounded, as CPU_MLA does), else as float32 FMAs with 16
+ * heads of one 16-column slice held in registers, each value row loaded once for them. NaN and inf: a non-finite score makes its row's p (and so its output) non-finite;
+ * rows a query does not name are never read.
+ *
+ * Indexer: an item is up to 8 query rows of one request and a range of its key positions.
+ * Each row's q is packed once per item with the heads along the vector lanes (16 per vector,
+ * padded with zero heads); keys are read in place through the block table, KB at a time, each
+ * key's values (bf16 pairs on the dot path) broadcast against HG blocks of 16 heads, so one
+ * reduction per key, after the heads' relu and weights. Positions a row does not see get -inf
+ * (and are never read).
+ *
+ * Top-k: the k-th largest score by a radix select over the scores' order-preserving 32-bit
+ * keys (four passes of 8 bits), then one pass in position order that keeps what is above it
+ * and the earliest of what equals it: exactly app.backends.sparse.indexer.topk_positions.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "app_native_simd.h"
+#include "mla_sparse_cpu.h"
+
+APP_NATIVE_LIBRARY(MLA_SPARSE_CPU_ABI)
+APP_NATIVE_STRUCT_LAYOUT(mla_sparse_attn_args, MLA_SPARSE_ATTN_ARGS)
+APP_NATIVE_STRUCT_LAYOUT(mla_sparse_index_args, MLA_SPARSE_INDEX_ARGS)
+
+#define TK 32 /* attention: index entries per tile */
+#define HB 16 /* attention: heads whose p.v accumulators stay in registers */
+#define IR 8  /* indexer: most query rows per item */
+#define LN2 0.69314718055994530942f
+
+/* Elements i .. i + 15 of p (of type dt) as float32. */
+static inline __m512 load16(const void* p, int64_t i, int dt) {
+  if (dt == APP_DT_F32) return _mm512_loadu_ps((const float*)p + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+  if (dt == APP_DT_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Attention over selected rows */
+
+static inline int attn_dims_ok(const mla_sparse_attn_args* a) {
+  const int dts = (a->kv_dt == APP_DT_F32 || a->kv_dt == APP_DT_BF16 || a->kv_dt == APP_DT_F16);
+  return dts && a->q_dt == a->kv_dt &&
+         (a->out_dt == APP_DT_F32 || a->out_dt == APP_DT_BF16 || a->out_dt == APP_DT_F16) &&
+         a->rank > 0 && a->rank % 16 == 0 && (a->rank + a->rope) % 32 == 0 && a->rope >= 0 &&
+         a->heads > 0 && a->block_size > 0 && !(a->bf16_dot && a->kv_dt != APP_DT_BF16);
+}
+
+/* Ask for the lines of bytes at p: the rows an indexer picks are scattered over the cache, so
+ * each row of the next tile is asked for while one of this tile's is scored. */
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char*)p + off, _MM_HINT_T0);
+}
+
+/* S[h * TK + j] = mult * (q_h . row_j) in float32 FMAs, q packed as float32 [heads, d]. */
+static void qk_f32(const float* qf, int64_t heads, int64_t d, const void* const* rows, int n,
+                   int dt, float mult, float* S, const void* const* next, int nn) {
+  const int64_t bytes = d * app_native_elem_size(dt);
+  for (int j = 0; j < n; ++j) {
+    const void* r = rows[j];
+    if (j < nn) prefetch_lines(next[j], bytes);
+    int64_t h = 0;
+    for (; h + 4 <= heads; h += 4) {
+      __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+      const float* q0 = qf + h * d;
+      for (int64_t e = 0; e < d; e += 16) {
+        const __m512 k = load16(r, e, dt);
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + e), k, c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d + e), k, c1);
+        c2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * d + e), k, c2);
+        c3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * d + e), k, c3);
+      }
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c0);
+      S[(h + 1) * TK + j] = mult * _mm512_reduce_add_ps(c1);
+      S[(h + 2) * TK + j] = mult * _mm512_reduce_add_ps(c2);
+      S[(h + 3) * TK + j] = mult * _mm512_reduce_add_ps(c3);
+    }
+    for (; h < heads; ++h) {
+      __m512 c = _mm512_setzero_ps();
+      for (int64_t e = 0; e < d; e += 16)
+        c = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * d + e), load16(r, e, dt), c);
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c);
+    }
+  }
+}
+
+/* As qk_f32 from bf16 q rows (head stride q_sh) and bf16 rows, on AVX512-BF16 dot products. */
+static __attribute__((APP_AVX512BF16_ISA)) void qk_bf16(const uint16_t* q, int64_t q_sh,
+                                                        int64_t heads, int64_t d,
+                                                        const void* const* rows, int n,
+                                                        float mult, float* S,
+                                                        const void* const* next, int nn) {
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* r = (const uint16_t*)rows[j];
+    if (j < nn) prefetch_lines(next[j], 2 * d);
+    int64_t h = 0;
+    for (; h + 4 <= heads; h += 4) {
+      __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+      const uint16_t* q0 = q + h * q_sh;
+      for (int64_t e = 0; e < d; e += 32) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512((const void*)(r + e));
+        c0 = _mm512_dpbf16_ps(c0, (__m512bh)_mm512_loadu_si512((const void*)(q0 + e)), k);
+        c1 = _mm512_dpbf16_ps(c1, (__m512bh)_mm512_loadu_si512((const void*)(q0 + q_sh + e)), k);
+        c2 = _mm512_dpbf16_ps(c2,
+                              (__m512bh)_mm512_loadu_si512((const void*)(q0 + 2 * q_sh + e)), k);
+        c3 = _mm512_dpbf16_ps(c3,
+                              (__m512bh)_mm512_loadu_si512((const void*)(q0 + 3 * q_sh + e)), k);
+      }
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c0);
+      S[(h + 1) * TK + j] = mult * _mm512_reduce_add_ps(c1);
+      S[(h + 2) * TK + j] = mult * _mm512_reduce_add_ps(c2);
+      S[(h + 3) * TK + j] = mult * _mm512_reduce_add_ps(c3);
+    }
+    for (; h < heads; ++h) {
+      __m512 c = _mm512_setzero_ps();
+      for (int64_t e = 0; e < d; e += 32)
+        c = _mm512_dpbf16_ps(c, (__m512bh)_mm512_loadu_si512((const void*)(q + h * q_sh + e)),
+                             (__m512bh)_mm512_loadu_si512((const void*)(r + e)));
+      S[h * TK + j] = mult * _mm512_reduce_add_ps(c);
+    }
+  }
+}
+
+/* Fold the scores S[h * TK + j] (base 2) of n rows into head h's running max m, sum l and
+ * accumulator acc (rescaled when the max rises); S becomes the probabilities p. Vectorised
+ * over the tile's keys (TK = 32: two vectors); a NaN score is never a max (vmaxps returns its
+ * second operand, the running max, for a NaN first one) and makes its p NaN. */
+static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m, float* l,
+                         float* acc, int bf16_pv) {
+  const __mmask16 k0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+  const __mmask16 k1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = S + h * TK;
+    const __m512 s0 = _mm512_mask_loadu_ps(ninf, k0, s);
+    const __m512 s1 = _mm512_mask_loadu_ps(ninf, k1, s + 16);
+    const float mx = fmaxf(m[h], _mm512_reduce_max_ps(_mm512_max_ps(s0, _mm512_max_ps(s1, ninf))));
+    __m512 p0, p1;
+    if (mx == -INFINITY) { /* nothing finite yet: p is 0, or NaN for a NaN score */
+      p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, s0, _CMP_UNORD_Q), s0);
+      p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, s1, _CMP_UNORD_Q), s1);
+    } else {
+      const __m512 vm = _mm512_set1_ps(mx);
+      p0 = _mm512_maskz_mov_ps(k0, app_exp2_nonpositive(_mm512_sub_ps(s0, vm)));
+      p1 = _mm512_maskz_mov_ps(k1, app_exp2_nonpositive(_mm512_sub_ps(s1, vm)));
+    }
+    if (bf16_pv) { /* p.v multiplies p in bf16: the sum takes the same rounded p */
+      p0 = app_round_to_bf16(p0);
+      p1 = app_round_to_bf16(p1);
+    }
+    _mm512_storeu_ps(s, p0);
+    _mm512_storeu_ps(s + 16, p1);
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    if (mx != m[h]) {
+      const float alpha = m[h] == -INFINITY ? 0.f : exp2f(m[h] - mx);
+      if (l[h] != 0.f || isnan(l[h])) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < rank; c += 16)
+          _mm512_storeu_ps(acc + h * rank + c,
+                           _mm512_mul_ps(va, _mm512_loadu_ps(acc + h * rank + c)));
+      }
+      l[h] *= alpha;
+      m[h] = mx;
+    }
+    l[h] += sum;
+  }
+}
+
+/* acc[h] += sum_j P[h * TK + j] * v_j over the first rank values of the n rows. */
+static void pv_tile(const float* P, const void* const* rows, int n, int dt, int64_t heads,
+                    int64_t rank, float* acc) {
+  for (int64_t c = 0; c < rank; c += 16) {
+    int64_t h0 = 0;
+    for (; h0 + HB <= heads; h0 += HB) {
+      __m512 t[HB];
+      for (int h = 0; h < HB; ++h) t[h] = _mm512_loadu_ps(acc + (h0 + h) * rank + c);
+      for (int j = 0; j < n; ++j) {
+        const __m512 v = load16(rows[j], c, dt);
+        for (int h = 0; h < HB; ++h)
+          t[h] = _mm512_fmadd_ps(_mm512_set1_ps(P[(h0 + h) * TK + j]), v, t[h]);
+      }
+      for (int h = 0; h < HB; ++h) _mm512_storeu_ps(acc + (h0 + h) * rank + c, t[h]);
+    }
+    for (; h0 < heads; ++h0) {
+      __m512 t = _mm512_loadu_ps(acc + h0 * rank + c);
+      for (int j = 0; j < n; ++j)
+        t = _mm512_fmadd_ps(_mm512_set1_ps(P[h0 * TK + j]), load16(rows[j], c, dt), t);
+      _mm512_storeu_ps(acc + h0 * rank + c, t);
+    }
+  }
+}
+
+/* Whether p.v runs on AVX512-BF16 dot products: the bf16 dot path with rank % 32 == 0. */
+static inline int bf16_pv(const mla_sparse_attn_args* a) {
+  return a->bf16_dot && a->rank % 32 == 0;
+}
+
+/* rank zero bf16 values at the end of the scratch (the partner of an odd tile's last row: a
+ * zero probability times a NaN would be NaN). */
+static inline const void* zero_row(const mla_sparse_attn_args* a) {
+  const int64_t d = a->rank + a->rope;
+  return a->scratch + a->heads * (d + TK + a->rank + 2);
+}
+
+/* The bf16 p.v of one tile: keys in pairs (j, j + 1), their 32-column slices interleaved
+ * (unpacklo/hi_epi16) so that one dot product multiplies both keys' values by both keys' p
+ * (rounded to bf16 by the softmax). Accumulator lane 4L + k of the "lo" vector of a 32-column
+ * slice holds column 8L + k, of the "hi" vector column 8L + 4 + k (attn_finish puts them back
+ * in order). 8 heads x 2 vectors in registers per slice. */
+static __attribute__((APP_AVX512BF16_ISA)) void pv_tile_bf16(float* P,
+                                                             const void* const* rows, int n,
+                                                             int64_t heads, int64_t rank,
+                                                             float* acc, const void* zero) {
+  uint32_t* pp = (uint32_t*)(void*)P; /* pairs of p as bf16 bits, over P's own storage: */
+  for (int64_t h = 0; h < heads; ++h) /* pair j / 2 of head h overwrites P[h * TK + j / 2] */
+    for (int j = 0; j < n; j += 2) {
+      uint32_t lo, hi = 0;
+      memcpy(&lo, P + h * TK + j, 4);
+      if (j + 1 < n) memcpy(&hi, P + h * TK + j + 1, 4);
+      pp[h * TK + j / 2] = (lo >> 16) | (hi & 0xFFFF0000u);
+    }
+  for (int64_t c = 0; c < rank; c += 32) {
+    for (int64_t h0 = 0; h0 < heads; h0 += 8) {
+      const int nh = heads - h0 < 8 ? (int)(heads - h0) : 8;
+      __m512 lo[8], hi[8];
+      for (int h = 0; h < 8; ++h) {
+        lo[h] = h < nh ? _mm512_loadu_ps(acc + (h0 + h) * rank + c) : _mm512_setzero_ps();
+        hi[h] = h < nh ? _mm512_loadu_ps(acc + (h0 + h) * rank + c + 16) : _mm512_setzero_ps();
+      }
+      for (int j = 0; j < n; j += 2) {
+        const __m512i a = _mm512_loadu_si512((const uint16_t*)rows[j] + c);
+        const __m512i b = _mm512_loadu_si512((const uint16_t*)(j + 1 < n ? rows[j + 1] : zero) + c);
+        const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < 8; ++h) {
+          if (h >= nh) break;
+          const __m512bh pv = (__m512bh)_mm512_set1_epi32((int32_t)pp[(h0 + h) * TK + j / 2]);
+          lo[h] = _mm512_dpbf16_ps(lo[h], vl, pv);
+          hi[h] = _mm512_dpbf16_ps(hi[h], vh, pv);
+        }
+      }
+      for (int h = 0; h < nh; ++h) {
+        _mm512_storeu_ps(acc + (h0 + h) * rank + c, lo[h]);
+        _mm512_storeu_ps(acc + (h0 + h) * rank + c + 16, hi[h]);
+      }
+    }
+  }
+}
+
+static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const float* qf,
+                      const void* const* rows, int n, const void* const* next, int nn,
+                      float* S, float* m, float* l, float* acc) {
+  const int64_t d = a->rank + a->rope;
+  if (a->bf16_dot)
+    qk_bf16((const uint16_t*)qrow, a->q_sh, a->heads, d, rows, n, a->q_mult, S, next, nn);
+  else
+    qk_f32(qf, a->heads, d, rows, n, a->kv_dt, a->q_mult, S, next, nn);
+  softmax_tile(S, n, a->heads, a->rank, m, l, acc, bf16_pv(a));
+  if (bf16_pv(a))
+    pv_tile_bf16(S, rows, n, a->heads, a->rank, acc, zero_row(a));
+  else
+    pv_tile(S, rows, n, a->kv_dt, a->heads, a->rank, acc);
+}
+
+/* Write head h's normalised output (v_mult * acc / l) and its LSE: natural log into out/lse,
+ * or base 2 into a partial. A head whose row named nothing gets 0 and -inf. */
+static void attn_finish(const mla_sparse_attn_args* a, int64_t row, int64_t part,
+                        const float* m, const float* l, const float* acc) {
+  const int64_t heads = a->heads, rank = a->rank;
+  const int permuted = bf16_pv(a); /* pv_tile_bf16's column order, per 32 columns */
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
+  for (int64_t h = 0; h < heads; ++h) {
+    const int empty = l[h] == 0.f;
+    const __m512 scale = _mm512_set1_ps(empty ? 0.f : a->v_mult / l[h]);
+    const float lse2 = empty ? -INFINITY : m[h] + log2f(l[h]);
+    for (int64_t c = 0; c < rank; c += 16) {
+      __m512 v = _mm512_loadu_ps(acc + h * rank + c);
+      if (permuted) {
+        const int64_t base = h * rank + (c & ~(int64_t)31);
+        v = _mm512_permutex2var_ps(_mm512_loadu_ps(acc + base), c & 16 ? second : first,
+                                   _mm512_loadu_ps(acc + base + 16));
+      }
+      const __m512 o = _mm512_mul_ps(scale, v);
+      if (part < 0)
+        app_store16(a->out, (row * heads + h) * rank + c, o, a->out_dt);
+      else
+        _mm512_storeu_ps(a->part_out + (part * heads + h) * rank + c, o);
+    }
+    if (part >= 0)
+      a->part_lse[part * heads + h] = lse2;
+    else if (a->lse)
+      a->lse[row * heads + h] = lse2 * LN2;
+  }
+}
+
+/* The row index i (>= 0) names. */
+static inline const char* row_at(const mla_sparse_attn_args* a, int64_t i, int64_t esize) {
+  return (const char*)a->kv +
+         ((i / a->block_size) * a->block_stride + (i % a->block_size) * a->row_stride) * esize;
+}
+
+/* The next up to TK rows named from entry *e on (-1 skipped; *e advanced past them). */
+static int gather(const mla_sparse_attn_args* a, const int32_t* idx, int64_t* e, int64_t e1,
+                  int64_t esize, const void** rows) {
+  int n = 0;
+  while (*e < e1 && n < TK) {
+    const int64_t i = idx[(*e)++];
+    if (i >= 0) rows[n++] = row_at(a, i, esize);
+  }
+  return n;
+}
+
+static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, int64_t e1,
+                      int64_t part) {
+  const int64_t heads = a->heads, rank = a->rank, d = rank + a->rope;
+  const int64_t esize = app_native_elem_size(a->kv_dt);
+  float* qf = a->scratch;                 /* [heads, d] (float32 path) */
+  float* S = qf + heads * d;              /* [heads, TK] */
+  float* acc = S + heads * TK;            /* [heads, rank] */
+  float* m = acc + heads * rank;          /* [heads] */
+  float* l = m + heads;                   /* [heads] */
+  const char* qrow = (const char*)a->q + row * a->q_st * esize;
+  if (!a->bf16_dot)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t e = 0; e < d; e += 16)
+        _mm512_storeu_ps(qf + h * d + e, load16(qrow + h * a->q_sh * esize, e, a->q_dt));
+  memset(acc, 0, (size_t)(heads * rank) * sizeof(float));
+  if (bf16_pv(a)) memset((void*)zero_row(a), 0, (size_t)rank * 2);
+  for (int64_t h = 0; h < heads; ++h) m[h] = -INFINITY, l[h] = 0.f;
+  const int32_t* idx = a->indices + row * a->topk;
+  const void* tiles[2][TK];
+  int64_t e = e0;
+  int cur = 0, n = gather(a, idx, &e, e1, esize, tiles[0]);
+  for (int j = 0; j < n; ++j) prefetch_lines(tiles[0][j], d * esize);
+  while (n) { /* the next tile's rows are asked for while this one is scored */
+    const int nn = gather(a, idx, &e, e1, esize, tiles[cur ^ 1]);
+    attn_tile(a, qrow, qf, tiles[cur], n, tiles[cur ^ 1], nn, S, m, l, acc);
+    cur ^= 1;
+    n = nn;
+  }
+  attn_finish(a, row, part, m, l, acc);
+}
+
+APP_NATIVE_EXPORT int64_t mla_sparse_attn_scratch_floats(int64_t heads, int64_t rank,
+                                                         int64_t rope) {
+  return heads * (rank + rope + TK + rank + 2) + rank / 2 + 16;
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {
+  if (!attn_dims_ok(a)) return 1;
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 4 * it;
+    attn_item(a, item[0], item[1], item[2], item[3]);
+  }
+  return 0;
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a) {
+  if (!attn_dims_ok(a)) return 1;
+  const int64_t heads = a->heads, rank = a->rank;
+  for (int64_t r = 0; r < a->n_merge; ++r)
+    if (a->merge[3 * r + 2] < 1 || a->merge[3 * r + 2] > 64) return 1;
+  for (int64_t r = 0; r < a->n_merge; ++r) {
+    const int64_t row = a->merge[3 * r], first = a->merge[3 * r + 1], parts = a->merge[3 * r + 2];
+    for (int64_t h = 0; h < heads; ++h) {
+      float mx = -INFINITY;
+      int nan = 0;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float v = a->part_lse[(first + p) * heads + h];
+        nan |= isnan(v);
+        if (v > mx) mx = v;
+      }
+      float w[64], total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float v = a->part_lse[(first + p) * heads + h];
+        w[p] = nan ? NAN : (mx == -INFINITY ? 0.f : exp2f(v - mx));
+        total += w[p];
+      }
+      const float inv = total == 0.f ? 0.f : 1.f / total;
+      for (int64_t c = 0; c < rank; c += 16) {
+        __m512 o = _mm512_setzero_ps();
+        for (int64_t p = 0; p < parts; ++p)
+          o = _mm512_fmadd_ps(_mm512_set1_ps(w[p] * inv),
+                              _mm512_loadu_ps(a->part_out + ((first + p) * heads + h) * rank + c),
+                              o);
+        app_store16(a->out, (row * heads + h) * rank + c, o, a->out_dt);
+      }
+      if (a->lse)
+        a->lse[row * heads + h] = (total == 0.f && !nan) ? -INFINITY
+                                                         : (mx + log2f(total)) * LN2;
+    }
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The lightning indexer's scores */
+
+#define KB 4 /* indexer: keys per register tile */
+#define HG 4 /* indexer: blocks of 16 heads per register tile */
+
+/* Row r's q packed heads-minor, hp = heads rounded up to 16 (the padding heads 0): uint32 bf16
+ * pairs Q[pair * hp + h] on the dot path, else float32 Q[dim * hp + h]; wt[h] its weights
+ * (0 for the padding). */
+static void pack_row(const mla_sparse_index_args* a, int64_t r, int64_t hp, float* qt,
+                     float* wt) {
+  const int64_t heads = a->heads, dim = a->dim, qsize = app_native_elem_size(a->q_dt);
+  const char* q = (const char*)a->q + r * a->q_st * qsize;
+  if (a->bf16_dot) {
+    uint32_t* Q = (uint32_t*)(void*)qt;
+    for (int64_t p = 0; p < dim / 2; ++p)
+      for (int64_t h = 0; h < hp; ++h)
+        if (h < heads)
+          memcpy(Q + p * hp + h, q + (h * a->q_sh + 2 * p) * qsize, 4);
+        else
+          Q[p * hp + h] = 0;
+  } else {
+    for (int64_t e = 0; e < dim; ++e)
+      for (int64_t h = 0; h < hp; ++h)
+        qt[e * hp + h] = h < heads ? app_load_elem(q + h * a->q_sh * qsize, e, a->q_dt) : 0.f;
+  }
+  for (int64_t h = 0; h < hp; ++h) wt[h] = h < heads ? a->weights[r * heads + h] : 0.f;
+}
+
+/* sum_h wt[h] * relu(c[h]) over 16 heads of one block, added to what s holds. */
+static inline __m512 weigh(__m512 s, const float* wt, __m512 c) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(wt), _mm512_max_ps(_mm512_setzero_ps(), c), s);
+}
+
+/* The scores of KB keys (rows k[0..KB)) for one packed row, on AVX512-BF16 dot products: the
+ * heads along the vector lanes, each key's bf16 pair broadcast. */
+static __attribute__((APP_AVX512BF16_ISA)) void keys_bf16(const uint32_t* Q, const float* wt,
+                                                          int64_t hp, int64_t pairs,
+                                                          const char* const* k, float* out) {
+  __m512 s[KB];
+  for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+  int64_t hb = 0;
+  for (; hb + 16 * HG <= hp; hb += 16 * HG) {
+    __m512 c[KB][HG];
+    for (int j = 0; j < KB; ++j)
+      for (int g = 0; g < HG; ++g) c[j][g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh qv[HG];
+      for (int g = 0; g < HG; ++g)
+        qv[g] = (__m512bh)_mm512_loadu_si512((const void*)(Q + p * hp + hb + 16 * g));
+      for (int j = 0; j < KB; ++j) {
+        uint32_t bits;
+        memcpy(&bits, k[j] + 4 * p, sizeof bits);
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32((int32_t)bits);
+        for (int g = 0; g < HG; ++g) c[j][g] = _mm512_dpbf16_ps(c[j][g], qv[g], kv);
+      }
+    }
+    for (int j = 0; j < KB; ++j)
+      for (int g = 0; g < HG; ++g) s[j] = weigh(s[j], wt + hb + 16 * g, c[j][g]);
+  }
+  for (; hb < hp; hb += 16) {
+    __m512 c[KB];
+    for (int j = 0; j < KB; ++j) c[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(Q + p * hp + hb));
+      for (int j = 0; j < KB; ++j) {
+        uint32_t bits;
+        memcpy(&bits, k[j] + 4 * p, sizeof bits);
+        c[j] = _mm512_dpbf16_ps(c[j], qv, (__m512bh)_mm512_set1_epi32((int32_t)bits));
+      }
+    }
+    for (int j = 0; j < KB; ++j) s[j] = weigh(s[j], wt + hb, c[j]);
+  }
+  for (int j = 0; j < KB; ++j) out[j] = _mm512_reduce_add_ps(s[j]);
+}
+
+/* As keys_bf16 in float32 FMAs, q packed as float32, keys of type dt. */
+static void keys_f32(const float* Q, const float* wt, int64_t hp, int64_t dim,
+                     const char* const* k, int dt, float* out) {
+  __m512 s[KB];
+  for (int j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+  for (int64_t hb = 0; hb < hp; hb += 16) {
+    __m512 c[KB];
+    for (int j = 0; j < KB; ++j) c[j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < dim; ++e) {
+      const __m512 qv = _mm512_loadu_ps(Q + e * hp + hb);
+      for (int j = 0; j < KB; ++j)
+        c[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(app_load_elem(k[j], e, dt)), c[j]);
+    }
+    for (int j = 0; j < KB; ++j) s[j] = weigh(s[j], wt + hb, c[j]);
+  }
+  for (int j = 0; j < KB; ++j) out[j] = _mm512_reduce_add_ps(s[j]);
+}
+
+/* Walks a request's key positions in order through its block table: one division when it
+ * starts, none per key (a division per key cost a quarter of the indexer's time). */
+typedef struct key_cursor {
+  const mla_sparse_index_args* a;
+  const int32_t* table;
+  int64_t block, offset, esize;
+} key_cursor;
+
+static inline key_cursor cursor_at(const mla_sparse_index_args* a, const int32_t* table,
+                                   int64_t pos, int64_t esize) {
+  key_cursor c = {a, table, pos / a->block_size, pos % a->block_size, esize};
+  return c;
+}
+
+/* The row under the cursor; the cursor moves to the next position. */
+static inline const char* cursor_next(key_cursor* c) {
+  const char* row = (const char*)c->a->key_cache +
+                    ((int64_t)c->table[c->block] * c->a->block_stride +
+                     c->offset * c->a->row_stride) * c->esize;
+  if (++c->offset == c->a->block_size) c->offset = 0, ++c->block;
+  return row;
+}
+
+static void index_item(const mla_sparse_index_args* a, int64_t b, int64_t r0, int64_t r1,
+                       int64_t k0, int64_t k1) {
+  const int32_t* table = a->block_table + b * a->bt_stride;
+  const int64_t hp = app_round_up(a->heads, 16), esize = app_native_elem_size(a->key_dt);
+  const int64_t bytes = a->dim * esize;
+  float* qt = a->scratch; /* hp * dim */
+  float* wt = qt + hp * a->dim;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* srow = a->scores + (r - a->score_row0) * a->score_stride;
+    const int64_t end = a->visible[r] < k1 ? a->visible[r] : k1;
+    if (k0 < end) pack_row(a, r, hp, qt, wt);
+    key_cursor at = cursor_at(a, table, k0, esize);
+    key_cursor ahead = cursor_at(a, table, k0, esize); /* 4 tiles ahead: asked for */
+    for (int64_t j = k0; j < k0 + 4 * KB && j < end; ++j) prefetch_lines(cursor_next(&ahead), bytes);
+    for (int64_t p = k0; p < end; p += KB) {
+      const int64_t nk = end - p < KB ? end - p : KB;
+      const char* k[KB];
+      float got[KB];
+      for (int j = 0; j < KB; ++j) k[j] = j < nk ? cursor_next(&at) : k[0];
+      for (int64_t j = p + 4 * KB; j < p + 5 * KB && j < end; ++j)
+        prefetch_lines(cursor_next(&ahead), bytes);
+      if (a->bf16_dot)
+        keys_bf16((const uint32_t*)(const void*)qt, wt, hp, a->dim / 2, k, got);
+      else
+        keys_f32(qt, wt, hp, a->dim, k, a->key_dt, got);
+      for (int64_t j = 0; j < nk; ++j) srow[p + j] = got[j];
+    }
+    for (int64_t p = end > k0 ? end : k0; p < k1; ++p) srow[p] = -INFINITY;
+  }
+}
+
+APP_NATIVE_EXPORT int64_t mla_sparse_index_scratch_floats(int64_t heads, int64_t dim) {
+  return app_round_up(heads, 16) * (dim + 1);
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_index_run(const mla_sparse_index_args* a) {
+  const int dts = a->key_dt == APP_DT_F32 || a->key_dt == APP_DT_BF16 || a->key_dt == APP_DT_F16;
+  const int qdts = a->q_dt == APP_DT_F32 || a->q_dt == APP_DT_BF16 || a->q_dt == APP_DT_F16;
+  if (!dts || !qdts || a->heads < 1 || a->dim < 1 || a->block_size < 1 ||
+      (a->bf16_dot && (a->key_dt != APP_DT_BF16 || a->q_dt != APP_DT_BF16 || a->dim % 2)))
+    return 1;
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 5 * it;
+    if (item[2] - item[1] > IR || item[2] < item[1]) return 1;
+  }
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 5 * it;
+    index_item(a, item[0], item[1], item[2], item[3], item[4]);
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Top-k */
+
+/* x's order-preserving unsigned key (-0 and +0 the same key, as they compare equal). */
+static inline uint32_t order_key(float x) {
+  x += 0.0f;
+  uint32_t b;
+  memcpy(&b, &x, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* The k-th largest (1 <= k <= n) of keys[0 .. n). */
+static uint32_t kth_largest(const uint32_t* keys, int64_t n, int64_t k) {
+  uint32_t prefix = 0, mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    int64_t hist[256];
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < n; ++i)
+      if ((keys[i] & mask) == prefix) ++hist[(keys[i] >> shift) & 0xFFu];
+    int b = 255;
+    while (b > 0 && hist[b] < k) k -= hist[b--];
+    prefix |= (uint32_t)b << shift;
+    mask |= 0xFFu << shift;
+  }
+  return prefix;
+}
+
+APP_NATIVE_EXPORT int32_t mla_sparse_topk(const float* scores, int64_t score_stride,
+                                          const int64_t* count, int64_t first_row,
+                                          int64_t end_row, int64_t topk, int32_t* out,
+                                          int64_t out_stride, int32_t* flags,
+                                          uint32_t* scratch) {
+  if (topk < 1) return 1;
+  for (int64_t t = first_row; t < end_row; ++t) {
+    const float* s = scores + t * score_stride;
+    const int64_t n = count[t];
+    int32_t* o = out + t * out_stride;
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      memcpy(&bits, s + i, sizeof bits);
+      bad |= (bits & 0x7F800000u) == 0x7F800000u;
+      scratch[i] = order_key(s[i]);
+    }
+    flags[t] = bad;
+    if (bad) continue;
+    if (n <= topk) {
+      for (int64_t i = 0; i < n; ++i) o[i] = (int32_t)i;
+      continue;
+    }
+    const uint32_t kth = kth_largest(scratch, n, topk);
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; ++i) above += scratch[i] > kth;
+    int64_t room = topk - above, w = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = scratch[i];
+      if (u > kth || (u == kth && room-- > 0)) o[w++] = (int32_t)i;
+    }
+  }
+  return 0;
+}
