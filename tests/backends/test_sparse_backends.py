@@ -252,3 +252,48 @@ def test_a_badly_typed_sparse_declaration_is_refused() -> None:
     with use_container(create_container(SPARSE, CpuPlatform())), \
             pytest.raises(TypeError, match="supports_sparse = 'yes': expected a bool"):
         register_mla_decode_backend("BAD_SPARSE", Bad)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_ds_mla"])
+def test_torch_sparse_decode_reads_an_fp8_cache_as_its_dequantised_values(
+        kv_cache_dtype: str) -> None:
+    """TORCH_SPARSE over an FP8 cache equals TORCH_SPARSE over the float32 values that
+    cache holds (the named rows dequantised as they are gathered, the per-layer scale in both
+    the logits and the values), NaN included; selection lists it for those cache dtypes."""
+    from app.kvcache.cache_dtypes import (
+        dequantize_fp8_ds_mla,
+        dequantize_fp8_per_layer,
+        quantize_fp8_ds_mla,
+        quantize_fp8_per_layer,
+    )
+
+    torch.manual_seed(0)
+    rank, rope, heads, scale = 128, 64, 4, 0.06
+    latent = torch.randn(3, 16, rank + rope)
+    latent[1, 2, 5] = float("nan")               # slot 18: named by request 1 only
+    if kv_cache_dtype == "fp8":
+        k_scale = 0.0125
+        cache, _ = quantize_fp8_per_layer(latent, k_scale)
+        values = dequantize_fp8_per_layer(cache, k_scale, torch.float32)
+    else:
+        k_scale = 1.0
+        cache = quantize_fp8_ds_mla(latent, rank)
+        values = dequantize_fp8_ds_mla(cache, rank, rope).float()
+    table = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    lens = torch.tensor([30, 32], dtype=torch.int32)
+    indices = torch.tensor([[[0, 3, 3, -1, 17]], [[18, 20, 40, -1, -1]]], dtype=torch.int32)
+    q = torch.randn(2, 1, heads, rank + rope)
+    fp8 = TorchSparseDecodeBackend(heads, scale, rank, rope, kv_cache_dtype)
+    plain = TorchSparseDecodeBackend(heads, scale, rank, rope, torch.float32)
+    for backend in (fp8, plain):
+        backend.prepare_metadata(MLADecodeMetadata.build(table, lens, 1))
+    out, lse = fp8.run_sparse_decode(q, cache, indices, return_softmax_lse=True,
+                                     k_scale=k_scale)
+    ref, ref_lse = plain.run_sparse_decode(q, values, indices, return_softmax_lse=True)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:, 0], ref_lse[:, 0], rtol=1e-5, atol=1e-5)
+    config = MLADecodeSelectorConfig(dtype=torch.bfloat16, kv_lora_rank=rank,
+                                     qk_rope_head_dim=rope, num_heads=heads, block_size=16,
+                                     kv_cache_dtype=kv_cache_dtype, index_topk=8)
+    assert TorchSparseDecodeBackend.validate_configuration(None, config) == []

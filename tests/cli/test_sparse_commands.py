@@ -83,3 +83,21 @@ def test_kv_plan_shows_the_indexer_keys_and_bytes_per_token(
     text = capsys.readouterr().out
     assert "61 x IndexerKeyCacheSpec (256 B/token per layer)" in text
     assert "bytes per token: 85888" in text
+
+
+def test_run_on_a_sparse_checkpoint_with_an_fp8_cache(
+        sparse_checkpoint: tuple[Any, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """A sparse model over an ``fp8`` latent cache: the engine computes what the float64
+    check's dtype reference computes with its keys and values through the same cache (so the
+    check passes with the derived tolerance), and the pool says which cache it keeps."""
+    _, path = sparse_checkpoint
+    assert main(["run", "--json", "--model", str(path), "--dtype", "float32",
+                 "--kv-cache-dtype", "fp8", "--num-requests", "3", "--min-len", "20",
+                 "--max-len", "80", "--step-tokens", "48", "--min-new-tokens", "2",
+                 "--max-new-tokens", "5", "--num-blocks", "128", "--no-progress",
+                 "--no-malloc-tuning"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    check = result["check"]
+    assert check["passed"] is True and check["token_mismatches"] == 0
+    assert check["max_relative_error"] <= 1.01 * check["dtype_max_relative_error"] + 1e-6
+    assert result["kv_cache"]["pool"]["kv_cache_dtype"] == "fp8"

@@ -16,6 +16,8 @@ float32; chunks keep that gather under ``GATHER_BUDGET`` floats whatever the ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["GATHER_BUDGET", "sparse_attention_rows"]
@@ -25,14 +27,19 @@ GATHER_BUDGET = 1 << 24
 
 
 def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                          kv_lora_rank: int, scale: float, value_scale: float = 1.0
+                          kv_lora_rank: int, scale: float, value_scale: float = 1.0,
+                          decode_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [T, H, D]`` over the rows of ``kv [N, D]`` that ``indices [T, topk]``
     (int32, ``-1`` padding, checked to be in ``[-1, N)``) names, in float32.
 
     Logits are ``scale * (q . k)``, the output ``value_scale * sum(p * v)`` with ``v`` the first
-    ``kv_lora_rank`` values of each row. Returns ``(out [T, H, kv_lora_rank], lse [T, H])``,
-    both float32 (natural log; ``-inf`` where a row names nothing)."""
+    ``kv_lora_rank`` values of each row. ``decode_rows``: stored rows -> ``[n, D]`` values, for a
+    cache whose rows are not the values themselves (``kv [N, row_width]`` of an ``fp8_ds_mla``
+    cache: only the named rows are dequantised, as they are gathered; an ``fp8_e4m3`` cache
+    needs none: its values times ``k_scale``, which the caller puts in both scales). Returns
+    ``(out [T, H, kv_lora_rank], lse [T, H])``, both float32 (natural log; ``-inf`` where a row
+    names nothing)."""
     tokens, heads, dim = q.shape
     topk = int(indices.shape[1])
     out = torch.empty(tokens, heads, kv_lora_rank, dtype=torch.float32, device=q.device)
@@ -44,8 +51,11 @@ def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
         end = min(start + chunk, tokens)
         idx = indices[start:end].to(torch.long)
         pad = idx < 0
-        rows = kv.index_select(0, idx.clamp(min=0).reshape(-1)).view(end - start, topk, dim)
-        rows = rows.to(torch.float32).masked_fill_(pad.unsqueeze(-1), 0.0)
+        rows = kv.index_select(0, idx.clamp(min=0).reshape(-1))
+        if decode_rows is not None:
+            rows = decode_rows(rows)
+        rows = rows.view(end - start, topk, dim).to(torch.float32)
+        rows.masked_fill_(pad.unsqueeze(-1), 0.0)
         scores = torch.bmm(q[start:end].to(torch.float32), rows.transpose(1, 2)).mul_(scale)
         scores.masked_fill_(pad.unsqueeze(1), float("-inf"))
         lg = torch.logsumexp(scores, dim=-1)                        # [c, H]

@@ -144,6 +144,18 @@ class SparseMLAExecutor:
             self.cache.write(slots, latent)
         return q, q_resid
 
+    def _prefill_rows(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the sparse prefill verb reads: the latent cache viewed flat with ``chosen``
+        slots, or for an FP8 cache the rows ``chosen`` names, dequantised once (as the dense
+        prefill dequantises the context it gathers), with ``chosen`` renumbered into them."""
+        if not self.cache.format.quantized:
+            return self.cache.data.view(-1, self.layer.latent_dim), chosen
+        named = chosen >= 0
+        slots, order = torch.unique(chosen[named].to(torch.int64), return_inverse=True)
+        local = torch.full_like(chosen, -1)
+        local[named] = order.to(chosen.dtype)
+        return self.cache.gather(slots), local
+
     def run_prefill(self, x: torch.Tensor, plan: SparsePrefillPlan,
                     selection: SparseSelection) -> torch.Tensor:
         """One layer of a planned prefill step: ``x [T, hidden]`` -> ``[T, hidden]``."""
@@ -154,8 +166,8 @@ class SparseMLAExecutor:
         with self.timer.phase("absorption"):
             q_abs = layer.absorb_query(q)
         with self.timer.phase("attention_sparse"):
-            out = self.prefill_backend.run_sparse_prefill(
-                q_abs, self.cache.data.view(-1, layer.latent_dim), chosen)
+            kv, chosen = self._prefill_rows(chosen)
+            out = self.prefill_backend.run_sparse_prefill(q_abs, kv, chosen)
         if not isinstance(out, torch.Tensor):  # pragma: no cover - no LSE was asked for
             raise TypeError("run_sparse_prefill returned a tuple without return_softmax_lse")
         with self.timer.phase("absorption"):
@@ -175,8 +187,9 @@ class SparseMLAExecutor:
         with self.timer.phase("absorption"):
             q_abs = layer.absorb_query(q).view(b, n, layer.num_heads, layer.latent_dim)
         with self.timer.phase("attention_sparse"):
-            out = self.decode_backend.run_sparse_decode(q_abs, self.cache.data,
-                                                        chosen.view(b, n, -1))
+            out = self.decode_backend.run_sparse_decode(
+                q_abs, self.cache.data, chosen.view(b, n, -1),
+                k_scale=self.cache.k_scale if self.cache.format.per_layer_scale else None)
         if not isinstance(out, torch.Tensor):  # pragma: no cover - no LSE was asked for
             raise TypeError("run_sparse_decode returned a tuple without return_softmax_lse")
         with self.timer.phase("absorption"):
