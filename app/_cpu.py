@@ -1,5 +1,7 @@
-"""Facts about this machine's CPU that the platform and the CPU kernels both read: its vector
-features, read from the CPU itself (not torch's capability string). Public as
+"""Facts about this machine (the host) that the platform, the CPU kernels and the engine read:
+its CPU's vector features, read from the CPU itself (not torch's capability string); the
+memory a new allocation can get now (read, never assumed); and how host values reach a device
+without the host waiting for it (``copy_to_device``). Public as
 :mod:`app.platforms.cpu_features`; it lives here, below every other module, so kernels and
 the layer can read it without importing the platforms package.
 
@@ -22,6 +24,7 @@ The features that decide kernels here:
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import threading
 from pathlib import Path
@@ -29,8 +32,9 @@ from pathlib import Path
 import attrs
 import torch
 
-__all__ = ["CPUINFO_PATH", "FEATURE_NAMES", "CpuFeatures", "cpu_has_native_bf16",
-           "detect_cpu_features", "parse_cpuinfo", "read_cpu_features"]
+__all__ = ["CPUINFO_PATH", "FEATURE_NAMES", "CpuFeatures", "available_host_bytes",
+           "copy_to_device", "cpu_has_native_bf16", "detect_cpu_features", "parse_cpuinfo",
+           "physical_memory_bytes", "read_cpu_features"]
 
 #: Where Linux publishes the CPU's flags.
 CPUINFO_PATH = Path("/proc/cpuinfo")
@@ -151,3 +155,35 @@ def cpu_has_native_bf16() -> bool:
     """Whether bf16 products run natively (AVX512-BF16 or AMX-BF16, read from the CPU);
     plain AVX2 / AVX512 convert through float32."""
     return detect_cpu_features().fast_bfloat16
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The CPU tensor ``host`` on ``device``, without a host-device synchronisation: ``host``
+    itself on the CPU; elsewhere an asynchronous copy from pinned memory (a plain ``.to(device)``
+    of pageable memory waits for every kernel queued before it). The copy is queued on the
+    current stream, before any kernel that reads it; the pinned staging buffer is not reused
+    until the copy is done (torch's caching host allocator records that)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def physical_memory_bytes() -> int | None:
+    """The host's physical memory; None where ``sysconf`` cannot tell."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def available_host_bytes() -> int | None:
+    """Host memory a new allocation can get now: ``MemAvailable`` of ``/proc/meminfo`` (free
+    plus reclaimable), else the physical memory; None when neither can be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory_bytes()

@@ -28,7 +28,6 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from app import _container_state
 from app._container_state import (
     CountedCallable,
     CountedContainer,
@@ -36,7 +35,12 @@ from app._container_state import (
     CountedObject,
     CountedSingleton,
     activate,
+    active_container,
+    install_default_factory,
+    reset_default,
+    set_default,
 )
+from app._container_state import check_container as _check_container
 from app._imports import import_object
 from app.backends.registry import DECODE, PREFILL
 from app.backends.selection import SelectionCache, select_backend
@@ -183,28 +187,28 @@ def create_container(config: EngineConfig | Mapping[str, Any] | None = None,
 def check_container(container: object, where: str) -> Application:
     """``container`` if it is an ``Application`` container; ``TypeError`` naming ``where``
     (the caller), what is expected and what was given otherwise."""
-    checked: Application = _container_state.check_container(container, where)
+    checked: Application = _check_container(container, where)
     return checked
 
 
 def get_container() -> Application:
     """The active container: the innermost ``use_container``, else the process default."""
-    current: Application = _container_state.active_container()
+    current: Application = active_container()
     return current
 
 
 def set_default_container(container: Application) -> None:
     """Replace the process-default container (an engine calls this once at start-up)."""
-    _container_state.set_default(check_container(container, "set_default_container"))
+    set_default(check_container(container, "set_default_container"))
 
 
 def reset_default_container() -> None:
     """Drop the process-default container; the next ``get_container()`` builds a fresh one."""
-    _container_state.reset_default()
+    reset_default()
 
 
 # The process default is built on first use, by this module's factory.
-_container_state.install_default_factory(create_container)
+install_default_factory(create_container)
 
 
 @contextlib.contextmanager

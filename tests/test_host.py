@@ -1,4 +1,4 @@
-"""``app._host``: the memory there is, read from the host."""
+"""``app._cpu``: the memory there is, read from the host."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from app import _host
+from app import _cpu
 
 
 def test_available_memory_is_read_and_bounded_by_the_physical_memory() -> None:
-    have, physical = _host.available_host_bytes(), _host.physical_memory_bytes()
+    have, physical = _cpu.available_host_bytes(), _cpu.physical_memory_bytes()
     assert have is None or have > 0
     if have is not None and physical is not None:
         assert have <= physical
@@ -26,4 +26,4 @@ def test_without_meminfo_the_physical_memory_is_used(monkeypatch: pytest.MonkeyP
         return real(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", no_meminfo)
-    assert _host.available_host_bytes() == _host.physical_memory_bytes()
+    assert _cpu.available_host_bytes() == _cpu.physical_memory_bytes()

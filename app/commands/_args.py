@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from app._cpu import available_host_bytes
 from app._files import check_writable_file
-from app._host import available_host_bytes
 from app._validation import INT32_MAX
 from app.platforms.detect import default_device
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app._host import available_host_bytes
+from app._cpu import available_host_bytes
 from app.config import EngineConfig
 from app.model.cache import available_memory_bytes, check_cache_fits
 

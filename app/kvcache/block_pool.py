@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from app._host import available_host_bytes
+from app._cpu import available_host_bytes
 from app._validation import INT32_MAX, check_int, is_int
 from app.kvcache.blocks import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 

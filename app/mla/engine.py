@@ -66,7 +66,7 @@ from app.kvcache.grouping import (
     get_kv_cache_groups,
 )
 from app.kvcache.kv_cache_manager import KVCacheManager
-from app.mla import nonfinite
+from app.mla.nonfinite import decode_rows_alone, trusted_rows, verify_rows
 from app.mla.requests import (
     EngineStats,
     FinishReason,
@@ -384,14 +384,14 @@ class MLAEngine:
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
         choice = self.model.greedy(hidden)
-        hidden, choice, first_bad = nonfinite.trusted_rows(
+        hidden, choice, first_bad = trusted_rows(
             self.model, self.decode_backend_class, tables, dones, ids, q, hidden, choice)
         count = 0
         failing: list[int] = []
         with self.timer.phase("schedule"):
             for b, st in enumerate(states):
                 rows = slice(b * q, (b + 1) * q)
-                verdict = nonfinite.verify_rows(st.drafts if k else [], choice.tokens[rows],
+                verdict = verify_rows(st.drafts if k else [], choice.tokens[rows],
                                                 first_bad[b])
                 done = dones[b]
                 out = self._emit(st, verdict.tokens, choice.margins[rows],
@@ -409,7 +409,7 @@ class MLAEngine:
                 st.drafts = []
                 count += len(out)
         if failing:
-            message = self._locate(lambda watch: nonfinite.decode_rows_alone(
+            message = self._locate(lambda watch: decode_rows_alone(
                 self.model, tables, dones, ids, q, watch, only=failing))
             for b in failing:
                 self._fail(states[b], message, reasons)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app._host import physical_memory_bytes
+from app._cpu import physical_memory_bytes
 from app._validation import check_int_at_least
 from app.kvcache.cache_dtypes import LatentCacheFormat
 

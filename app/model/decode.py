@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from app._host import copy_to_device
+from app._cpu import copy_to_device
 from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
@@ -82,7 +82,7 @@ def plan_decode_step(block_tables: Sequence[torch.Tensor], num_computed: Sequenc
     a request's), its rows come after the real ones and mean nothing.
 
     Everything is computed on the host and reaches ``device`` by asynchronous copies from
-    pinned memory (``app._host.copy_to_device``): planning never waits for the device, and
+    pinned memory (``app._cpu.copy_to_device``): planning never waits for the device, and
     nothing is read back from it.
     """
     if len(block_tables) != len(num_computed):

@@ -30,8 +30,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from app._cpu import detect_cpu_features
-from app._host import copy_to_device
+from app._cpu import copy_to_device, detect_cpu_features
 from app._validation import check_int_at_least
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.prefill.base import MLAPrefillBackend

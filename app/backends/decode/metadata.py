@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from app._host import copy_to_device
+from app._cpu import copy_to_device
 from app._validation import INT32_MAX, check_dense, is_int
 
 __all__ = [
@@ -140,7 +140,7 @@ class MLADecodeMetadata:
 
         ``device``: where the kernels run, for a caller that has the layout on the host (an
         engine's planner): ``block_table`` / ``seq_lens`` on the CPU are checked there and
-        copied to ``device`` once, asynchronously (``app._host.copy_to_device``), never read
+        copied to ``device`` once, asynchronously (``app._cpu.copy_to_device``), never read
         back; those copies are ``block_table`` / ``seq_lens`` and ``on_device(device)``.
         Without it, the tensors given are kept as they are (host snapshots are read from
         them: a readback when they live on a GPU)."""
