@@ -25,13 +25,18 @@ time it is asked for, and a backend whose kernel package is missing says so thro
 """
 
 from app._types import DeviceCapability, MLADimensions
-from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
+from app.backends.decode.base import (
+    MLADecodeBackend,
+    MLADecodeSelectorConfig,
+    MLASparseDecodeBackend,
+)
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.prefill.base import (
     ContextChunkMetadata,
     MLAPrefillBackend,
     MLAPrefillMetadata,
     MLAPrefillSelectorConfig,
+    MLASparsePrefillBackend,
 )
 from app.backends.seed_api import (
     MLADecodeBackendEnum,
@@ -62,6 +67,8 @@ __all__ = [
     "MLAPrefillBackendEnum",
     "MLAPrefillMetadata",
     "MLAPrefillSelectorConfig",
+    "MLASparseDecodeBackend",
+    "MLASparsePrefillBackend",
     "SparseIndexer",
     "SparseIndexerMetadata",
     "TorchSparseIndexer",

@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from app.config import EngineConfig
 
 __all__ = ["MAX_QUERY_LEN", "DecodeMetadata", "MLADecodeBackend", "MLADecodeMetadata",
-           "MLADecodeSelectorConfig"]
+           "MLADecodeSelectorConfig", "MLASparseDecodeBackend"]
 
 
 def _latent_pairs(value: object) -> bool:
@@ -577,3 +577,24 @@ class MLADecodeBackend(BackendDeclarations):
                 "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
                 "kv_cache_dtype": str(self.kv_cache_dtype),
                 "kv_cache_format": self.kv_cache_format}
+
+
+class MLASparseDecodeBackend(MLADecodeBackend):
+    """Base of a decode backend that runs sparse attention only (``supports_dense = False``):
+    implement ``_run_sparse_decode``; the base refuses the dense verbs before any hook."""
+
+    supports_dense: ClassVar[bool] = False
+    supports_sparse: ClassVar[bool] = True
+
+    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                    k_scale: float) -> None:
+        """Never called: the base refuses dense calls to a sparse-only backend."""
+        raise NotImplementedError(f"{type(self).__name__} runs sparse attention only")
+
+    @abstractmethod
+    def _run_sparse_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor,
+                           kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor | None, softmax_scale: float,
+                           k_scale: float) -> None:
+        """The sparse kernel (see ``MLADecodeBackend._run_sparse_decode``)."""

@@ -25,20 +25,18 @@ from app.backends.cpu.sparse_kernel import (
     sparse_kernel_status,
     sparse_kernel_unavailable_reason,
 )
-from app.backends.decode.base import MLADecodeBackend
+from app.backends.decode.base import MLASparseDecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.workspaces import WorkspaceSource
 
 __all__ = ["CpuSparseDecodeBackend"]
 
 
-class CpuSparseDecodeBackend(MLADecodeBackend):
+class CpuSparseDecodeBackend(MLASparseDecodeBackend):
     """Sparse absorbed MLA decode on the CPU through the native kernel (see the module)."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32)
-    supports_dense: ClassVar[bool] = False
-    supports_sparse: ClassVar[bool] = True
     #: A CPU backend: never on a GPU.
     compute_capabilities: ClassVar[ComputeCapabilities] = NO_GPU
     #: Whether the native sparse kernels build, load and pass their self-test here.
@@ -77,12 +75,6 @@ class CpuSparseDecodeBackend(MLADecodeBackend):
                 raise ValueError(self.unavailable_reason())
             found = self._kernel = (kernel, has_bf16_dot())
         return found
-
-    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
-                    k_scale: float) -> None:
-        """Never called: the base refuses dense calls to a sparse-only backend."""
-        raise NotImplementedError("CPU_MLA_SPARSE runs sparse attention only")
 
     def _run_sparse_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor,
                            kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,

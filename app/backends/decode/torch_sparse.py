@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from app.backends.decode.base import MLADecodeBackend
+from app.backends.decode.base import MLASparseDecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.sparse.attention import sparse_attention_rows
 from app.kvcache.cache_dtypes import dequantize_fp8_ds_mla
@@ -23,23 +23,15 @@ from app.kvcache.cache_dtypes import dequantize_fp8_ds_mla
 __all__ = ["TorchSparseDecodeBackend"]
 
 
-class TorchSparseDecodeBackend(MLADecodeBackend):
+class TorchSparseDecodeBackend(MLASparseDecodeBackend):
     """Sparse absorbed MLA decode in plain torch: any device, any block size, fp16/bf16/fp32
     caches; ``out [B, query_len, H, kv_lora_rank]`` in q's dtype and the natural-log LSE."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
-    supports_dense: ClassVar[bool] = False
-    supports_sparse: ClassVar[bool] = True
     #: Every cache dtype: FP8 rows are dequantised to float32 as they are gathered.
     supported_kv_cache_dtypes: ClassVar[Sequence[str] | None] = (
         "auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
-
-    def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
-                    k_scale: float) -> None:
-        """Never called: the base refuses dense calls to a sparse-only backend."""
-        raise NotImplementedError("TORCH_SPARSE runs sparse attention only")
 
     def _run_sparse_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor,
                            kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,

@@ -67,6 +67,7 @@ __all__ = [
     "MLAPrefillBackend",
     "MLAPrefillMetadata",
     "MLAPrefillSelectorConfig",
+    "MLASparsePrefillBackend",
     "StepCache",
 ]
 
@@ -571,3 +572,23 @@ def _describe(value: object) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(_describe(v) for v in value) + ")"
     return type(value).__name__
+
+
+class MLASparsePrefillBackend(MLAPrefillBackend):
+    """Base of a prefill backend that runs sparse attention only (``supports_dense = False``):
+    implement ``_run_sparse_prefill``; the base refuses the dense verbs before any hook."""
+
+    supports_dense: ClassVar[bool] = False
+    supports_sparse: ClassVar[bool] = True
+
+    def _run_prefill(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
+                     ) -> None:
+        """Never called: the base refuses dense calls to a sparse-only backend."""
+        raise NotImplementedError(f"{type(self).__name__} runs sparse attention only")
+
+    @abstractmethod
+    def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
+                            k_scale: float) -> None:
+        """The sparse kernel (see ``MLAPrefillBackend._run_sparse_prefill``)."""

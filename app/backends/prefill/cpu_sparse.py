@@ -23,8 +23,7 @@ from app.backends.cpu.sparse_kernel import (
     sparse_kernel_status,
     sparse_kernel_unavailable_reason,
 )
-from app.backends.prefill.base import MLAPrefillBackend
-from app.backends.prefill.metadata import RaggedLayout
+from app.backends.prefill.base import MLASparsePrefillBackend
 
 if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
@@ -33,15 +32,13 @@ if TYPE_CHECKING:
 __all__ = ["CpuSparsePrefillBackend"]
 
 
-class CpuSparsePrefillBackend(MLAPrefillBackend):
+class CpuSparsePrefillBackend(MLASparsePrefillBackend):
     """Sparse absorbed MLA prefill on the CPU through the native kernel (see the module):
     ``out [T, H, kv_lora_rank]`` in q's dtype (``out=`` written in place) and the LSE."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
     supports_out: ClassVar[bool] = True
-    supports_dense: ClassVar[bool] = False
-    supports_sparse: ClassVar[bool] = True
     #: A CPU backend: never on a GPU.
     compute_capabilities: ClassVar[ComputeCapabilities] = NO_GPU
     #: Whether the native sparse kernels build, load and pass their self-test here.
@@ -69,12 +66,6 @@ class CpuSparsePrefillBackend(MLAPrefillBackend):
             raise ValueError(f"{type(self).__name__}: kv_lora_rank must be a positive multiple "
                              f"of 64 and qk_rope_head_dim a multiple of 32, got {kv_lora_rank} "
                              f"and {qk_rope_head_dim}")
-
-    def _run_prefill(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
-                     ) -> None:
-        """Never called: the base refuses dense calls to a sparse-only backend."""
-        raise NotImplementedError("CPU_MLA_SPARSE runs sparse attention only")
 
     def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,

@@ -12,28 +12,19 @@ from typing import ClassVar
 
 import torch
 
-from app.backends.prefill.base import MLAPrefillBackend
-from app.backends.prefill.metadata import RaggedLayout
+from app.backends.prefill.base import MLASparsePrefillBackend
 from app.backends.sparse.attention import sparse_attention_rows
 
 __all__ = ["TorchSparsePrefillBackend"]
 
 
-class TorchSparsePrefillBackend(MLAPrefillBackend):
+class TorchSparsePrefillBackend(MLASparsePrefillBackend):
     """Sparse absorbed MLA prefill in plain torch: fp16/bf16/fp32, any device;
     ``out [T, H, kv_lora_rank]`` in q's dtype (``out=`` written in place) and the LSE."""
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float16, torch.bfloat16, torch.float32)
     supports_out: ClassVar[bool] = True
-    supports_dense: ClassVar[bool] = False
-    supports_sparse: ClassVar[bool] = True
-
-    def _run_prefill(self, call: int, layout: RaggedLayout, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, causal: bool, out: torch.Tensor, lse: torch.Tensor | None
-                     ) -> None:
-        """Never called: the base refuses dense calls to a sparse-only backend."""
-        raise NotImplementedError("TORCH_SPARSE runs sparse attention only")
 
     def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,
