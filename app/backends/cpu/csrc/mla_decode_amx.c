@@ -475,40 +475,7 @@ int32_t mla_decode_cpu_run(const mla_decode_args* a) {
   return 0;
 }
 
-/* As in mla_decode_cpu.c: the shares of one call on the calling thread's OpenMP team. */
-int32_t mla_decode_cpu_run_shares(const mla_decode_args* a, const int64_t* share_end,
-                                  int64_t n_shares, int64_t scratch_stride, int32_t threads) {
-  if (!shape_ok(a) || n_shares < 0 || scratch_stride < 0 || scratch_stride % 16 || threads < 1)
-    return 1;
-  for (int64_t s = 0; s < n_shares; ++s)
-    if (share_end[s] < (s ? share_end[s - 1] : 0) || share_end[s] > a->n_items) return 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n_shares > 1)
-  for (int64_t s = 0; s < n_shares; ++s) {
-    mla_decode_args mine = *a;
-    const int64_t first = s ? share_end[s - 1] : 0;
-    mine.items = a->items + 4 * first;
-    mine.n_items = share_end[s] - first;
-    mine.scratch = a->scratch + s * scratch_stride;
-    mla_decode_cpu_run(&mine);
-  }
-  return 0;
-}
-
-int32_t mla_decode_cpu_openmp(void) {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-const void* mla_decode_cpu_openmp_runtime(void) {
-#ifdef _OPENMP
-  return (const void*)&omp_get_max_threads;
-#else
-  return NULL;
-#endif
-}
+#include "mla_decode_cpu_shares.h" /* as in mla_decode_cpu.c */
 
 /* As in mla_decode_cpu.c, for partial rows in natural column order. */
 int32_t mla_decode_cpu_merge(const mla_decode_args* a) {
