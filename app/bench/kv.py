@@ -31,13 +31,13 @@ import json
 import os
 import platform as _platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from app.bench._timing import InterpreterLoops
+from app.bench.vllm.prefill import run_vllm_script
 from app.commands._args import positive_float, positive_int
 from app.commands._memory import check_host_memory
 
@@ -368,21 +368,8 @@ sys.stdout.write("VLLM_BENCH_JSON " + json.dumps(out) + "\n")
 
 def _bench_vllm(python: str, w: dict[str, int], timeout: float) -> dict[str, Any]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
-    try:
-        proc = subprocess.run([python, "-c", VLLM_SCRIPT, json.dumps(w)], capture_output=True,
-                              text=True, timeout=timeout, env=env, check=False)
-    except FileNotFoundError:
-        return {"error": f"--vllm-python {python!r} does not exist"}
-    except OSError as exc:  # a directory, a device, not executable ...
-        return {"error": f"--vllm-python {python!r} cannot be run: {exc.strerror or exc}"}
-    except subprocess.TimeoutExpired:
-        return {"error": f"the vLLM side took longer than {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("VLLM_BENCH_JSON "):
-            result: dict[str, Any] = json.loads(line.removeprefix("VLLM_BENCH_JSON "))
-            return result
-    tail = (proc.stderr or proc.stdout)[-1500:]
-    return {"error": f"the vLLM side exited with {proc.returncode} without a result: {tail}"}
+    return run_vllm_script(python, ["-c", VLLM_SCRIPT, json.dumps(w)], env, timeout,
+                           "VLLM_BENCH_JSON ")
 
 
 def _ratios(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:

@@ -165,15 +165,14 @@ def worker_main(spec_json: str) -> None:
     sys.stdout.write(_RESULT_TAG + json.dumps(out) + "\n")
 
 
-def _run_vllm_side(python: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    root = str(Path(__file__).resolve().parents[3])   # the tree holding app/
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH"))
-                                         if p)}
-    code = "import sys\nfrom app.bench.vllm.prefill import worker_main\nworker_main(sys.argv[1])"
+def run_vllm_script(python: str, args: list[str], env: dict[str, str], timeout: float,
+                    tag: str) -> dict[str, Any]:
+    """Run ``python args`` (the vLLM environment's python) and return the JSON object of its
+    last stdout line starting with ``tag``; ``{"error": ...}`` saying why when there is none
+    (a python that does not exist or cannot run, a timeout, an exit without a result)."""
     try:
-        proc = subprocess.run([python, "-c", code, json.dumps(spec)], capture_output=True,
-                              text=True, timeout=timeout, env=env, check=False)
+        proc = subprocess.run([python, *args], capture_output=True, text=True,
+                              timeout=timeout, env=env, check=False)
     except FileNotFoundError:
         return {"error": f"--vllm-python {python!r} does not exist"}
     except OSError as exc:  # a directory, a device, not executable ...
@@ -181,11 +180,20 @@ def _run_vllm_side(python: str, spec: dict[str, Any], timeout: float) -> dict[st
     except subprocess.TimeoutExpired:
         return {"error": f"the vLLM side took longer than {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_RESULT_TAG):
-            result: dict[str, Any] = json.loads(line.removeprefix(_RESULT_TAG))
+        if line.startswith(tag):
+            result: dict[str, Any] = json.loads(line.removeprefix(tag))
             return result
     tail = (proc.stderr or proc.stdout)[-2000:]
     return {"error": f"the vLLM side exited with {proc.returncode} without a result: {tail}"}
+
+
+def _run_vllm_side(python: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    root = str(Path(__file__).resolve().parents[3])   # the tree holding app/
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH"))
+                                         if p)}
+    code = "import sys\nfrom app.bench.vllm.prefill import worker_main\nworker_main(sys.argv[1])"
+    return run_vllm_script(python, ["-c", code, json.dumps(spec)], env, timeout, _RESULT_TAG)
 
 
 def _cpu_name() -> str:
