@@ -327,8 +327,9 @@ class MLAEngine:
         stats.prefill_tokens += sched.num_prefill_tokens
         stats.decode_tokens += sched.num_decode_tokens
         stats.step_seconds += seconds
-        if self.model.caches[0].format.per_layer_scale:
-            self.stats.fp8_overflows = self.model.warn_fp8_overflows(self.stats.fp8_overflows)
+        if self.model.caches[0].format.per_layer_scale and (finished or self.device.type == "cpu"):
+            # reading the device's count waits for it: only at a step that finished a request
+            stats.fp8_overflows = self.model.warn_fp8_overflows(stats.fp8_overflows)
         return StepOutput(step=stats.steps,
                           new_tokens={rid: tuple(t) for rid, t in emitted.items()},
                           finished=finished, preempted=sched.preempted,
