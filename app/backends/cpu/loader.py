@@ -86,7 +86,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CACHE_DIR_ENV", "NATIVE_DIR", "NativeLibrary", "NativeLibrarySpec",
            "NativeLibraryStatus", "cache_directories", "check_library_file", "cpu_flags",
            "directory_problem", "find_compiler", "load_native_library", "read_switch",
-           "reset_native_libraries"]
+           "required_cpu_flags", "reset_native_libraries"]
 
 #: Where the C sources and headers live.
 NATIVE_DIR = Path(__file__).with_name("csrc")
@@ -196,6 +196,28 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+#: ``-m`` compiler flags -> the ``/proc/cpuinfo`` flag of the instructions they let the
+#: compiler emit anywhere in the library (``-mamx-tile`` -> ``amx_tile``).
+_ISA_FLAG_NAMES = {"avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+                   "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
+                   "sse4.1": "sse4_1", "sse4.2": "sse4_2"}
+#: ``-m`` flags that are not instruction sets.
+_NOT_ISA = ("arch=", "tune=", "no-", "cpu=", "fpmath=", "abi=", "cmodel=", "prefer-")
+
+
+def required_cpu_flags(flags: Sequence[str]) -> frozenset[str]:
+    """The ``/proc/cpuinfo`` flags a library built with the compiler ``flags`` needs: one per
+    ISA flag (``-mavx512f`` -> ``avx512f``, ``-mavx512bf16`` -> ``avx512_bf16``); flags that
+    name no instruction set (``-O3``, ``-D...``, ``-march=...``) need nothing."""
+    needed = set()
+    for flag in flags:
+        if not flag.startswith("-m") or flag[2:].startswith(_NOT_ISA):
+            continue
+        name = flag[2:]
+        needed.add(_ISA_FLAG_NAMES.get(name, name.replace("-", "_")))
+    return frozenset(needed)
 
 
 def find_compiler() -> str | None:
@@ -416,8 +438,24 @@ def _open(spec: NativeLibrarySpec, path: Path, target: Path | None = None
     return library, ""
 
 
+def _isa_problem(spec: NativeLibrarySpec) -> str | None:
+    """Why this CPU cannot run code built with ``spec.flags`` (read here, from the kernel's
+    own ``/proc/cpuinfo``, never from a module a caller or a test may have patched): a
+    library whose instructions the CPU lacks dies with SIGILL at its first call, so no
+    ``requirements`` function, however it is fooled, can get it loaded."""
+    have = cpu_flags()
+    missing = sorted(required_cpu_flags(spec.flags) - have)
+    if not missing or not have:  # no flags line (not Linux, not x86): the requirements decide
+        return None
+    return (f"built for {', '.join(missing)}, which this CPU lacks (its /proc/cpuinfo flags "
+            f"do not list {'it' if len(missing) == 1 else 'them'})")
+
+
 def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     reasons = list(spec.requirements()) if spec.requirements is not None else []
+    isa_problem = _isa_problem(spec)
+    if isa_problem is not None and not reasons:
+        reasons.append(isa_problem)
     compiler = find_compiler()
     if compiler is None:
         reasons.append("needs a C compiler to build it (set CC, or install cc/gcc/clang)")

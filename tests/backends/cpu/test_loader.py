@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 from app.backends.cpu import loader as loader
@@ -303,6 +304,28 @@ def test_requirements_are_reasons_and_a_bad_setting_raises(env: Path) -> None:
     with pytest.raises(ValueError, match="bad setting"):
         loader.load_native_library(spec(env, requirements=bad))
     assert "tiny3" not in loader._results  # nothing cached
+
+
+def test_required_cpu_flags_follow_the_isa_flags() -> None:
+    assert loader.required_cpu_flags(
+        ("-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mf16c", "-DX=1", "-march=native",
+         "-mno-red-zone", "-mtune=generic")) == {"avx512f", "avx512_bf16", "amx_tile", "f16c"}
+
+
+def test_a_library_built_for_an_isa_the_cpu_lacks_is_never_built_or_loaded(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a spec's requirements say (a test that fakes the CPU's flags for the platform
+    fooled them once, and the next real call died with SIGILL), the loader reads the CPU's
+    flags itself and refuses code built for instructions the CPU lacks."""
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma"}))
+    monkeypatch.setattr(loader, "_build_and_open", lambda *a: pytest.fail("built"))
+    tiny = attrs.evolve(spec(env, requirements=lambda: []),
+                        flags=("-O1", "-DTINY_ABI=3", "-mavx512f", "-mfma"))
+    status = loader.load_native_library(tiny)
+    assert not status.available and status.library is None
+    assert status.reasons == ("built for avx512f, which this CPU lacks (its /proc/cpuinfo "
+                              "flags do not list it)",)
+    assert not cache_dir(env).exists()
 
 
 def test_read_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,7 @@ from app.backends.cpu import amx, decode_kernel
 from app.backends.cpu.loader import cpu_flags
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend
+from app.bench import _peaks as peaks
 from app.bench import decode as bench_decode
 from app.bench._peaks import BF16_DOT, BF16_MATMUL, FP32_FMA, PeakMeter, peak_kinds
 from app.config import EngineConfig, ModelConfig
@@ -58,6 +59,8 @@ def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     yield install
     cpu_features_module._reset_for_tests()
     decode_kernel._cpu_has_bf16_dot.cache_clear()
+    # nothing loaded or measured under the fake flags outlives the test
+    peaks._probe.clear()
 
 
 def test_an_amx_cpu_selects_cpu_mla_on_its_bf16_dot_products(
