@@ -602,10 +602,12 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("sparse", "`run_sparse_decode` on a dense backend (TORCH_SDPA)", _sparse_decode("dense")),
     ("sparse", "`run_decode` on a sparse-only backend (TORCH_SPARSE)",
      _sparse_decode("sparse-only")),
-    ("sparse", "a sparse model with `mla_decode_backend = \"CPU_MLA\"`",
+    # TORCH_SDPA (runs everywhere), not CPU_MLA: whether the native kernel runs on the CPU
+    # that renders the doc would add a reason, and the doc must read the same on every CPU
+    ("sparse", "a sparse model with `mla_decode_backend = \"TORCH_SDPA\"`",
      _in_fresh_container(lambda: get_mla_decode_backend(EngineConfig(
          model=ModelConfig(index_topk=2048),
-         attention=AttentionConfig(mla_decode_backend="CPU_MLA"))))),
+         attention=AttentionConfig(mla_decode_backend="TORCH_SDPA"))))),
     ("sparse", "`CPU_MLA_SPARSE` (decode) with `kv_lora_rank = 96`",
      lambda: _cpu_sparse_decode()(4, 0.1, 96, 64, torch.bfloat16)),
     ("CLI", "`python -m app bench sparse --requests 0`",

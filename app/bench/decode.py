@@ -549,7 +549,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
         "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
                             else None],
-        "peaks": meter.summary() if meter.enabled else None,
+        "peaks": meter.summary(),   # without a probe: why each peak is not measured
         "cpu_mla_bf16_dot": _bf16_dot(), "cpu_mla_amx": _amx_kernel() if device.type == "cpu"
         else None, "results": rows, "skipped_backends": skipped,
         "vllm_comparison": vllm, "targets": targets,

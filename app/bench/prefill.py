@@ -529,7 +529,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "heads": args.heads, "qk_head_dim": _DIMS.qk_head_dim, "v_head_dim": _DIMS.v_head_dim,
         "matmul_fp32_gflops": round(mm, 1), "matmul_fp32_gflops_runs": [round(x, 1)
                                                                         for x in mm_runs],
-        "peaks": meter.summary() if meter.enabled else None,
+        "peaks": meter.summary(),   # without a probe: why each peak is not measured
         "target_measure": ("fraction_of_peak_paired (ratio_to_matmul* kept for comparison)"
                            if meter.enabled else "ratio_to_matmul_paired"),
         "results": rows, "skipped_backends": skipped, "targets": targets,

@@ -128,8 +128,10 @@ def test_the_tolerance_follows_what_the_dtype_alone_costs(
     check = _json(capsys)["check"]
     assert check["passed"] is True and check["token_mismatches"] == 0
     measured = check["dtype_max_relative_error"]
-    assert measured > check["tolerance_floor"] == 3e-2           # the fixed floor alone fails
-    assert check["max_relative_error"] > check["tolerance_floor"]
+    # the plain bf16 model alone is past the fixed floor, so the floor alone would fail it
+    # (the engine's own error sits on either side of it, by the CPU's bf16 kernel)
+    assert measured > check["tolerance_floor"] == 3e-2
+    assert check["max_relative_error"] <= check["tolerance"]
     assert check["tolerance"] == pytest.approx(2 * measured)
     assert check["tolerance_rule"] == (
         "max(3e-02, 2 x the relative error of the same dense model computed in bfloat16 "
