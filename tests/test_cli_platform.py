@@ -49,3 +49,45 @@ def test_unknown_subcommand_exits_with_usage(capsys: pytest.CaptureFixture[str])
     err = capsys.readouterr().err
     assert "invalid choice" in err and "--help" in err
     assert err.count("\n") == 1, err  # one line, no usage block
+
+
+def test_the_loaders_notes_reach_every_kernel_line(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only or refused cache directory, an ignored verdict file: what the loader noted
+    for a kernel's builds is said on that kernel's line, whether or not it loaded (issue 44).
+    The loader answers from the statuses below: nothing is built, loaded or run."""
+    from app.backends.cpu import (
+        decode_kernel,
+        decode_kernel_amx,
+        loader,
+        prefill_kernel,
+        prefill_kernel_bf16,
+    )
+    from app.backends.cpu.amx import AmxStatus
+
+    lines = {"cpu_native_kernel": (prefill_kernel.SPEC,),
+             "cpu_bf16_kernel": (prefill_kernel_bf16.SPEC_BF16,),
+             "cpu_decode_kernel": (decode_kernel.SPEC_OPENMP, decode_kernel.SPEC),
+             "cpu_decode_amx_kernel": (decode_kernel_amx.SPEC_AMX_OPENMP,
+                                       decode_kernel_amx.SPEC_AMX)}
+    # Tiles granted, so that the AMX line asks the loader too (for statuses only).
+    monkeypatch.setattr(decode_kernel_amx, "amx_status", lambda: AmxStatus(True, "granted"))
+    try:
+        for key, specs in lines.items():
+            for spec in specs:
+                note = f"{key}: cache directory /ro cannot take a build (Read-only file system)"
+                loader._results[spec.name] = (spec, loader.NativeLibraryStatus(
+                    False, (f"{spec.name} refused",), None, (note,)))
+        assert main(["platform"]) == 0
+        text = capsys.readouterr().out
+        assert main(["platform", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+    finally:
+        for specs in lines.values():
+            for spec in specs:
+                loader.reset_native_libraries(spec.name)
+    for key in lines:
+        note = f"; note: {key}: cache directory /ro cannot take a build (Read-only file system)"
+        assert data[key].endswith(note), data[key]
+        [line] = [line for line in text.splitlines() if line.startswith(key + " ")]
+        assert line.endswith(note)

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.metadata
 import platform as _pyplatform
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,6 +65,12 @@ def collect() -> dict[str, Any]:
     return info
 
 
+def _with_notes(text: str, notes: Sequence[str]) -> str:
+    """``text`` then ``; note: <what>`` for each loader note: a refused or read-only cache
+    directory, an ignored verdict file are said whether or not the kernel loaded."""
+    return text + "".join(f"; note: {note}" for note in dict.fromkeys(notes))
+
+
 def cpu_native_kernel() -> str:
     """TORCH_SDPA's native CPU kernel: ``available (<library>)`` or ``unavailable: <why>``,
     then ``; note: <what>`` for each loader note (builds it on first use, ~1 s)."""
@@ -72,39 +79,40 @@ def cpu_native_kernel() -> str:
     status = native_kernel_status()
     text = (f"available ({status.library})" if status.available
             else f"unavailable: {'; '.join(status.reasons)}")
-    # A refused cache directory (not ours, or writable by others) is said even when a
-    # fallback directory worked.
-    return text + "".join(f"; note: {note}" for note in status.notes)
+    return _with_notes(text, status.notes)
 
 
 def cpu_bf16_kernel() -> str:
     """The native kernel's bf16-products build (bf16 inputs on AVX512-BF16 CPUs):
-    ``available (<library>)`` or ``unavailable: <why> (bf16 inputs use float32 math)``."""
+    ``available (<library>)`` or ``unavailable: <why> (bf16 inputs use float32 math)``, then
+    the loader's notes."""
     from app.backends.cpu.prefill_kernel_bf16 import native_bf16_kernel_status
 
     status = native_bf16_kernel_status()
     if status.available:
-        return f"available ({status.library})"
-    return f"unavailable: {'; '.join(status.reasons)} (bf16 inputs use float32 math)"
+        return _with_notes(f"available ({status.library})", status.notes)
+    return _with_notes(f"unavailable: {'; '.join(status.reasons)} (bf16 inputs use float32 "
+                       f"math)", status.notes)
 
 
 def cpu_decode_kernel() -> str:
     """CPU_MLA's native decode kernel: ``available (<library>), shares <on which threads>``
-    (torch's OpenMP team, or the package's pool and why) or ``unavailable: <why>``."""
+    (torch's OpenMP team, or the package's pool and why) or ``unavailable: <why>``, then the
+    loader's notes."""
     from app.backends.decode.cpu_mla import decode_kernel_status
 
     status, shares = decode_kernel_status()
     if not status.available:
-        return f"unavailable: {'; '.join(status.reasons)}"
-    return f"available ({status.path}), shares {shares}" + "".join(
-        f"; note: {note}" for note in status.notes)
+        return _with_notes(f"unavailable: {'; '.join(status.reasons)}", status.notes)
+    return _with_notes(f"available ({status.path}), shares {shares}", status.notes)
 
 
 def cpu_amx_paths() -> dict[str, str]:
     """AMX and the bf16 paths: ``cpu_amx`` (may this process use AMX tiles, or why not),
-    ``cpu_decode_amx_kernel`` (CPU_MLA's AMX build: loaded, or why not), and which unit
-    bf16 decode (``cpu_decode_bf16_path``) and prefill (``cpu_prefill_bf16_path``) run on,
-    and why. Only a CPU with AMX builds or measures anything for these."""
+    ``cpu_decode_amx_kernel`` (CPU_MLA's AMX build: loaded, or why not, then the loader's
+    notes), and which unit bf16 decode (``cpu_decode_bf16_path``) and prefill
+    (``cpu_prefill_bf16_path``) run on, and why. Only a CPU with AMX builds or measures
+    anything for these."""
     from app.backends.cpu.amx import amx_status
     from app.backends.cpu.decode_kernel_amx import amx_decode_status
     from app.backends.cpu.kernel_paths import decode_kernel_path
@@ -114,8 +122,9 @@ def cpu_amx_paths() -> dict[str, str]:
     kernel = amx_decode_status()
     return {
         "cpu_amx": f"{'available' if tiles.available else 'unavailable'}: {tiles.reason}",
-        "cpu_decode_amx_kernel": (f"available ({kernel.reason}), shares {kernel.shares}"
-                                  if kernel.available else f"unavailable: {kernel.reason}"),
+        "cpu_decode_amx_kernel": _with_notes(
+            f"available ({kernel.reason}), shares {kernel.shares}" if kernel.available
+            else f"unavailable: {kernel.reason}", kernel.notes),
         "cpu_decode_bf16_path": decode_kernel_path(torch.bfloat16),
         "cpu_prefill_bf16_path": TorchSDPAPrefillBackend.kernel_path(torch.bfloat16)}
 

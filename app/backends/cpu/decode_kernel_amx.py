@@ -169,12 +169,14 @@ SPEC_AMX_EMULATED = NativeLibrarySpec(
 class AmxDecodeStatus:
     """Whether CPU_MLA's AMX path runs here: ``library`` (the loaded build, or None),
     ``reason`` (why not, or what was loaded), ``shares`` (on which threads), ``amx_cpu``
-    (the CPU reports AMX tiles, whether or not they can be used)."""
+    (the CPU reports AMX tiles, whether or not they can be used), ``notes`` (the loader's, of
+    the builds it tried: a refused cache directory, an ignored verdict file)."""
 
     library: NativeLibrary | None
     reason: str
     shares: str = ""
     amx_cpu: bool = False
+    notes: tuple[str, ...] = ()
 
     @property
     def available(self) -> bool:
@@ -193,14 +195,15 @@ def amx_decode_status() -> AmxDecodeStatus:
     openmp = load_native_library(SPEC_AMX_OPENMP)
     if openmp.available:
         return AmxDecodeStatus(openmp.library, f"self-test passed ({openmp.path})",
-                               f"on torch's OpenMP threads ({LIBGOMP})", amx_cpu)
+                               f"on torch's OpenMP threads ({LIBGOMP})", amx_cpu, openmp.notes)
     pool: NativeLibraryStatus = load_native_library(SPEC_AMX)
+    notes = tuple(dict.fromkeys((*openmp.notes, *pool.notes)))
     if pool.available:
         return AmxDecodeStatus(pool.library, f"self-test passed ({pool.path})",
                                "on the package's thread pool (OpenMP build unavailable: "
-                               f"{'; '.join(openmp.reasons)})", amx_cpu)
+                               f"{'; '.join(openmp.reasons)})", amx_cpu, notes)
     return AmxDecodeStatus(None, "the AMX kernel is unusable: " + "; ".join(pool.reasons),
-                           amx_cpu=amx_cpu)
+                           amx_cpu=amx_cpu, notes=notes)
 
 
 _kernel_lock = threading.Lock()

@@ -39,20 +39,21 @@ a directory is used only when it is owned by the current user and not writable b
 others, and each ancestor is owned by the user or root and either not writable by group or
 others or sticky (as ``/tmp``). Directories the loader creates get mode 0700. A refused
 directory is skipped and the reason kept in ``NativeLibraryStatus.notes`` (or ``reasons``,
-when none is usable). A cached file is loaded only if it is a regular file owned by the user
-and not writable by group or others. A build runs in a fresh private directory
-(``mkdtemp``), is loaded and checked there, and is renamed into place atomically only once it
-passes. A cached library that does not load ("invalid ELF header"), fails the ABI check or
-fails its self-test is rebuilt once, and replaced only when the rebuilt one passes: when the
-rebuilt one fails too, the failure is not the cached file's (the environment, the CPU) and the
-cached file is kept.
+when none is usable). A directory that cannot take a build (read-only, full) is skipped for
+the next, with a note; what it holds is still loaded (a read-only image's cache). A cached
+file is loaded only if it is a regular file owned by the user and not writable by group or
+others. A build runs in a fresh private directory (``mkdtemp``), is loaded and checked there,
+and is renamed into place atomically only once it passes. A cached library that does not
+load ("invalid ELF header"), fails the ABI check or fails its self-test is rebuilt once, and
+replaced only when the rebuilt one passes: when the rebuilt one fails too, the failure is
+not the cached file's (the environment, the CPU) and the cached file is kept.
 
 A library that may crash the process rather than merely compute wrong numbers (instructions
 this machine never ran: AMX) names where its spec can be imported (``spec.child_test``,
 ``"module:NAME"``): its first self-test on a machine then runs in a child process, and the
 verdict is kept beside the library, keyed by its file name and the CPU
 (:mod:`app.backends.cpu.child_verdict`); a failed verdict refuses the library at once, without
-a rebuild.
+a rebuild. A verdict file that cannot be used is ignored, with a note, and replaced.
 
 Settings: every on/off switch a library or its self-test reads is listed in
 ``spec.switches`` and checked by :func:`load_native_library`, by name, before anything is
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -99,6 +101,8 @@ _SWITCH_VALUES = {"": True, "1": True, "true": True, "on": True, "yes": True,
 #: torch dtypes whose code :attr:`NativeLibrary.dtype_codes` asks every library for.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
            torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+#: Errors that say a directory cannot take a new file, whatever its mode says.
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
 
 
 @attrs.frozen
@@ -294,15 +298,6 @@ def _make_private_directory(path: Path) -> str | None:
     return directory_problem(path)
 
 
-def _private_cache_directory(notes: list[str]) -> Path | None:
-    for directory in cache_directories():
-        problem = _make_private_directory(directory)
-        if problem is None:
-            return directory
-        notes.append(f"refused cache directory {directory}: {problem}")
-    return None
-
-
 def _file_problem(path: Path) -> str | None:
     """Why the cached file ``path`` may not be loaded, or ``None``."""
     st = os.lstat(path)
@@ -332,23 +327,42 @@ def _library_file_name(spec: NativeLibrarySpec, compiler: str) -> str:
     return f"{spec.name}-{digest.hexdigest()[:16]}.so"
 
 
+class _NotWritable(Exception):
+    """A cache directory cannot take a build (read-only, full): the next one is tried."""
+
+
+def _not_writable(exc: OSError) -> _NotWritable | OSError:
+    return _NotWritable(exc.strerror or str(exc)) if exc.errno in _NOT_WRITABLE else exc
+
+
 def _build_and_open(spec: NativeLibrarySpec, compiler: str, target: Path
                     ) -> tuple[NativeLibrary | None, str]:
     """Compile into a fresh private directory, load and check the library there, and only
     when it passes rename it onto ``target`` (atomic: a concurrent loader sees the old file or
-    the whole new one); the library, or ``None`` and what is wrong (``target`` untouched)."""
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{spec.name}-build-", dir=target.parent))
+    the whole new one); the library, or ``None`` and what is wrong (``target`` untouched).
+    ``_NotWritable`` when ``target``'s directory cannot take the build."""
+    try:
+        build_dir = Path(tempfile.mkdtemp(prefix=f".{spec.name}-build-", dir=target.parent))
+    except OSError as exc:
+        raise _not_writable(exc) from None
     try:
         out = build_dir / target.name
         cmd = [compiler, *_BASE_FLAGS, *spec.flags, "-I", str(NATIVE_DIR), "-o", str(out),
                *(str(NATIVE_DIR / s) for s in spec.sources), *spec.link_flags]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode:
+            if any(os.strerror(e) in proc.stderr for e in (errno.ENOSPC, errno.EDQUOT)):
+                raise _NotWritable(f"{compiler} could not write the library: "
+                                   f"{proc.stderr[-400:].strip()}")
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         os.chmod(out, 0o700)
         library, problem = _open(spec, out, target)
         if library is not None:
-            os.replace(out, target)
+            try:
+                os.replace(out, target)
+            except OSError as exc:
+                _close(library.cdll)
+                raise _not_writable(exc) from None
             library.path = target
         return library, problem
     finally:
@@ -462,13 +476,26 @@ def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     if reasons or compiler is None:
         return NativeLibraryStatus(False, tuple(reasons))
     notes: list[str] = []
-    directory = _private_cache_directory(notes)
-    if directory is None:
-        return NativeLibraryStatus(False, ("no usable cache directory: " + "; ".join(notes),))
+    for directory in cache_directories():
+        problem = _make_private_directory(directory)
+        if problem is not None:
+            notes.append(f"refused cache directory {directory}: {problem}")
+            continue
+        try:
+            return _load_in(spec, compiler, directory, notes)
+        except _NotWritable as exc:
+            notes.append(f"cache directory {directory} cannot take a build ({exc}); tried the "
+                         f"next one")
+    return NativeLibraryStatus(False, ("no usable cache directory: " + "; ".join(notes),))
+
+
+def _load_in(spec: NativeLibrarySpec, compiler: str, directory: Path, notes: list[str]
+             ) -> NativeLibraryStatus:
+    """Load ``spec``'s library cached in ``directory``, or build it there (``_NotWritable``)."""
     cached_problem: str | None = None
     try:
         target = directory / _library_file_name(spec, compiler)
-        failed = _failed_verdict(spec, target)
+        failed = _failed_verdict(spec, target, notes)
         if failed is not None:  # refused on this machine before: neither run nor rebuilt
             return NativeLibraryStatus(False, (failed,), None, tuple(notes))
         if os.path.lexists(target):
@@ -479,6 +506,11 @@ def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
                     return NativeLibraryStatus(True, (), target, tuple(notes), library)
                 cached_problem = problem
         library, problem = _build_and_open(spec, compiler, target)
+    except _NotWritable as exc:
+        if cached_problem is None:
+            raise
+        raise _NotWritable(f"{exc}; its cached {target.name} is unusable: "
+                           f"{cached_problem}") from None
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return NativeLibraryStatus(False, (f"could not build or load it: {exc}",), None,
                                    tuple(notes))
@@ -494,11 +526,15 @@ def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     return NativeLibraryStatus(True, (), target, tuple(notes), library)
 
 
-def _failed_verdict(spec: NativeLibrarySpec, target: Path) -> str | None:
-    """Why ``target`` failed its child-process self-test on this machine before, or None."""
+def _failed_verdict(spec: NativeLibrarySpec, target: Path, notes: list[str]) -> str | None:
+    """Why ``target`` failed its child-process self-test on this machine before, or None; a
+    kept verdict that cannot be used is ignored, with a note (the test runs again)."""
     if not spec.child_test or os.environ.get(child_verdict.IN_CHILD_ENV):
         return None
-    verdict = child_verdict.read_verdict(target)
+    verdict, ignored = child_verdict.kept_verdict(target)
+    if ignored is not None:
+        notes.append(f"ignored the kept verdict {child_verdict.verdict_path(target)} "
+                     f"({ignored}); the self-test runs again and its verdict replaces it")
     if verdict is None or verdict.passed:
         return None
     return (f"{target.name} failed its self-test on this machine (kept in "

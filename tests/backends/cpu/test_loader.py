@@ -7,11 +7,14 @@ each; the last ones use the real prefill kernel."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
+import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -462,3 +465,98 @@ def test_the_decode_kernel_reads_its_switches_through_the_loader(
     monkeypatch.setenv(cpu_mla.BF16_DOT_ENV, "maybe")
     with pytest.raises(ValueError, match="APP_CPU_DECODE_BF16_DOT: expected one of"):
         loader.load_native_library(cpu_mla.SPEC)
+
+
+# -- a cache directory that cannot be written falls through to the next one (issue 44) --------
+
+def read_only(monkeypatch: pytest.MonkeyPatch, directory: Path, err: int = errno.EROFS) -> None:
+    """Make ``directory`` behave as a read-only mount (a baked container image) for this
+    process: every call that would create, rename, change or remove something in it fails with
+    ``err``. chmod cannot do this here: root writes anyway."""
+    def inside(path: object) -> bool:
+        return isinstance(path, (str, os.PathLike)) and Path(
+            os.path.abspath(os.fspath(path))).is_relative_to(directory)
+
+    def refuse(real: Any, arguments: int, writes: Callable[..., bool] = lambda *a: True
+               ) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(inside(a) for a in args[:arguments]) and writes(*args, **kwargs):
+                raise OSError(err, os.strerror(err), str(args[0]))
+            return real(*args, **kwargs)
+        return call
+
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    for name, arguments in (("mkdir", 1), ("replace", 2), ("rename", 2), ("chmod", 1),
+                            ("unlink", 1), ("rmdir", 1), ("truncate", 1)):
+        monkeypatch.setattr(os, name, refuse(getattr(os, name), arguments))
+    monkeypatch.setattr(os, "open", refuse(
+        os.open, 1, lambda path, flags, *a, **k: bool(flags & writing)))
+
+
+def test_a_read_only_cache_directory_serves_what_it_holds_and_builds_go_to_the_next(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only image that ships a built cache: what it holds is loaded from it as it is;
+    a library it lacks is built in the per-user fallback directory, and a note says why."""
+    shipped = spec(env)
+    path, inode = _built(env, shipped)
+    read_only(monkeypatch, cache_dir(env))  # it passes every directory check still
+    status = loader.load_native_library(shipped)
+    assert status.available and status.path == path and status.notes == ()
+    assert path.stat().st_ino == inode and not fallback_dir(env).exists()
+
+    status = loader.load_native_library(spec(env, abi=5, declared_abi=5))  # not shipped
+    assert status.available, status.reasons
+    assert status.path is not None and status.path.parent == fallback_dir(env)
+    assert status.library is not None and tiny_works(status.library) is None
+    assert status.notes == (f"cache directory {cache_dir(env)} cannot take a build (Read-only "
+                            f"file system); tried the next one",)
+    assert [p.name for p in cache_dir(env).iterdir()] == [path.name]
+
+
+def test_an_unusable_library_in_a_read_only_directory_is_rebuilt_in_the_next(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = spec(env)
+    cache_dir(env).mkdir(parents=True, mode=0o700)
+    target = expected_path(cache_dir(env), s)
+    target.write_bytes(b"\x00" * 64)
+    target.chmod(0o700)
+    read_only(monkeypatch, cache_dir(env))
+    status = loader.load_native_library(s)
+    assert status.available and status.path == expected_path(fallback_dir(env), s)
+    [note] = status.notes
+    assert f"cache directory {cache_dir(env)} cannot take a build (Read-only" in note
+    assert f"its cached {target.name} is unusable" in note
+    assert target.read_bytes() == b"\x00" * 64  # left as the image has it
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+def test_no_writable_cache_directory_says_why_for_each(
+        env: Path, monkeypatch: pytest.MonkeyPatch, err: int) -> None:
+    for directory in (cache_dir(env), fallback_dir(env)):
+        directory.mkdir(parents=True, mode=0o700)
+        read_only(monkeypatch, directory, err)
+    status = loader.load_native_library(spec(env))
+    assert not status.available
+    [reason] = status.reasons
+    assert reason.startswith("no usable cache directory: ")
+    for directory in (cache_dir(env), fallback_dir(env)):
+        assert f"cache directory {directory} cannot take a build ({os.strerror(err)})" in reason
+
+
+def test_a_full_disk_during_the_build_falls_through(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiler, not Python, meets a full disk: its message says so."""
+    real_run = subprocess.run
+
+    def run(cmd: list[str], **kwargs: Any) -> Any:
+        if "-o" in cmd and Path(cmd[cmd.index("-o") + 1]).is_relative_to(cache_dir(env)):
+            return subprocess.CompletedProcess(cmd, 1, "", "ld: final link failed: No space "
+                                               "left on device\ncollect2: error")
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    status = loader.load_native_library(spec(env))
+    assert status.available and status.path is not None
+    assert status.path.parent == fallback_dir(env)
+    assert "No space left on device" in status.notes[0]
+    assert f"cache directory {cache_dir(env)} cannot take a build" in status.notes[0]
