@@ -338,6 +338,11 @@ class DeepseekConfig:
                 self.indexer.layer_has_indexer) not in (0, self.num_hidden_layers)):
             raise ValueError("DeepseekConfig.indexer needs a q LoRA (q_lora_rank) and one "
                              "layer_has_indexer entry per layer")
+        if self.indexer is not None \
+                and self.indexer.index_topk > self.max_position_embeddings:
+            raise ValueError(f"DeepseekConfig.indexer.index_topk must be at most "
+                             f"max_position_embeddings ({self.max_position_embeddings}: the "
+                             f"most keys a query sees), got {self.indexer.index_topk}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even for rope, got "
                              f"{self.qk_rope_head_dim}")

@@ -233,6 +233,23 @@ def test_the_selector_configs_carry_the_model_s_sparsity() -> None:
                                  mla_dimensions=DENSE.model.mla_dimensions, index_topk=0)
 
 
+def test_the_selector_configs_hold_index_topk_to_model_config_s_range() -> None:
+    """Issue 44: ``ModelConfig.index_topk`` is at most int32's largest; the selector configs,
+    which carry it, refuse what it refuses."""
+    with pytest.raises(ValueError, match="index_topk"):
+        ModelConfig(index_topk=2**31)
+    top = ModelConfig(index_topk=2**31 - 1)
+    assert MLAPrefillSelectorConfig(dtype=torch.bfloat16, mla_dimensions=top.mla_dimensions,
+                                    index_topk=2**31 - 1).sparse
+    with pytest.raises(ValueError, match=r"index_topk \(or None\) must be an int in "
+                                         r"\[1, 2147483647\], got 2147483648"):
+        MLAPrefillSelectorConfig(dtype=torch.bfloat16, mla_dimensions=top.mla_dimensions,
+                                 index_topk=2**31)
+    with pytest.raises(ValueError, match=r"MLADecodeSelectorConfig.index_topk \(or None\)"):
+        MLADecodeSelectorConfig(dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
+                                num_heads=16, block_size=64, index_topk=2**31)
+
+
 def test_a_third_party_sparse_backend_registers_and_is_forced() -> None:
     class MySparse(TorchSparseDecodeBackend):
         name = "MY_SPARSE"

@@ -164,3 +164,15 @@ def _spec_fields() -> dict[str, object]:
     spec = sparse_kernel.SPEC
     return {f: getattr(spec, f) for f in ("sources", "abi_version", "flags", "link_flags",
                                           "structs", "self_test", "requirements", "switches")}
+
+
+@needs_kernel
+@pytest.mark.parametrize("topk", [10**6, 2**31 - 1])
+def test_a_top_k_past_every_context_is_only_as_wide_as_the_step_s_keys(topk: int) -> None:
+    """Issue 44: as the torch indexer, ``min(topk, the most keys a row sees)`` wide."""
+    gen = torch.Generator().manual_seed(11)
+    q, w, cache, meta = _step(gen, torch.bfloat16, [1, 3], [9, 20, 21, 22])
+    got = CpuSparseIndexer().select(q, w, cache, meta, topk)
+    assert got.shape == (4, 22)
+    assert torch.equal(got, TorchSparseIndexer().select(q, w, cache, meta, topk))
+    assert torch.equal(got, CpuSparseIndexer().select(q, w, cache, meta, 22))

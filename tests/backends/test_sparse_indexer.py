@@ -112,3 +112,23 @@ def test_metadata_and_input_checks() -> None:
     with pytest.raises(ValueError, match="topk"):
         indexer.select(q, w, cache, meta, 0)
     assert indexer.select(q, w, cache, meta, 4).shape == (2, 4)
+
+
+@pytest.mark.parametrize("topk", [10**6, 2**31 - 1])
+def test_a_top_k_past_every_context_is_only_as_wide_as_the_step_s_keys(topk: int) -> None:
+    """Issue 44: a model's ``index_topk`` never sizes the selection; past every row's keys it
+    is ``min(topk, the most keys a row sees)`` wide, every visible key then ``-1``."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, new = [30, 7, 53], [5, 7, 1]
+    _, cache, table = _paged(seq_lens, gen)
+    visible = [n - m + j + 1 for n, m in zip(seq_lens, new, strict=True) for j in range(m)]
+    q = torch.randn(len(visible), HEADS, DIM, generator=gen)
+    w = torch.randn(len(visible), HEADS, generator=gen)
+    meta = SparseIndexerMetadata.build(table, new, visible)
+    chosen = TorchSparseIndexer().select(q, w, cache, meta, topk)
+    assert chosen.shape == (len(visible), max(seq_lens))
+    assert torch.equal(chosen, TorchSparseIndexer().select(q, w, cache, meta, max(seq_lens)))
+    for t, row in enumerate(chosen.tolist()):
+        assert row == list(range(visible[t])) + [-1] * (max(seq_lens) - visible[t])
+    narrow = TorchSparseIndexer().select(q, w, cache, meta, 10)     # below: k stays k
+    assert narrow.shape == (len(visible), 10)

@@ -95,6 +95,10 @@ def test_the_freq_schedule_is_transformers(freq: int, offset: int) -> None:
     ({"q_lora_rank": None}, "q_lora_rank = None: expected an int: the indexer reads"),
     ({"index_head_dim": 2}, "index_head_dim = 2: expected an int >= qk_rope_head_dim (4)"),
     ({"index_topk": 0}, "index_topk = 0: expected an int >= 1"),
+    ({"index_topk": 4097}, "index_topk = 4097: expected an int in [1, "
+                           "max_position_embeddings = 4096]"),
+    ({"index_topk": 2**31 - 1}, "index_topk = 2147483647: expected an int in [1, "
+                                "max_position_embeddings = 4096]"),
     ({"index_n_heads": True}, "index_n_heads = True: expected an int >= 1"),
     ({"mlp_layer_types": ["sparse", "sparse"]}, "mlp_layer_types = ['sparse', 'sparse']: "
                                                 "expected ['dense', 'sparse']")])

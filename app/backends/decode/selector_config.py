@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from app._types import MLADimensions
-from app._validation import check_int_at_least, is_int
+from app._validation import INT32_MAX, check_int_at_least, is_int
 from app.backends.decode.metadata import MAX_QUERY_LEN
 from app.config import parse_kv_cache_dtype
 
@@ -40,7 +40,10 @@ def _query_len(instance: object, attribute: attrs.Attribute[int], value: int) ->
 def _optional_topk(instance: object, attribute: attrs.Attribute[int | None],
                    value: int | None) -> None:
     if value is not None:
-        check_int_at_least(f"{type(instance).__name__}.{attribute.name} (or None)", value, 1)
+        name = f"{type(instance).__name__}.{attribute.name} (or None)"
+        check_int_at_least(name, value, 1)
+        if value > INT32_MAX:  # ModelConfig.index_topk's range: selected positions are int32
+            raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {value!r}")
 
 
 @attrs.frozen

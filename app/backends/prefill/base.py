@@ -40,7 +40,7 @@ import attrs
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import check_int_at_least, is_int
+from app._validation import INT32_MAX, check_int_at_least, is_int
 from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
 from app.backends.declarations import (
     BackendDeclarations,
@@ -86,7 +86,10 @@ _PREFILL_DECLARATIONS: tuple[DeclarationRule, ...] = (
 def _optional_topk(instance: object, attribute: attrs.Attribute[int | None],
                    value: int | None) -> None:
     if value is not None:
-        check_int_at_least(f"{type(instance).__name__}.{attribute.name} (or None)", value, 1)
+        name = f"{type(instance).__name__}.{attribute.name} (or None)"
+        check_int_at_least(name, value, 1)
+        if value > INT32_MAX:  # ModelConfig.index_topk's range: selected positions are int32
+            raise ValueError(f"{name} must be an int in [1, {INT32_MAX}], got {value!r}")
 
 
 @attrs.frozen

@@ -13,9 +13,12 @@ cache's block table: block ``b`` of a request holds the same tokens in both. Eac
 index_head_dim ** -0.5``: relu commutes with a positive scale, so transformers'
 ``sum_h w_h * H^-0.5 * relu(D^-0.5 * q_h . k)`` is this sum). Row ``t`` sees the keys at
 positions ``[0, visible[t])`` of its request (causal: its own token included) and keeps the
-``topk`` best: ``[T, topk]`` int32 positions, best first, ``-1`` where fewer than ``topk`` keys
-are visible. Ties at the ``topk``-th score are broken as ``torch.topk`` breaks them (any of the
-tied keys is a right answer; the float64 check counts such rows apart).
+``topk`` best: ``[T, width]`` int32 positions, best first, ``-1`` where fewer than ``width`` keys
+are visible. ``width`` is ``min(topk, the most keys any row of the step sees)``: no row can
+name more, so the columns past it could only hold padding, and a model's ``index_topk`` (up to
+int32's range) never sizes a step's tensors (as transformers takes ``min(index_topk, T)``).
+Ties at the ``topk``-th score are broken as ``torch.topk`` breaks them (any of the tied keys
+is a right answer; the float64 check counts such rows apart).
 
 ``SparseIndexer`` is the contract (its ``select`` checks every input, then calls the hook
 ``_select``); ``TorchSparseIndexer`` runs it in plain torch, in float32, request by request and a
@@ -49,7 +52,8 @@ SCORE_BUDGET = 1 << 24
 def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """The ``topk`` best of each row of ``scores [rows, n]`` (``-inf``: not a candidate) as
     ``[rows, topk]`` int32 positions in increasing order, ``-1`` padding at the end; of keys
-    tied at the ``topk``-th score, the earliest positions are kept."""
+    tied at the ``topk``-th score, the earliest positions are kept. Only the result is
+    ``topk`` wide (an indexer passes the step's ``min(topk, keys)``, see the module)."""
     rows, n = scores.shape
     keep = min(topk, n)
     out = torch.full((rows, topk), -1, dtype=torch.int32, device=scores.device)
@@ -63,9 +67,10 @@ def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     chosen = above | (tied & (tied.cumsum(dim=1) <= room))
     rank = chosen.cumsum(dim=1) - 1                                          # its slot
     position = torch.arange(n, device=scores.device, dtype=torch.int32).expand(rows, n)
-    wide = torch.full((rows, topk + 1), -1, dtype=torch.int32, device=scores.device)
-    wide.scatter_(1, torch.where(chosen, rank, topk), position)
-    out.copy_(wide[:, :topk])
+    # Only the first ``keep`` columns can be chosen: the scatter is no wider than the scores.
+    wide = torch.full((rows, keep + 1), -1, dtype=torch.int32, device=scores.device)
+    wide.scatter_(1, torch.where(chosen, rank, keep), position)
+    out[:, :keep] = wide[:, :keep]
     return out
 
 
@@ -164,7 +169,7 @@ class SparseIndexerMetadata:
             self._checked.add(key)
 
     def to_slots(self, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Selected ``positions [T, topk]`` (int32, ``-1`` padding) as rows of the flat latent
+        """Selected ``positions [T, width]`` (int32, ``-1`` padding) as rows of the flat latent
         cache (``block_id * block_size + offset``, int32, ``-1`` kept): what the
         ``run_sparse_*`` verbs read. Positions come from ``select`` (within each row's
         visible tokens, whose blocks ``check_cache`` checked)."""
@@ -174,6 +179,12 @@ class SparseIndexerMetadata:
         blocks = self._block_table_long[self.query_request.unsqueeze(1), pos // block_size]
         slots = blocks * block_size + pos % block_size
         return torch.where(valid, slots, -1).to(torch.int32)
+
+
+def _selection_width(metadata: SparseIndexerMetadata, topk: int) -> int:
+    """The columns a top-``topk`` selection of ``metadata``'s step needs: ``min(topk, the most
+    keys any row sees)`` (at least 1: the sparse verbs read ``topk >= 1`` columns)."""
+    return max(1, min(topk, max(metadata.seq_lens, default=1)))
 
 
 class SparseIndexer(BackendDeclarations):
@@ -193,8 +204,10 @@ class SparseIndexer(BackendDeclarations):
 
         ``q [T, index_n_heads, index_head_dim]`` (any float dtype, roped), ``weights [T,
         index_n_heads]`` float32 (the scales folded in), ``key_cache [num_blocks, block_size,
-        index_head_dim]`` of a ``supported_dtypes`` dtype on q's device. Returns ``[T, topk]``
-        int32 positions (increasing, ``-1`` padding at the end; ties to the earliest)."""
+        index_head_dim]`` of a ``supported_dtypes`` dtype on q's device. Returns ``[T,
+        width]`` int32 positions (increasing, ``-1`` padding at the end; ties to the earliest),
+        ``width = min(topk, max(metadata.seq_lens))``: the columns a wider result would add
+        could hold only padding (see the module docstring)."""
         what = f"{type(self).__name__}.select"
         check_int_at_least(f"{what}: topk", topk, 1)
         if not isinstance(metadata, SparseIndexerMetadata):
@@ -202,7 +215,8 @@ class SparseIndexer(BackendDeclarations):
                             f"{type(metadata).__name__}")
         _check_inputs(what, q, weights, key_cache, metadata, self.supported_dtypes)
         metadata.check_cache(what, int(key_cache.shape[1]), int(key_cache.shape[0]))
-        out = torch.full((metadata.num_rows, topk), -1, dtype=torch.int32, device=q.device)
+        width = _selection_width(metadata, topk)
+        out = torch.full((metadata.num_rows, width), -1, dtype=torch.int32, device=q.device)
         if metadata.num_rows:
             self._select(q, weights, key_cache, metadata, out)
         return out
@@ -210,8 +224,10 @@ class SparseIndexer(BackendDeclarations):
     @abstractmethod
     def _select(self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
                 metadata: SparseIndexerMetadata, out: torch.Tensor) -> None:
-        """Write each row's best visible positions into ``out [T, topk]`` (pre-filled with
-        -1; checked inputs, at least one row) as ``topk_positions`` orders and ties them."""
+        """Write each row's best visible positions into ``out [T, width]`` (pre-filled with
+        -1; checked inputs, at least one row; ``width = min(topk, max(metadata.seq_lens))``, so
+        a row's best ``width`` are its best ``topk``) as ``topk_positions`` orders and ties
+        them."""
 
 
 def _check_inputs(what: str, q: object, weights: object, key_cache: object,

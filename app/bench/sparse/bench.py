@@ -125,11 +125,11 @@ def _decode_row(s: dict[str, int], repeat: int, indexer: SparseIndexer) -> dict[
         be.prepare_metadata(table, seq_lens, 1)
         backends.append(be)
     sparse, dense = backends
-    slots = meta.to_slots(indexer.select(iq, weights, keys, meta, topk), bs).view(b, 1, topk)
+    slots = meta.to_slots(indexer.select(iq, weights, keys, meta, topk), bs).view(b, 1, -1)
 
     def whole() -> object:
         picked = meta.to_slots(indexer.select(iq, weights, keys, meta, topk), bs)
-        return sparse.run_sparse_decode(q, cache, picked.view(b, 1, topk))
+        return sparse.run_sparse_decode(q, cache, picked.view(b, 1, -1))
 
     timed = time_interleaved({
         "indexer": lambda: indexer.select(iq, weights, keys, meta, topk),

@@ -10,6 +10,9 @@ layers ``shared`` (``indexer_types``, else ``index_topk_pattern``, else the
 own and reuses the previous layer's selection. The main MLA always ropes adjacent pairs and
 always has a q LoRA (the indexer reads its normed residual); ``mlp_layer_types``, where a
 config writes it, must be what ``first_k_dense_replace`` / ``moe_layer_freq`` say.
+``index_topk`` is at most ``max_position_embeddings``: the model's context, so the most keys
+one of its queries sees; a larger top-k selects nothing more (transformers takes
+``min(index_topk, T)``) and only stands for an absurd number.
 ``read_indexer`` reads all of it (``ValueError`` naming the file and the key).
 """
 
@@ -113,7 +116,15 @@ def read_indexer(architecture: str, r: _Reads, *, num_layers: int, qk_rope_head_
         raise r.error("index_head_dim", f"an int >= qk_rope_head_dim ({qk_rope_head_dim}): "
                       "its first qk_rope_head_dim values are roped")
     glm = architecture == "GlmMoeDsaForCausalLM"
-    return IndexerConfig(index_topk=r.integer("index_topk"), index_head_dim=head_dim,
+    topk, positions = r.integer("index_topk"), r.integer("max_position_embeddings")
+    # The bound the model implies: a query of its context sees at most max_position_embeddings
+    # keys (V3.2: 2048 of 163840, GLM-5: 2048 of 202752). The engine sizes a step's tensors by
+    # min(index_topk, the step's keys) whatever this says; the load refuses what is no top-k.
+    if topk > positions:
+        raise r.error("index_topk", f"an int in [1, max_position_embeddings = {positions}]: "
+                      "a query sees at most the model's context, so a larger top-k selects "
+                      "nothing more")
+    return IndexerConfig(index_topk=topk, index_head_dim=head_dim,
                          index_n_heads=r.integer("index_n_heads"), rope_interleave=glm,
                          layer_has_indexer=_layer_types(r, num_layers) if glm
                          else (True,) * num_layers)

@@ -17,7 +17,10 @@ do): per layer of a planned step,
 The plans are the dense ones with the indexer's per-step layout added (``SparsePrefillPlan``,
 ``SparseDecodePlan``: ``plan_sparse_prefill`` / ``plan_sparse_decode``), made once per step and
 shared by every layer. No ``[T, T]`` matrix is made: the indexer scores a bounded block of rows
-at a time and the attention reads ``index_topk`` rows per query.
+at a time and the attention reads ``index_topk`` rows per query. No tensor is ``index_topk``
+wide either: a step's selection is ``min(index_topk, the most keys a row of the step sees)``
+wide (``SparseIndexer.select``), so a config's ``index_topk`` never sizes memory past what the
+step's context can use.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def plan_sparse_decode(plan: DecodePlan) -> SparseDecodePlan:
 
 
 class SparseSelection:
-    """One step's latest selection (latent-cache slots ``[T, index_topk]`` int32): a GLM-5
-    ``shared`` layer attends to the rows the layer before it selected."""
+    """One step's latest selection (latent-cache slots ``[T, min(index_topk, the step's most
+    visible keys)]`` int32, ``-1`` padding): a GLM-5 ``shared`` layer attends to the rows the
+    layer before it selected."""
 
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None

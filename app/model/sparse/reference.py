@@ -69,6 +69,20 @@ def _grown(buffer: torch.Tensor | None, n: int, keep: int, tail: tuple[int, ...]
     return grown
 
 
+def _stored(buffer: torch.Tensor | None, sel: torch.Tensor, common: int, n: int
+            ) -> torch.Tensor:
+    """``buffer`` (positions ``[N, width]``, -1 padding) holding ``sel`` at positions
+    ``common..n``, widened (with -1) when ``sel`` is wider (a longer sequence sees more keys)."""
+    width = int(sel.shape[1]) if buffer is None else max(int(sel.shape[1]),
+                                                          int(buffer.shape[1]))
+    if buffer is not None and buffer.shape[1] < width:
+        buffer = torch.nn.functional.pad(buffer, (0, width - int(buffer.shape[1])), value=-1)
+    stored = _grown(buffer, n, common, (width,), torch.int64, -1)
+    stored[common:n] = -1
+    stored[common:n, :sel.shape[1]] = sel
+    return stored
+
+
 class SparseReference:
     """The indexer state of ``ReferenceModel`` over one sequence at a time (see the module).
 
@@ -120,7 +134,8 @@ class SparseReference:
 
     def select(self, i: int, h: torch.Tensor, rows: torch.Tensor, common: int, n: int,
                store: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s selection ``[len(rows), topk]`` (int64 positions, -1 padding) and its
+        """Layer ``i``'s selection ``[len(rows), width]`` (int64 positions, -1 padding; ``width``
+        ``min(topk, max(rows) + 1)``, a shared layer's its source's stored width) and its
         margins at ``rows`` (sorted; inputs ``h``), a shared layer's taken from the layer
         before. ``store``: ``rows`` are ``common..n`` and are kept for later sequences."""
         if self.weights[i] is None:
@@ -129,22 +144,22 @@ class SparseReference:
             if selected is None or margins is None:  # pragma: no cover - layers run in order
                 raise RuntimeError("the shared layer's source was not computed")
             return selected.index_select(0, rows), margins.index_select(0, rows)
-        sel = torch.empty(rows.numel(), self.topk, dtype=torch.int64)
-        margins = torch.empty(rows.numel(), dtype=torch.float64)
         end = int(rows.max()) + 1 if rows.numel() else 1
+        # No row sees more than ``end`` keys: a wider selection could hold only padding.
+        width = min(self.topk, end)
+        sel = torch.empty(rows.numel(), width, dtype=torch.int64)
+        margins = torch.empty(rows.numel(), dtype=torch.float64)
         block = max(1, _SCORE_BUDGET // (self.indexer.index_n_heads * end))
         for b0 in range(0, rows.numel(), block):
             part = slice(b0, b0 + block)
-            sel[part], margins[part] = self._select_block(i, h[part], rows[part])
+            sel[part], margins[part] = self._select_block(i, h[part], rows[part], width)
         if store:
-            self._selected[i] = _grown(self._selected[i], n, common, (self.topk,),
-                                       torch.int64, -1)
+            self._selected[i] = _stored(self._selected[i], sel, common, n)
             self._margins[i] = _grown(self._margins[i], n, common, (), torch.float64)
-            self._selected[i][common:n] = sel   # type: ignore[index]
             self._margins[i][common:n] = margins   # type: ignore[index]
         return sel, margins
 
-    def _select_block(self, i: int, h: torch.Tensor, rows: torch.Tensor
+    def _select_block(self, i: int, h: torch.Tensor, rows: torch.Tensor, width: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         w, keys = self.weights[i], self._keys[i]
         if w is None or keys is None:  # pragma: no cover - checked by the caller
@@ -161,7 +176,8 @@ class SparseReference:
         scores = torch.einsum("rhd,nd->rhn", q.to(score_dtype), keys[:end].to(score_dtype))
         total = torch.einsum("rh,rhn->rn", weights, scores.relu_()).to(torch.float64)
         total.masked_fill_(torch.arange(end).view(1, -1) > rows.view(-1, 1), float("-inf"))
-        return topk_positions(total, self.topk).to(torch.int64), _margins(total, self.topk)
+        # ``width`` >= this block's keys or == topk: its best ``width`` are its best ``topk``.
+        return topk_positions(total, width).to(torch.int64), _margins(total, self.topk)
 
 
 def _margins(total: torch.Tensor, topk: int) -> torch.Tensor:
