@@ -11,6 +11,13 @@ import torch
 
 from app.backends.cpu.prefill_kernel import native_kernel_status
 from app.cli import main
+from app.commands.platform import cpu_amx_paths
+from tests.backends.cpu._fake_cpu import (  # noqa: F401 - the fixture
+    AVX2_ONLY,
+    SAPPHIRE_RAPIDS,
+    FakeCpu,
+    fake_cpu,
+)
 
 
 def test_platform_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,3 +98,42 @@ def test_the_loaders_notes_reach_every_kernel_line(capsys: pytest.CaptureFixture
         assert data[key].endswith(note), data[key]
         [line] = [line for line in text.splitlines() if line.startswith(key + " ")]
         assert line.endswith(note)
+
+
+def test_platform_says_where_bf16_runs_with_amx_off(fake_cpu: FakeCpu,  # noqa: F811
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A (faked) AMX machine with APP_CPU_AMX=0: decode on the dot products, prefill on the
+    native kernel, each with the rule that decided, and what the switch does not cover."""
+    fake_cpu.flags(SAPPHIRE_RAPIDS)
+    fake_cpu.decode_kernels()
+    fake_cpu.prefill_kernels()
+    monkeypatch.setenv("APP_CPU_AMX", "0")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    paths = cpu_amx_paths()
+    assert paths["cpu_amx"] == (
+        "unavailable: turned off by APP_CPU_AMX=0 (this package's kernels and TORCH_SDPA's "
+        "bf16 prefill; torch's own bf16 matmuls are oneDNN's: set "
+        "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 before starting Python to keep them off AMX)")
+    assert paths["cpu_decode_amx_kernel"] == "unavailable: turned off by APP_CPU_AMX=0"
+    assert paths["cpu_decode_bf16_path"].startswith("AVX512-BF16 dot products")
+    assert paths["cpu_prefill_bf16_path"] == (
+        "native kernel, bf16 products (vdpbf16ps): native (APP_CPU_AMX=0: aten's bf16 kernel "
+        "would run on oneDNN's AMX tiles; not measured)")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 caps them" in cpu_amx_paths()["cpu_amx"]
+    monkeypatch.setenv("APP_CPU_AMX", "1")
+    paths = cpu_amx_paths()
+    assert paths["cpu_amx"] == ("available: amx_tile and amx_bf16 present; Linux granted the "
+                                "tile state")
+    assert paths["cpu_decode_bf16_path"].startswith("AMX-BF16 tiles")
+
+
+def test_platform_on_an_avx2_cpu_names_no_avx512(fake_cpu: FakeCpu) -> None:  # noqa: F811
+    fake_cpu.flags(AVX2_ONLY)
+    fake_cpu.decode_kernels(avx512=False)
+    fake_cpu.prefill_kernels(native=False)
+    line = cpu_amx_paths()["cpu_prefill_bf16_path"]
+    assert line == ("aten's CPU flash kernel in float32 (AVX2 FMAs; bf16 converted: this CPU "
+                    "has no AVX512-BF16 or AMX): aten (the only path here: native: "
+                    "mla_prefill_cpu unavailable (faked))")

@@ -26,6 +26,7 @@ another platform is never answered from a stale entry.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -253,9 +254,9 @@ class SelectionExplanation(TypedDict, total=False):
     chosen_class: str | None
     #: The ``ValueError`` message selection raises, when it does.
     error: str | None
-    #: On a CPU, the unit the chosen backend's kernel multiplies on for the dtype and why
-    #: (its ``kernel_path(dtype)``: AMX tiles, AVX512-BF16 dot products, float32 FMAs ...);
-    #: present only where the chosen backend says.
+    #: On a CPU, the unit the chosen backend's kernel multiplies on for the dtype (and the
+    #: cache dtype, where its ``kernel_path`` takes ``kv_cache_dtype``) and why (AMX tiles,
+    #: AVX512-BF16 dot products, float32 FMAs ...); present only where the backend says.
     kernel_path: str
 
 
@@ -315,19 +316,34 @@ def explain_selection(kind: BackendKind, config: EngineConfig, platform: Platfor
     if "mla_dimensions" in fields:
         explanation["mla_dimensions"] = fields["mla_dimensions"]
     if decision.cls is not None and platform.device_type == "cpu":
-        path = _kernel_path(decision.cls, getattr(selector_config, "dtype", None))
+        path = _kernel_path(decision.cls, getattr(selector_config, "dtype", None),
+                            getattr(selector_config, "kv_cache_dtype", None))
         if path is not None:
             explanation["kernel_path"] = path
     return explanation
 
 
-def _kernel_path(cls: type[Any], dtype: object) -> str | None:
+def _takes_cache_dtype(describe: Callable[..., object]) -> bool:
+    """Whether a ``kernel_path`` accepts ``kv_cache_dtype=`` (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(describe).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any((p.name == "kv_cache_dtype" and p.kind != p.POSITIONAL_ONLY)
+               or p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _kernel_path(cls: type[Any], dtype: object, kv_cache_dtype: object = None) -> str | None:
     """``cls.kernel_path(dtype)`` where a backend declares it (a CPU backend saying which unit
-    its kernel multiplies on); what it raised, as text, if it raises."""
+    its kernel multiplies on), with ``kv_cache_dtype=`` (the selection's cache dtype name)
+    where it takes one: the unit can follow the cache (FP8 rows are not bf16 ones); what it
+    raised, as text, if it raises."""
     describe = getattr(cls, "kernel_path", None)
     if not callable(describe) or not isinstance(dtype, torch.dtype):
         return None
     try:
+        if isinstance(kv_cache_dtype, str) and _takes_cache_dtype(describe):
+            return str(describe(dtype, kv_cache_dtype=kv_cache_dtype))
         return str(describe(dtype))
     except Exception as exc:  # a third party's: said, never raised out of an explanation
         return f"unknown ({_failure(exc)})"

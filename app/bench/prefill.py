@@ -276,7 +276,8 @@ def bound_peak(dtype: torch.dtype) -> str:
 
     bf16 = cpu_compute_dtype(dtype) == dtype == torch.bfloat16
     if dtype == torch.bfloat16 and cpu_bf16_prefill_path().path == "aten":
-        return AMX_BF16 if cpu_has_amx() else BF16_DOT if bf16 else FP32_FMA
+        # aten computes in float32 where bf16 may not run on fast units (APP_CPU_AMX=0 too)
+        return (AMX_BF16 if cpu_has_amx() else BF16_DOT) if bf16 else FP32_FMA
     if dtype == torch.bfloat16 and Sdpa.cpu_bf16_kernel and native_bf16_kernel_status().available:
         return BF16_DOT  # the kernel's bf16-products build
     if native_kernel_status().available:  # float32 math, whatever the input dtype

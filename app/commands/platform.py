@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import platform as _pyplatform
 from collections.abc import Sequence
 from typing import Any
@@ -108,11 +109,12 @@ def cpu_decode_kernel() -> str:
 
 
 def cpu_amx_paths() -> dict[str, str]:
-    """AMX and the bf16 paths: ``cpu_amx`` (may this process use AMX tiles, or why not),
-    ``cpu_decode_amx_kernel`` (CPU_MLA's AMX build: loaded, or why not, then the loader's
-    notes), and which unit bf16 decode (``cpu_decode_bf16_path``) and prefill
-    (``cpu_prefill_bf16_path``) run on, and why. Only a CPU with AMX builds or measures
-    anything for these."""
+    """AMX and the bf16 paths: ``cpu_amx`` (may this process use AMX tiles, or why not; with
+    ``APP_CPU_AMX=0``, what the switch covers), ``cpu_decode_amx_kernel`` (CPU_MLA's AMX
+    build: loaded, or why not), and which unit bf16 decode (``cpu_decode_bf16_path``) and
+    prefill (``cpu_prefill_bf16_path``: the kernel, and the rule that chose it) run on, and
+    why, under the switches as set; each native line ends with the loader's notes. Only a CPU
+    with AMX builds or measures anything for these (a measurement is kept for the machine)."""
     from app.backends.cpu.amx import amx_status
     from app.backends.cpu.decode_kernel_amx import amx_decode_status
     from app.backends.cpu.kernel_paths import decode_kernel_path
@@ -121,12 +123,28 @@ def cpu_amx_paths() -> dict[str, str]:
     tiles = amx_status()
     kernel = amx_decode_status()
     return {
-        "cpu_amx": f"{'available' if tiles.available else 'unavailable'}: {tiles.reason}",
+        "cpu_amx": (f"{'available' if tiles.available else 'unavailable'}: {tiles.reason}"
+                    + _onednn_note(tiles.reason)),
         "cpu_decode_amx_kernel": _with_notes(
             f"available ({kernel.reason}), shares {kernel.shares}" if kernel.available
             else f"unavailable: {kernel.reason}", kernel.notes),
         "cpu_decode_bf16_path": decode_kernel_path(torch.bfloat16),
         "cpu_prefill_bf16_path": TorchSDPAPrefillBackend.kernel_path(torch.bfloat16)}
+
+
+def _onednn_note(reason: str) -> str:
+    """With ``APP_CPU_AMX=0`` on an AMX CPU: what the switch does not cover (torch's own bf16
+    matmuls, oneDNN's to decide) and whether ``ONEDNN_MAX_CPU_ISA`` caps them."""
+    from app.backends.cpu.amx import AMX_ENV
+
+    if reason != f"turned off by {AMX_ENV}=0":
+        return ""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return (" (this package's kernels and TORCH_SDPA's bf16 prefill; torch's own bf16 matmuls "
+            "are oneDNN's: " + (f"ONEDNN_MAX_CPU_ISA={cap} caps them, if set before "
+                                "oneDNN's first use" if cap else
+                                "set ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 before starting "
+                                "Python to keep them off AMX") + ")")
 
 
 def run(args: argparse.Namespace) -> int:

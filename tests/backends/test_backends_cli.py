@@ -15,6 +15,7 @@ from app.cli import main
 from app.containers import Application
 from app.platforms import CpuPlatform
 from app.testing import SelectionOnlyBackend
+from tests.backends.cpu._fake_cpu import SAPPHIRE_RAPIDS, FakeCpu, fake_cpu  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,6 +88,29 @@ def test_capability_and_dimensions(capsys: pytest.CaptureFixture[str]) -> None:
                                       "v_head_dim": 256}
     assert main(["backends", "--json", "--capability", "cpu"]) in (0, 1)
     assert json.loads(capsys.readouterr().out)["priorities"] == ["TORCH_SDPA"]
+
+
+@pytest.mark.parametrize(("cache", "path"), [
+    ("auto", "AMX-BF16 tiles (self-test passed"),
+    ("fp8_ds_mla", "AVX512-BF16 dot products (vdpbf16ps, float32 sums) on bf16 tiles "
+                   "dequantised from the fp8_ds_mla rows; AMX not used"),
+    ("fp8", "AVX512-BF16 dot products (vdpbf16ps, float32 sums) on bf16 tiles dequantised "
+            "from the fp8_e4m3 rows"),
+])
+def test_the_kernel_path_follows_the_cache_dtype(app_container: Application,
+                                                 fake_cpu: FakeCpu,  # noqa: F811
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 cache: str, path: str) -> None:
+    """On a (faked) AMX CPU, bf16 rows run on the tiles but FP8 rows on the AVX512-BF16 dot
+    products: the line must say so, as the backend decides it (kernel_paths.decode_unit)."""
+    fake_cpu.flags(SAPPHIRE_RAPIDS)
+    fake_cpu.decode_kernels()
+    app_container.platform.override(providers.Object(CpuPlatform()))
+    assert main(["backends", "--kind", "decode", "--dtype", "bfloat16",
+                 "--kv-cache-dtype", cache]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: CPU_MLA" in out
+    assert f"kernel path: {path}" in out
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -4,7 +4,8 @@ Three things must hold, checked in this order (:func:`amx_status`):
 
 1. **The CPU has the tiles**: ``amx_tile`` and ``amx_bf16`` in ``/proc/cpuinfo``'s flags (the
    kernel lists them only when it manages the tile state), on Linux x86-64.
-2. **The switch allows it**: ``APP_CPU_AMX=0`` keeps every AMX path off (the AVX-512 ones run).
+2. **The switch allows it**: ``APP_CPU_AMX=0`` keeps every AMX path of this package off (the
+   AVX-512 ones run; see :data:`AMX_ENV` for what it covers).
 3. **Linux granted the tile state to this process**: the 8 KiB of tile data are a dynamic
    xstate feature, handed out only on request, ``arch_prctl(ARCH_REQ_XCOMP_PERM,
    XFEATURE_XTILEDATA)`` (once per process, inherited by its threads and forked children);
@@ -33,9 +34,13 @@ import attrs
 from app.backends.cpu.loader import cpu_flags, read_switch
 
 __all__ = ["AMX_ENV", "ARCH_GET_XCOMP_PERM", "ARCH_REQ_XCOMP_PERM", "XFEATURE_XTILEDATA",
-           "AmxStatus", "amx_status", "cpu_has_amx", "request_tile_permission"]
+           "AmxStatus", "amx_status", "amx_turned_off", "cpu_has_amx",
+           "request_tile_permission"]
 
-#: Set to ``0`` to keep every AMX path off (the AVX-512 paths run instead).
+#: Set to ``0`` to keep every AMX path off (the AVX-512 paths run instead): CPU_MLA's AMX
+#: kernel, and TORCH_SDPA's bf16 prefill on aten (oneDNN's AMX brgemm), which then takes the
+#: native kernel, or aten in float32. torch's own bf16 matmuls elsewhere (a model's
+#: projections) are oneDNN's to decide: ``ONEDNN_MAX_CPU_ISA`` caps them, read once by oneDNN.
 AMX_ENV = "APP_CPU_AMX"
 #: ``arch_prctl`` codes (``asm/prctl.h``) and the tile-data xstate feature number.
 ARCH_GET_XCOMP_PERM = 0x1022
@@ -127,6 +132,11 @@ def _check_granted(syscall: Syscall) -> str | None:
         return (f"Linux accepted the request but the permitted xstate features "
                 f"({mask.value:#x}) do not include the tile data (bit {XFEATURE_XTILEDATA})")
     return None
+
+
+def amx_turned_off() -> bool:
+    """``APP_CPU_AMX=0`` is set (read on every call; ``ValueError`` for a bad value)."""
+    return not read_switch(AMX_ENV)
 
 
 def cpu_has_amx(flags: frozenset[str] | None = None) -> bool:

@@ -6,7 +6,7 @@ cache has one KV head: ``query_len * num_heads`` rows share it), accumulates in 
 writes the output and the natural-log LSE. On a CPU with AVX512-BF16, a bf16 cache with a
 bf16 q runs on its bf16 dot products (bf16 products summed in float32, p rounded to bf16 for
 p.v, as GPU kernels do): twice the multiply-adds per instruction of float32 FMAs
-(``APP_CPU_DECODE_BF16_DOT=0`` keeps the float32 path). bf16 /
+(``APP_CPU_DECODE_BF16_DOT=0`` keeps the float32 path, the AMX kernel's too). bf16 /
 fp16 / fp32 caches, and the FP8 ones (``kv_cache_format``: float8_e4m3fn rows with the layer's
 scale in ``k_scale``, or DeepSeek's ``fp8_ds_mla`` uint8 rows; each chunk of keys is
 dequantised once into a per-thread tile, ``csrc/mla_decode_cpu_fp8.h``), any block size,
@@ -71,7 +71,8 @@ __all__ = ["BF16_DOT_ENV", "SPEC", "SPEC_OPENMP", "DecodePlan", "MlaDecodeArgs",
            "NativeMLADecodeKernel", "decode_kernel_status", "has_bf16_dot", "load_decode_kernel",
            "plan_decode"]
 
-#: Set to ``0`` to keep bf16 caches on the float32 FMA path (to compare the two).
+#: Set to ``0`` to keep bf16 caches on the float32 FMA path (to compare the two): neither the
+#: AVX512-BF16 dot products nor CPU_MLA's AMX kernel (``decode_kernel_amx``) run then.
 BF16_DOT_ENV = "APP_CPU_DECODE_BF16_DOT"
 #: ``MLA_DECODE_CPU_ABI`` in ``cpu/csrc/mla_decode_cpu.h``.
 ABI_VERSION = 4
@@ -293,7 +294,8 @@ def has_bf16_dot() -> bool:
     AVX512BW) and ``$APP_CPU_DECODE_BF16_DOT`` does not turn them off (read on every call
     of this function: :meth:`NativeMLADecodeKernel.run` asks it per call, a
     :class:`CpuMLADecodeBackend` once, at its first run).
-    AMX-BF16 does not enter: the kernel has no AMX path (an AMX CPU has AVX512-BF16 too)."""
+    AMX-BF16 does not enter: this kernel has no AMX path (an AMX CPU has AVX512-BF16 too;
+    CPU_MLA's AMX kernel is ``decode_kernel_amx``, which the same switch turns off)."""
     return _cpu_has_bf16_dot() and read_switch(BF16_DOT_ENV)
 
 

@@ -7,7 +7,8 @@ loads, and everything else to the AVX-512 kernel, which every CPU without AMX ke
 tiles MLA: the C source's header and ``docs/cpu-decode-kernel.md``.
 
 Nothing here runs an AMX instruction before all of these hold (:func:`amx_decode_status`):
-the CPU has ``amx_tile`` and ``amx_bf16``, ``APP_CPU_AMX`` does not turn it off, Linux granted
+the CPU has ``amx_tile`` and ``amx_bf16``, neither ``APP_CPU_AMX`` nor
+``APP_CPU_DECODE_BF16_DOT`` (which keeps bf16 on float32 FMAs) turns it off, Linux granted
 this process the tile state (:mod:`app.backends.cpu.amx`), the library builds (``-mamx-tile
 -mamx-bf16``: GCC >= 11 or clang >= 12) and its float64 self-test passes, first in a child
 process (a kernel that was never run may crash rather than be wrong; the verdict is kept
@@ -31,6 +32,7 @@ import torch
 from app.backends.cpu.amx import AMX_ENV, amx_status, cpu_has_amx
 from app.backends.cpu.decode_kernel import (
     ABI_VERSION,
+    BF16_DOT_ENV,
     MlaDecodeArgs,
     NativeMLADecodeKernel,
     _openmp_requirements,
@@ -43,6 +45,7 @@ from app.backends.cpu.loader import (
     NativeLibraryStatus,
     cpu_flags,
     load_native_library,
+    read_switch,
 )
 from app.backends.cpu.openmp import LIBGOMP, OPENMP_ENV, runtime_function_address, torch_libgomp
 from app.backends.cpu.prefill_kernel import SWITCH_ENV, _requirements
@@ -186,12 +189,16 @@ class AmxDecodeStatus:
 
 def amx_decode_status() -> AmxDecodeStatus:
     """The AMX build CPU_MLA runs bf16 on (the OpenMP build where it loads, else the pool
-    build), or why none does. Builds and self-tests (in a child process, first) on first use
-    on an AMX CPU; elsewhere it only reads the flags."""
+    build), or why none does (``APP_CPU_AMX=0`` or ``APP_CPU_DECODE_BF16_DOT=0``: none).
+    Builds and self-tests (in a child process, first) on first use on an AMX CPU; elsewhere
+    it only reads the flags."""
     amx_cpu = cpu_has_amx()
     tiles = amx_status()
     if not tiles.available:
         return AmxDecodeStatus(None, tiles.reason, amx_cpu=amx_cpu)
+    if not read_switch(BF16_DOT_ENV):  # the tiles multiply bf16 too: the switch keeps float32
+        return AmxDecodeStatus(None, f"turned off by {BF16_DOT_ENV}=0 (bf16 decode kept on "
+                                     f"float32 FMAs)", amx_cpu=amx_cpu)
     openmp = load_native_library(SPEC_AMX_OPENMP)
     if openmp.available:
         return AmxDecodeStatus(openmp.library, f"self-test passed ({openmp.path})",

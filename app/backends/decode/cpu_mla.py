@@ -11,7 +11,10 @@ of 32 (DeepSeek: 512 and 64); the step's work split is planned once per step
 
 bf16 steps (a bf16 cache and q) run on AMX-BF16 tiles where the CPU has them and the AMX
 build passes its self-tests (:mod:`app.backends.cpu.decode_kernel_amx`), on the AVX512-BF16
-dot products elsewhere; :meth:`CpuMLADecodeBackend.kernel_path` says which, and why.
+dot products elsewhere (FP8 caches with a bf16 q too), on float32 FMAs with
+``APP_CPU_DECODE_BF16_DOT=0`` (neither tiles nor dot products then);
+:meth:`CpuMLADecodeBackend.kernel_path` says which, and why, by the rule the backend applies
+(:func:`app.backends.cpu.kernel_paths.decode_unit`).
 
 Built, cached and self-tested by ``app.backends.cpu.loader`` on first use;
 ``APP_CPU_NATIVE_KERNEL=0`` turns it off (as for the prefill kernel). Unavailable (no
@@ -39,7 +42,13 @@ from app.backends.cpu.decode_kernel import (
     plan_decode,
 )
 from app.backends.cpu.decode_kernel_amx import load_amx_decode_kernel
-from app.backends.cpu.kernel_paths import decode_kernel_path
+from app.backends.cpu.kernel_paths import (
+    AMX_TILES,
+    BF16_DOT,
+    decode_kernel_path,
+    decode_unit,
+    tiles_may_run,
+)
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.workspaces import WorkspaceSource
@@ -72,11 +81,13 @@ class CpuMLADecodeBackend(MLADecodeBackend):
         return rank % 64 == 0 and rank > 0 and rope % 32 == 0
 
     @classmethod
-    def kernel_path(cls, dtype: torch.dtype) -> str:
-        """Which kernel path a ``dtype`` cache runs on here, and why (AMX tiles, AVX512-BF16
-        dot products or float32 FMAs): ``python -m app backends`` and the selector's
-        explanation show it."""
-        return decode_kernel_path(dtype)
+    def kernel_path(cls, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+        """Which kernel path a ``dtype`` model (its q) with a ``kv_cache_dtype`` cache
+        (``"auto"``: the model's dtype; ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_ds_mla"``) runs on
+        here, and why (AMX tiles, AVX512-BF16 dot products or float32 FMAs), by the rule a
+        backend's first step applies (``kernel_paths.decode_unit``): ``python -m app
+        backends`` and the selector's explanation show it."""
+        return decode_kernel_path(dtype, kv_cache_dtype)
 
     @classmethod
     def unavailable_reason(cls) -> str:
@@ -97,27 +108,31 @@ class CpuMLADecodeBackend(MLADecodeBackend):
                              f"{qk_rope_head_dim}")
         self._plans: tuple[MLADecodeMetadata, int, DecodePlan] | None = None
         self._plan_lock = threading.Lock()
-        self._kernel: tuple[NativeMLADecodeKernel, bool] | None = None
-        self._amx: list[NativeMLADecodeKernel | None] = []  # [] until looked up
+        # (q dtype, cache dtype) -> (kernel, bf16_dot): one entry per kind of step
+        self._kernels: dict[tuple[torch.dtype, torch.dtype],
+                            tuple[NativeMLADecodeKernel, bool]] = {}
 
-    def _kernel_and_dot(self) -> tuple[NativeMLADecodeKernel, bool]:
-        """The kernel and whether a bf16 step runs on the bf16 dot products, looked up at
-        this backend's first run and kept: the lookup (the loader's switch checks and
-        locks) took ~3 us, on every layer of every step. A backend made after a switch
-        changes sees it; one already running keeps what it started with."""
-        found = self._kernel
+    def _kernel_and_dot(self, q_dtype: torch.dtype, cache_dtype: torch.dtype
+                        ) -> tuple[NativeMLADecodeKernel, bool]:
+        """The kernel a step of these dtypes runs on and its ``bf16_dot`` flag, chosen by
+        ``kernel_paths.decode_unit`` (the rule ``kernel_path`` reports) at this backend's
+        first such step and kept: the lookup (the loader's switch checks and locks) took
+        ~3 us, on every layer of every step. A backend made after a switch changes sees it;
+        one already running keeps what it started with."""
+        key = (q_dtype, cache_dtype)
+        found = self._kernels.get(key)
         if found is None:
             kernel = load_decode_kernel()
             if kernel is None:
                 raise ValueError(self.unavailable_reason())
-            found = self._kernel = (kernel, has_bf16_dot())
+            fmt = self.kv_cache_format
+            amx = load_amx_decode_kernel() if tiles_may_run(q_dtype, cache_dtype, fmt) else None
+            unit = decode_unit(q_dtype, cache_dtype, fmt, amx=amx is not None,
+                               bf16_dot=has_bf16_dot())
+            # the AMX kernel has the same interface; bf16_dot means nothing to it
+            found = self._kernels[key] = ((amx if unit == AMX_TILES and amx else kernel),
+                                          unit == BF16_DOT)
         return found
-
-    def _amx_kernel(self) -> NativeMLADecodeKernel | None:
-        """The AMX kernel for bf16 steps, or None (looked up at the first bf16 step, kept)."""
-        if not self._amx:
-            self._amx.append(load_amx_decode_kernel())
-        return self._amx[0]
 
     def _plan_for(self, metadata: MLADecodeMetadata) -> DecodePlan:
         workers = torch.get_num_threads()
@@ -138,13 +153,9 @@ class CpuMLADecodeBackend(MLADecodeBackend):
                     k_scale: float) -> None:
         if q.device.type != "cpu":
             raise ValueError(f"{type(self).__name__}: expected CPU tensors, got {q.device}")
-        kernel, dot = self._kernel_and_dot()
-        if kv_cache.dtype == q.dtype == torch.bfloat16 and (amx := self._amx_kernel()):
-            kernel = amx  # the same interface; bf16_dot means nothing to it
+        kernel, dot = self._kernel_and_dot(q.dtype, kv_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        bf16 = q.dtype == torch.bfloat16 and (self.kv_cache_format != "auto"
-                                              or kv_cache.dtype == torch.bfloat16)
         kernel.run(self._plan_for(metadata), q, kv_cache, metadata.block_table_cpu,
                    metadata.seq_lens_cpu, self.kv_lora_rank, out, lse, softmax_scale, k_scale,
-                   bf16_dot=dot and bf16, kv_cache_format=self.kv_cache_format)
+                   bf16_dot=dot, kv_cache_format=self.kv_cache_format)

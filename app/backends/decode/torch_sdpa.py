@@ -72,13 +72,15 @@ class TorchSDPADecodeBackend(MLADecodeBackend):
         "auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
 
     @classmethod
-    def kernel_path(cls, dtype: torch.dtype) -> str:
-        """On a CPU: float32 torch matmuls whatever the cache dtype (no bf16 unit, AMX tiles or
-        AVX512-BF16, is used: the gathered pages are converted to float32 first)."""
-        name = str(dtype).removeprefix("torch.")
+    def kernel_path(cls, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+        """On a CPU: float32 torch matmuls whatever the model and cache dtypes (no bf16 unit,
+        AMX tiles or AVX512-BF16, is used: the gathered pages are converted to float32
+        first; an FP8 cache's rows dequantised)."""
+        name = (str(dtype).removeprefix("torch.") if kv_cache_dtype == "auto"
+                else f"{kv_cache_dtype} rows")
         return ("float32 torch matmuls (oneDNN's float32 GEMM; the gathered pages converted "
                 f"from {name}: neither AMX tiles nor AVX512-BF16 products are used)"
-                if dtype != torch.float32 else "float32 torch matmuls (oneDNN's float32 GEMM)")
+                if name != "float32" else "float32 torch matmuls (oneDNN's float32 GEMM)")
 
     def _run_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, softmax_scale: float,

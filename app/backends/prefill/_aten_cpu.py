@@ -1,5 +1,7 @@
 """TORCH_SDPA's aten CPU paths: where the native kernel cannot run (no AVX-512 or compiler,
-bf16 compute on a CPU with fast bf16, ``APP_CPU_NATIVE_KERNEL=0``).
+bf16 compute on a CPU with fast bf16, ``APP_CPU_NATIVE_KERNEL=0``). bf16 inputs compute in bf16
+where the CPU has fast bf16 products and in float32 elsewhere, and on an AMX CPU with
+``APP_CPU_AMX=0`` (:func:`cpu_compute_dtype`).
 
 ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns the natural-log LSE
 but needs equal head dims (``v`` is zero-padded to the q/k head dim, the buffer kept between
@@ -18,11 +20,12 @@ from collections import OrderedDict
 
 import torch
 
-from app._cpu import cpu_has_native_bf16
+from app._cpu import cpu_has_native_bf16, detect_cpu_features
+from app.backends.cpu.amx import amx_turned_off
 from app.backends.merge import merge_attn_states
 from app.backends.prefill.kernel_base import RaggedLayout
 
-__all__ = ["AtenCpuPrefill", "cpu_compute_dtype"]
+__all__ = ["AtenCpuPrefill", "amx_held_off", "cpu_compute_dtype"]
 
 _NEG_INF = float("-inf")
 _MASK_CACHE_SIZE = 256
@@ -33,10 +36,17 @@ _BLOCKED_HEADS = 16
 _V_BUFFER_MAX_BYTES = 256 << 20
 
 
+def amx_held_off() -> bool:
+    """The CPU has AMX tiles and ``APP_CPU_AMX=0`` keeps them off: aten's bf16 kernel would
+    run its blocks on them (oneDNN's brgemm), so it computes in float32 instead."""
+    return detect_cpu_features().amx_bf16 and amx_turned_off()
+
+
 def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the CPU kernel computes in for ``dtype`` inputs: bf16 only where the CPU has
-    fast bf16 matmuls (AMX / AVX512-BF16), float32 otherwise (and always for fp16)."""
-    if dtype == torch.bfloat16 and cpu_has_native_bf16():
+    fast bf16 matmuls (AMX / AVX512-BF16) that may be used (not on an AMX CPU with
+    ``APP_CPU_AMX=0``: :func:`amx_held_off`), float32 otherwise (and always for fp16)."""
+    if dtype == torch.bfloat16 and cpu_has_native_bf16() and not amx_held_off():
         return torch.bfloat16
     if dtype == torch.float64:
         return torch.float64

@@ -14,9 +14,11 @@ it off). Its speed against aten's kernel and against this CPU's measured FMA / b
 dot-product peaks: ``python -m app bench prefill`` and docs/benchmarks.md.
 
 **bf16 on a CPU with AMX tiles**: aten's bf16 flash kernel runs its blocks through oneDNN,
-which uses AMX there, so TORCH_SDPA times both paths once per process and takes the faster
+which uses AMX there, so TORCH_SDPA times both paths once per machine, keeps the timings beside
+the native library and takes the faster in every process
 (:mod:`app.backends.prefill.cpu_bf16_path`; ``APP_CPU_PREFILL_PATH`` forces one or measures
-anywhere); :meth:`TorchSDPAPrefillBackend.kernel_path` says which and why.
+anew; ``APP_CPU_AMX=0`` takes the native kernel, or aten in float32 where only aten runs);
+:meth:`TorchSDPAPrefillBackend.kernel_path` says which and why.
 
 **CPU otherwise** (no AVX-512 or compiler, the native kernel switched off): aten's CPU flash
 kernel, whose quirks (equal head dims, top-left ``is_causal``, LSE 0 on rows that see no key)
@@ -56,8 +58,11 @@ from typing import TYPE_CHECKING, ClassVar
 import attrs
 import torch
 
+from app._cpu import detect_cpu_features
 from app._types import DeviceCapability
-from app.backends.cpu.amx import cpu_has_amx
+from app.backends.cpu.amx import AMX_ENV, amx_turned_off, cpu_has_amx
+from app.backends.cpu.child_verdict import machine_key
+from app.backends.cpu.loader import cpu_flags
 from app.backends.cpu.prefill_kernel import (
     V_HEAD_DIM_MULTIPLE,
     NativeMLAPrefillKernel,
@@ -69,9 +74,15 @@ from app.backends.cpu.prefill_kernel_bf16 import (
     load_native_bf16_kernel,
     native_bf16_kernel_status,
 )
-from app.backends.prefill._aten_cpu import AtenCpuPrefill, cpu_compute_dtype
+from app.backends.prefill._aten_cpu import AtenCpuPrefill, amx_held_off, cpu_compute_dtype
 from app.backends.prefill._dense import all_finite, attend_dense
-from app.backends.prefill.cpu_bf16_path import ATEN, NATIVE, Bf16PrefillPath, bf16_prefill_path
+from app.backends.prefill.cpu_bf16_path import (
+    ATEN,
+    NATIVE,
+    Bf16PrefillPath,
+    CalibrationFile,
+    bf16_prefill_path,
+)
 from app.backends.prefill.kernel_base import RaggedKernelBackend, RaggedLayout, unit_stride
 from app.backends.prefill.metadata import MLAPrefillMetadata
 
@@ -79,8 +90,8 @@ if TYPE_CHECKING:
     from app.backends.workspaces import KernelWorkspaces
     from app.config import EngineConfig
 
-__all__ = ["LiveRows", "TorchSDPABackend", "TorchSDPAPrefillBackend", "cpu_bf16_prefill_path",
-           "cpu_compute_dtype", "live_rows"]
+__all__ = ["LiveRows", "TorchSDPABackend", "TorchSDPAPrefillBackend", "aten_cpu_path",
+           "cpu_bf16_prefill_path", "cpu_compute_dtype", "live_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,15 +179,14 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
     @classmethod
     def kernel_path(cls, dtype: torch.dtype) -> str:
         """On a CPU, which kernel ``dtype`` inputs run on and why: the native kernel (bf16
-        products or float32 math) or aten's flash kernel (oneDNN; AMX tiles where the CPU
-        has them), as :mod:`app.backends.prefill.cpu_bf16_path` chose for bf16."""
+        products or float32 math) or aten's flash kernel (:func:`aten_cpu_path`: bf16 on
+        oneDNN's AMX tiles or AVX512-BF16 products, or float32), as
+        :mod:`app.backends.prefill.cpu_bf16_path` chose for bf16."""
         native = native_kernel_status()
         if dtype == torch.bfloat16 and cls.cpu_native_kernel:
             choice = cpu_bf16_prefill_path()
             if choice.path == ATEN:
-                unit = "AMX tiles" if cpu_has_amx() else "AVX-512"
-                return (f"aten's CPU flash kernel in bf16 (oneDNN brgemm on {unit}): "
-                        f"{choice.reason}")
+                return f"{aten_cpu_path(dtype)}: {choice.reason}"
             bf16 = native_bf16_kernel_status()
             if bf16.available and cls.cpu_bf16_kernel:
                 return f"native kernel, bf16 products (vdpbf16ps): {choice.reason}"
@@ -184,7 +194,7 @@ class TorchSDPAPrefillBackend(RaggedKernelBackend):
             return f"native kernel, float32 math (bf16 build unavailable: {why}): {choice.reason}"
         if not (native.available and cls.cpu_native_kernel):
             why = "; ".join(native.reasons) or "cpu_native_kernel is False"
-            return f"aten's CPU flash kernel: native kernel unavailable: {why}"
+            return f"{aten_cpu_path(dtype)}: native kernel unavailable: {why}"
         converted = "" if dtype == torch.float32 else \
             f", {str(dtype).removeprefix('torch.')} converted while packing"
         return f"native kernel, float32 FMAs (AVX-512F{converted})"
@@ -356,12 +366,47 @@ def _time_bf16_path(path: str) -> float:
     return time.perf_counter() - start
 
 
+def _calibration_file() -> CalibrationFile | None:
+    """Where this machine's bf16 calibration is kept: beside the native kernel library,
+    keyed by the CPU, the libraries the native path loads, torch's version (aten's kernel)
+    and the thread count; None without a library."""
+    native = native_kernel_status()
+    if native.library is None:
+        return None
+    bf16 = native_bf16_kernel_status() if TorchSDPAPrefillBackend.cpu_bf16_kernel else None
+    key = {"machine": machine_key(), "native": native.library.name,
+           "native_bf16": bf16.library.name if bf16 is not None and bf16.library else "-",
+           "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+    return CalibrationFile(native.library.parent, key)
+
+
 def cpu_bf16_prefill_path() -> Bf16PrefillPath:
     """The kernel TORCH_SDPA runs bf16 prefill on here ("native" or "aten") and why
-    (:mod:`app.backends.prefill.cpu_bf16_path`: measured once per process on AMX CPUs)."""
+    (:mod:`app.backends.prefill.cpu_bf16_path`: on AMX CPUs measured once per machine and
+    kept beside the library; native, unmeasured, with ``APP_CPU_AMX=0``)."""
     native = native_kernel_status()
     runnable = {NATIVE: None if native.available else "; ".join(native.reasons), ATEN: None}
-    return bf16_prefill_path(cpu_has_amx(), runnable, _time_bf16_path)
+    return bf16_prefill_path(cpu_has_amx(), runnable, _time_bf16_path,
+                             amx_off=amx_turned_off(), kept=_calibration_file)
+
+
+def aten_cpu_path(dtype: torch.dtype) -> str:
+    """What aten's CPU flash kernel computes ``dtype`` inputs in here, and on which unit
+    (read from this CPU's flags, as :func:`cpu_compute_dtype` decides): bf16 on oneDNN's
+    AMX tiles or AVX512-BF16 dot products, else float32 FMAs (AVX-512 or AVX2)."""
+    features = detect_cpu_features()
+    fma = ("AVX-512" if features.avx512f else "AVX2" if "avx2" in cpu_flags()
+           else "no AVX2 or AVX-512")
+    name = str(dtype).removeprefix("torch.")
+    if cpu_compute_dtype(dtype) == torch.bfloat16:
+        unit = "AMX tiles" if features.amx_bf16 else "AVX512-BF16 dot products"
+        return f"aten's CPU flash kernel in bf16 (oneDNN brgemm on {unit})"
+    if dtype != torch.bfloat16:
+        converted = "" if dtype == torch.float32 else f"; {name} converted"
+        return f"aten's CPU flash kernel in float32 ({fma} FMAs{converted})"
+    why = (f"{AMX_ENV}=0 keeps bf16 off oneDNN's AMX tiles" if amx_held_off()
+           else "this CPU has no AVX512-BF16 or AMX")
+    return f"aten's CPU flash kernel in float32 ({fma} FMAs; bf16 converted: {why})"
 
 
 #: The class's old name (deprecated alias: its name now says its kind).
