@@ -33,7 +33,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised where vLLM is absent
     raise ImportError(f"app.integrations.vllm needs vLLM's MLA prefill backend base "
                       f"(vllm.v1.attention.backends.mla.prefill.base): {_exc}. Install vLLM "
-                      f"(see README, 'Use inside vLLM')") from _exc
+                      f"(docs/vllm.md, 'Use inside vLLM')") from _exc
 
 from app._types import MLADimensions
 from app.backends.prefill.base import (

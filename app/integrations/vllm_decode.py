@@ -57,7 +57,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised where vLLM is absent
     raise ImportError(f"app.integrations.vllm_decode needs vLLM's CPU MLA backend "
                       f"(vllm.v1.attention.backends.mla.cpu_mla): {_exc}. Install vLLM's CPU "
-                      f"build (see README, 'Use inside vLLM')") from _exc
+                      f"build (docs/vllm.md, 'Use inside vLLM')") from _exc
 
 from app._types import MLADimensions
 from app.backends.decode.base import MLADecodeBackend

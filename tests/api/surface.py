@@ -17,8 +17,7 @@ evaluated types, and object addresses are dropped, so the file reads the same on
 from 3.10 and every torch version. It is built in a fresh interpreter (a test's run-time
 backend registrations must not show up as enum members).
 
-Regenerate it on purpose, after a public change was decided (README, "Changing the public
-API")::
+Regenerate it on purpose, after a public change was decided (`docs/public-api.md`)::
 
     python -m tests.api.surface --update
 """

@@ -1,4 +1,4 @@
-"""The public API is a promise: it changes only on purpose (README, "Changing the public API").
+"""The public API is a promise: it changes only on purpose (docs/public-api.md).
 
 ``tests/api/public_api.txt`` records every public name with its signature
 (``tests.api.surface``); the first test fails, saying what was removed, changed or added and
