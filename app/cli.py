@@ -15,7 +15,9 @@ import argparse
 import importlib
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "backends": "app.commands.backends",
     "kv-plan": "app.commands.kv_plan",
     "run": "app.commands.run",
+    "checkpoint": "app.commands.checkpoint",
     "generate": "app.commands.generate",
     "bench": "app.commands.bench",
 }
@@ -49,11 +52,38 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+#: What the project is, the first line of ``--help``.
+DESCRIPTION = ("MLA attention for DeepSeek models on CPUs and GPUs: prefill and decode backends "
+               "(selected per platform), the paged latent KV cache, and an engine that serves "
+               "requests end to end (continuous batching, chunked prefill, decode) on "
+               "DeepSeek-V2/V3, V3.2 and GLM-5 checkpoints, checked against float64.")
+
+
+def program_name(argv0: str | None = None) -> str:
+    """How the user started the CLI, for ``--help`` and errors: ``app`` (the installed script)
+    or ``python -m app`` (``argv0`` is ``app/__main__.py``; also when ``main`` is called from
+    Python, as tests do). ``argv0`` defaults to ``sys.argv[0]``."""
+    name = Path(sys.argv[0] if argv0 is None else argv0).name
+    return "app" if name in ("app", "app.exe") else "python -m app"
+
+
+def _epilog(prog: str) -> str:
+    steps = [(f"{prog} run", "the main job, no download"),
+             (f"{prog} checkpoint --family v32 DIR", "a tiny checkpoint"),
+             (f"{prog} generate --model DIR --prompt-ids 1,2,3", "tokens from it"),
+             (f"{prog} COMMAND --help", "a command's options")]
+    width = max(len(command) for command, _ in steps)
+    return "start here:\n" + "\n".join(f"  {command:<{width}}  {what}" for command, what in steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand whose module is installed."""
-    parser = OneLineArgumentParser(
-        prog="python -m app",
-        description="MLA prefill backends, KV-cache spec bindings and platform hooks.")
+    from app.commands._help import uniform_metavars
+
+    prog = program_name()
+    parser = OneLineArgumentParser(prog=prog, description=textwrap.fill(DESCRIPTION, 79),
+                                   epilog=_epilog(prog),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log more (-v: info, -vv: debug and tracebacks)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -68,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="print machine-readable JSON")
         module.add_arguments(cmd)
         cmd.set_defaults(_module=module)
+    uniform_metavars(parser)
     return parser
 
 

@@ -78,6 +78,7 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_fp8 import fp8_targets, run_fp8_case
+from app.bench._load import load_text, one_minute_load, usable_cores
 from app.bench._peaks import (
     AMX_BF16,
     BF16_DOT,
@@ -477,7 +478,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_bench_memory(device, default_cases(args.quick), args.block_size, gib, dtypes,
                        vllm=bool(args.vllm_python) and device.type == "cpu")
     repeat = args.repeat or (2 if args.quick else 5)
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_before = one_minute_load()
     classes, skipped = _backend_classes(args.backends, device)
     baseline = None
     if not args.no_baseline:
@@ -547,8 +548,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stream_gib": gib, "stream_probe": stream.kind,
         "matmul_fp32_gflops": round(mm, 1),
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
-        "load_average_1m": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
-                            else None],
+        "load_average_1m": [load_before, one_minute_load()], "cores": usable_cores(),
         "peaks": meter.summary(),   # without a probe: why each peak is not measured
         "cpu_mla_bf16_dot": _bf16_dot(), "cpu_mla_amx": _amx_kernel() if device.type == "cpu"
         else None, "results": rows, "skipped_backends": skipped,
@@ -560,10 +560,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     """A readable table of the results and the targets."""
     cpu, peaks = result["cpu"], result.get("peaks") or {}
+    load = result["load_average_1m"]
     peak_text = ", ".join(f"{k} {v} GFLOP/s" for k, v in peaks.items() if k.endswith("_gflops"))
     lines = [f"decode benchmark on {result['device']} ({cpu['model']}; "
              f"{' '.join(cpu['flags'])}), torch {result['torch']}, {result['threads']} "
-             f"threads, load average {result['load_average_1m']}; stream "
+             f"threads, {load_text(load[0], load[1], result.get('cores'))}; stream "
              f"{result['stream_gbs']} GB/s, peaks: {peak_text or '-'}",
              f"{'backend':10s} {'case':11s} {'dtype':5s} {'ms':>8s} {'median':>8s} "
              f"{'prep ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} {'bound':>8s} {'roofline':>8s} "

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from app.bench._load import load_text
 from app.bench._timing import RunTiming
 from app.bench.vllm.prefill import VLLM_PYTHON_ENV, _cpu_name, _load
 from app.commands._args import positive_float, positive_int
@@ -408,8 +409,8 @@ def render(result: dict[str, Any]) -> str:
     """A readable summary."""
     lines = [f"model: {result['model']['architecture']} {result['model']['dtype']}, "
              f"{result['model']['num_hidden_layers']} layers, baseline {result['baseline']} "
-             f"({result['machine']['cpu']}, {result['torch_threads']} torch threads, load "
-             f"{result['load_average_before']} -> {result['load_average_after']})"]
+             f"({result['machine']['cpu']}, {result['torch_threads']} torch threads, "
+             f"{load_text(result['load_average_before'], result['load_average_after'])})"]
     if "error" in result:
         lines.append(f"the baseline failed: {result['error']}")
     for r in result["results"]:

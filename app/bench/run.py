@@ -80,10 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill mix: timed steps after one warm-up step "
                              "(default: %(default)s)")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
-                        help="model dtype (default: the config's, bfloat16)")
+                        help="model dtype (default: bfloat16)")
     parser.add_argument("--backend", default=None, help="MLA prefill backend (default: auto)")
     parser.add_argument("--chunk-tokens", type=positive_int, default=None,
-                        help="context chunk bound (default: the config's, 65536)")
+                        help="context chunk bound (default: 65536)")
     parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV-cache block size (default: %(default)s)")
     parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0,

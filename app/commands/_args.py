@@ -44,7 +44,8 @@ positive_int = int_in(1)
 
 
 def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser, default: str | None = None,
-                                help_default: str = "the config's") -> None:
+                                help_default: str = "auto, or the --deployment file's "
+                                                    "[cache] kv_cache_dtype") -> None:
     """``--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_ds_mla`` (the latent cache's dtype, named as
     vLLM names them; ``app.kvcache.cache_dtypes``)."""
     from app.config import KV_CACHE_DTYPES

@@ -1,5 +1,5 @@
 """The model a command serves: a Hugging Face checkpoint (``--model DIR``) or the random
-DeepSeek model made in memory at the config's attention dims (``app.model.random``).
+DeepSeek model made in memory at the engine config's attention dims (``app.model.random``).
 
 ``add_model_arguments`` adds ``--model``, ``--dtype``, ``--layers`` and ``--seed``;
 ``build_model`` returns the engine config (the model's ``ModelConfig`` in it: dims, softmax
@@ -9,6 +9,7 @@ scale, dtype), the weights, and what to report about them.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,19 +38,23 @@ class BuiltModel:
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, random_default: bool = True
                         ) -> None:
-    """``--model DIR`` (and, where a random model is the default, ``--layers``), ``--dtype``,
-    ``--seed``."""
+    """``--model DIR`` (required unless a random model is the default; then ``--layers`` and
+    ``--seed`` too), ``--dtype``."""
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
+                        required=not random_default,
                         help="a Hugging Face DeepSeek-V2/V3/V3.2 or GLM-5 checkpoint directory "
                              "(config.json and *.safetensors: one file or shards with their "
-                             "index; bf16, "
-                             "fp16, fp32 or FP8 block-quantized)"
-                        + ("; default: a random DeepSeek-V3-shaped model made in memory at "
-                           "the config's attention dims" if random_default else ""))
+                             "index; bf16, fp16, fp32 or FP8 block-quantized; 'checkpoint' "
+                             "writes a tiny one)"
+                        + ("; default: a random DeepSeek-V3-shaped model made in memory (16 "
+                           "heads, kv_lora_rank 512, rope 64, nope 128, v 128; or the "
+                           "--deployment file's [model])" if random_default else ""))
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_ALIASES),
                         help="model dtype: activations, KV cache, weights (default: the "
-                             "checkpoint's, bfloat16 for FP8; for the random model the "
-                             "config's). float32 computes everything in float32")
+                             "checkpoint's, bfloat16 for FP8"
+                        + ("; the random model's: bfloat16, or the --deployment file's"
+                           if random_default else "")
+                        + "); float32 computes everything in float32")
     if random_default:
         parser.add_argument("--layers", type=int_in(1, 64), default=None,
                             help="decoder layers of the random model (default: 1)")
@@ -63,7 +68,7 @@ def build_model(args: argparse.Namespace, base: EngineConfig, *, progress: bool 
     """Load ``args.model`` (with a progress bar on ``stream`` when ``progress``) or make the
     random model; ``base`` with its ``model`` section replaced by the model's."""
     from app.commands._memory import check_weights_fit
-    from app.model import load_checkpoint, random_config, random_weights
+    from app.model import random_config, random_weights
     from app.model.loader import check_checkpoint
 
     dtype = None if args.dtype is None else parse_dtype(args.dtype, "--dtype")
@@ -75,12 +80,7 @@ def build_model(args: argparse.Namespace, base: EngineConfig, *, progress: bool 
         # by what is on disk), then whether it fits, then the load.
         arch = check_checkpoint(args.model)
         check_weights_fit(arch, dtype or arch.dtype or torch.bfloat16)
-        bar = ProgressBar(100, "load", stream=stream, enabled=progress)
-        loaded = load_checkpoint(
-            args.model, dtype,
-            progress=lambda done, total: bar.update(int(100 * done / max(total, 1)),
-                                                    f"{done / 2**20:.0f} MiB"))
-        bar.close()
+        loaded = _load(args.model, dtype, progress, stream)
         arch = loaded.config
         config = attrs.evolve(base, model=arch.model_config(loaded.weights.dtype))
         return BuiltModel(config=config, weights=loaded.weights,
@@ -95,6 +95,31 @@ def build_model(args: argparse.Namespace, base: EngineConfig, *, progress: bool 
     return BuiltModel(config=attrs.evolve(base, model=arch.model_config(model.dtype)),
                       weights=weights, eos_token_ids=(), tokenizer_path=None,
                       description={"source": f"random (seed {args.seed})", **arch.describe()})
+
+
+def _load(directory: Path, dtype: torch.dtype | None, progress: bool,
+          stream: IO[str] | None) -> Any:
+    """``load_checkpoint`` with a bar redrawn in place on a terminal; elsewhere (a log, a pipe)
+    one line before and one after, not a line per tenth."""
+    from app.model import load_checkpoint
+
+    out = sys.stderr if stream is None else stream
+    if progress and not getattr(out, "isatty", lambda: False)():
+        out.write(f"loading {directory} ...\n")
+        out.flush()
+        loaded = load_checkpoint(directory, dtype)
+        report = loaded.report.describe()
+        out.write(f"loaded {report['tensors']} tensors ({report['model_bytes'] / 2**20:.0f} "
+                  f"MiB) in {report['seconds']} s\n")
+        out.flush()
+        return loaded
+    bar = ProgressBar(100, "load", stream=out, enabled=progress)
+    loaded = load_checkpoint(
+        directory, dtype,
+        progress=lambda done, total: bar.update(int(100 * done / max(total, 1)),
+                                                f"{done / 2**20:.0f} MiB"))
+    bar.close()
+    return loaded
 
 
 def model_line(description: dict[str, Any], dtype: torch.dtype, compute: torch.dtype) -> str:

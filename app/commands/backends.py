@@ -6,8 +6,9 @@ the full explanation; with ``--kind all`` an object keyed by kind). ``--backend 
 explicit choice instead of the automatic one (of every kind shown), ``--query-len N`` the decode
 selection for N tokens per request per step, ``--dtype`` changes the model dtype,
 ``--capability 10.0`` pretends to run on a CUDA GPU of that compute capability (``cpu`` on a
-CPU), ``--mla-dimensions 192,64,256`` changes the model's MLA dimensions, ``--deployment FILE``
-explains a deployment's container.
+CPU), ``--mla-dimensions 192,64,256`` changes the model's MLA dimensions, ``--index-topk 2048``
+makes the model sparse (DeepSeek Sparse Attention; ``--index-head-dim``, ``--index-n-heads``: its
+indexer), ``--deployment FILE`` explains a deployment's container.
 Exit status 0 when a backend is chosen (for every kind shown), 1 when none is.
 """
 
@@ -39,12 +40,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capability", metavar="MAJOR.MINOR", default=None,
                         help="pretend to run on a CUDA GPU of this compute capability "
                              "(e.g. 9.0, 10.0), or 'cpu'")
-    parser.add_argument("--deployment", metavar="TOML", default=None,
+    parser.add_argument("--deployment", metavar="FILE", default=None,
                         help="explain for this deployment file's container (app.deployment)")
     add_kv_cache_dtype_argument(parser)
     parser.add_argument("--mla-dimensions", metavar="NOPE,ROPE,V", default=None,
                         help="the model's qk_nope_head_dim,qk_rope_head_dim,v_head_dim "
                              "(e.g. 192,64,256)")
+    _add_sparse_arguments(parser)
+
+
+#: The sparse settings (DeepSeek Sparse Attention) -> ``ModelConfig`` field.
+SPARSE_FLAGS = {"--index-topk": "index_topk", "--index-head-dim": "index_head_dim",
+                "--index-n-heads": "index_n_heads"}
+
+
+def _add_sparse_arguments(parser: argparse.ArgumentParser) -> None:
+    from app.config import ModelConfig
+
+    defaults = ModelConfig()
+    parser.add_argument("--index-topk", type=int_in(1), default=None,
+                        help="make the model sparse (DeepSeek Sparse Attention, as V3.2 and "
+                             "GLM-5): each query attends to the N cached tokens its indexer "
+                             "selects, e.g. 2048 (default: dense, or the --deployment file's)")
+    parser.add_argument("--index-head-dim", type=int_in(1), default=None,
+                        help="with --index-topk: the indexer's key width (default: "
+                             f"{defaults.index_head_dim})")
+    parser.add_argument("--index-n-heads", type=int_in(1), default=None,
+                        help="with --index-topk: the indexer's heads (default: "
+                             f"{defaults.index_n_heads})")
 
 
 def _parse_capability(text: str) -> DeviceCapability | None:
@@ -86,11 +109,24 @@ def build_config(args: argparse.Namespace, base: Any) -> Any:
         data["model"].update(_parse_dimensions(args.mla_dimensions))
     if getattr(args, "kv_cache_dtype", None) is not None:
         data["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
+    _apply_sparse(args, data["model"])
     if args.backend is not None:
         for name in _kinds(args):
             kind = BACKEND_KINDS[name]
             data["attention"][kind.config_field] = kind.catalog.resolve(args.backend)
     return EngineConfig.from_dict(data)
+
+
+def _apply_sparse(args: argparse.Namespace, model: dict[str, Any]) -> None:
+    """The sparse flags into ``model`` (a ``ModelConfig`` dict); ``ValueError`` for an indexer
+    setting on a model that stays dense (it would be read by nothing)."""
+    given = {field: getattr(args, field) for field in SPARSE_FLAGS.values()
+             if getattr(args, field, None) is not None}
+    model.update(given)
+    if model.get("index_topk") is None and given:
+        flags = [flag for flag, field in SPARSE_FLAGS.items() if field in given]
+        raise ValueError(f"{', '.join(flags)}: an indexer setting of a sparse model; the model "
+                         "is dense: add --index-topk N")
 
 
 def build_container(args: argparse.Namespace) -> Any:
@@ -144,6 +180,8 @@ def render(info: dict[str, Any]) -> str:
         header.update({key.replace("_", " "): str(value)
                        for key, value in info.get("selector_config", {}).items()
                        if key != "dtype"})
+    topk = info.get("selector_config", {}).get("index_topk")
+    header["index topk"] = "- (dense)" if topk is None else str(topk)
     header.update({
         "requested": info["requested"] or "auto",
         "priorities": ", ".join(info["priorities"]) or "-",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from app._files import load_toml
 from app._imports import import_object
 from app._validation import INT32_MAX, check_int
 from app.commands._args import positive_int
+from app.commands._kv_rows import AUXILIARY_SPECS
 from app.commands._output import format_table, print_json, print_text
 
 HELP = "plan the KV cache of a model: groups, managers, page sizes, blocks in a memory budget"
@@ -287,6 +289,7 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
               max_model_len: int | None = None,
               max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """Groups, managers and page sizes of ``specs``; blocks in ``memory``; per-request needs."""
+    from app.commands._kv_rows import count_layers
     from app.kvcache.grouping import get_kv_cache_bytes_per_block, get_kv_cache_groups
     from app.kvcache.specs import SinkFullAttentionSpec, spec_summary
     from app.model.sparse.kv_spec import IndexerKeyCacheSpec, register_indexer_key_cache_spec
@@ -297,7 +300,9 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
         register_indexer_key_cache_spec(bindings)
     groups = get_kv_cache_groups(specs, bindings)
     bytes_per_block = get_kv_cache_bytes_per_block(groups)
-    plan: dict[str, Any] = {"num_layers": len(specs), "groups": [],
+    plan: dict[str, Any] = {"num_layers": count_layers(Counter(type(s).__name__
+                                                           for s in specs.values())),
+                            "num_specs": len(specs), "groups": [],
                             "bytes_per_block": bytes_per_block,
                             "bytes_per_token": sum(_group_bytes_per_token(g) for g in groups)}
     reserved = 0
@@ -308,7 +313,8 @@ def make_plan(specs: Mapping[str, Any], *, memory: int | None = None,
             "group": group_id,
             "manager": None if manager is None else manager.__name__,
             "spec": spec_summary(group.kv_cache_spec),
-            "num_layers": len(group.layer_names),
+            "num_layers": count_layers(Counter(type(s).__name__ for s in group.layer_specs)),
+            "num_specs": len(group.layer_names),
             "layers": list(group.layer_names),
             "block_size": group.block_size,
             "page_size_bytes_per_layer": sorted({s.page_size_bytes for s in group.layer_specs}),
@@ -350,12 +356,16 @@ def _group_bytes_per_token(group: Any) -> float:
 
 
 def _spec_breakdown(group: Any) -> list[dict[str, Any]]:
-    """Each distinct spec type of a group: its layers, page and bytes per token per layer."""
+    """Each distinct spec type of a group: its layers, page and bytes per token per layer, and
+    a token's row (its real bytes and layout: ``app.commands._kv_rows.token_row``)."""
+    from app.commands._kv_rows import token_row
+
     out: dict[str, dict[str, Any]] = {}
     for spec in group.layer_specs:
         entry = out.setdefault(type(spec).__name__, {
             "type": type(spec).__name__, "num_layers": 0, "page_size_bytes": spec.page_size_bytes,
-            "bytes_per_token_per_layer": spec.page_size_bytes / spec.block_size})
+            "bytes_per_token_per_layer": spec.page_size_bytes / spec.block_size,
+            "row": token_row(spec)})
         entry["num_layers"] += 1
     return list(out.values())
 
@@ -369,12 +379,42 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _layers_line(plan: dict[str, Any]) -> str:
+    """``61 layers, 122 KV-cache specs (61 IndexerKeyCacheSpec: ...) in 1 KV-cache group(s)``;
+    the specs are said only where they are more than the layers."""
+    if plan["num_specs"] == plan["num_layers"]:
+        return f"{plan['num_layers']} layers in {len(plan['groups'])} KV-cache group(s)"
+    aux: Counter[str] = Counter()
+    for g in plan["groups"]:
+        aux.update({s["type"]: s["num_layers"] for s in g["specs"]
+                    if s["type"] in AUXILIARY_SPECS})
+    return (f"{plan['num_layers']} layers, {plan['num_specs']} KV-cache specs ("
+            + ", ".join(f"{n} {name}" for name, n in aux.items())
+            + f": a cache beside a layer's own, not a layer) in {len(plan['groups'])} KV-cache "
+              "group(s)")
+
+
+def _spec_bytes(entry: dict[str, Any]) -> str:
+    """``656 B/token per layer: 512 e4m3 + 4 float32 scales + 64 bfloat16 rope``."""
+    from app.commands._kv_rows import row_text
+
+    per_token, row = entry["bytes_per_token_per_layer"], entry["row"]
+    text = f"{per_token:g} B/token per layer"
+    if row is None:
+        return text
+    if row["bytes"] == per_token:
+        return f"{text}: {row['layout']}"
+    return f"{text} with padding; a token's row: {row_text(row)}"
+
+
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as text."""
     rows = []
     for g in plan["groups"]:
         layers = g["layers"]
-        shown = ", ".join(layers[:2]) + (f", ... ({len(layers)})" if len(layers) > 2 else "")
+        count = (f"{len(layers)}" if g["num_specs"] == g["num_layers"]
+                 else f"{g['num_specs']} specs of {g['num_layers']} layers")
+        shown = ", ".join(layers[:2]) + (f", ... ({count})" if len(layers) > 2 else "")
         row = [g["group"], g["manager"], g["spec"]["type"], g["block_size"],
                "/".join(str(p) for p in g["page_size_bytes_per_layer"]),
                "/".join(str(p) for p in g["bytes_per_token_per_layer"]), shown]
@@ -384,16 +424,14 @@ def render_plan(plan: dict[str, Any]) -> str:
     headers = ["group", "manager", "spec", "block", "page B/layer", "B/token/layer", "layers"]
     if "max_model_len" in plan:
         headers.append("blocks/request")
-    lines = [f"{plan['num_layers']} layers in {len(plan['groups'])} KV-cache group(s)",
+    lines = [_layers_line(plan),
              format_table(headers, rows),
              f"bytes per block (all groups): {plan['bytes_per_block']} "
              f"({_human(plan['bytes_per_block'])}); bytes per token: "
              f"{plan['bytes_per_token']:g}"]
     for g in plan["groups"]:
-        if len(g["specs"]) > 1 or g["specs"][0]["type"] != g["spec"]["type"]:
-            lines.append(f"group {g['group']}: " + "; ".join(
-                f"{s['num_layers']} x {s['type']} ({s['bytes_per_token_per_layer']:g} B/token "
-                f"per layer)" for s in g["specs"]))
+        lines.append(f"group {g['group']}: " + "; ".join(
+            f"{s['num_layers']} x {s['type']} ({_spec_bytes(s)})" for s in g["specs"]))
     if "max_model_len" in plan:
         lines.append(f"a request of {plan['max_model_len']} tokens holds at most "
                      f"{plan['blocks_per_request']} blocks ({_human(plan['bytes_per_request'])})")

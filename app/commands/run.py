@@ -54,15 +54,19 @@ DEFAULTS: dict[str, Any] = {
     "check_prefill_rows": 16,
     "check_decode_rows": 16,
 }
+#: The engine config a run starts from without --deployment (its defaults go into --help).
+_CONFIG = EngineConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, the workload, the engine sizes, the backend and dtype, a deployment file."""
     add_model_arguments(parser)
     parser.add_argument("--backend", default=None,
-                        help="MLA prefill backend name, or 'auto' (default: the config's)")
+                        help="MLA prefill backend name, or 'auto' (default: auto, or the "
+                             "--deployment file's)")
     parser.add_argument("--decode-backend", default=None,
-                        help="MLA decode backend name, or 'auto' (default: the config's)")
+                        help="MLA decode backend name, or 'auto' (default: auto, or the "
+                             "--deployment file's)")
     parser.add_argument("--num-requests", type=positive_int, default=DEFAULTS["num_requests"],
                         help="requests to run (default: %(default)s)")
     parser.add_argument("--min-len", type=positive_int, default=DEFAULTS["min_len"],
@@ -90,18 +94,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first 8 and last 8 always, the others at a stride (-1: every "
                              "row) (default: %(default)s)")
     parser.add_argument("--num-blocks", type=int_in(2), default=None,
-                        help="KV-cache blocks in the pool, block 0 reserved "
-                             "(default: the config's)")
+                        help="KV-cache blocks in the pool, block 0 reserved (default: "
+                             f"{_CONFIG.cache.num_blocks}, or the --deployment file's [cache])")
     parser.add_argument("--block-size", type=positive_int, default=None,
-                        help="tokens per KV-cache block (default: the config's)")
+                        help=f"tokens per KV-cache block (default: {_CONFIG.cache.block_size}, "
+                             "or the --deployment file's [cache])")
     add_kv_cache_dtype_argument(parser)
     parser.add_argument("--cache-memory", default=None, metavar="SIZE",
                         help="size the pool by memory instead of --num-blocks: as many blocks "
                              "as fit in SIZE (e.g. 2GiB) with the cache dtype's bytes per "
                              "token, so an FP8 cache holds more tokens in the same memory")
     parser.add_argument("--chunk-tokens", type=positive_int, default=None,
-                        help="most context tokens gathered and up-projected at once "
-                             "(default: the config's attention.context_chunk_tokens)")
+                        help="most context tokens gathered and up-projected at once (default: "
+                             f"{_CONFIG.attention.context_chunk_tokens}, or the --deployment "
+                             "file's [attention] context_chunk_tokens)")
     parser.add_argument("--deployment", type=Path, default=None,
                         help="a deployment TOML (app.deployment.load): platform, backend "
                              "overrides and configs; the options above override its configs")
@@ -370,7 +376,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
                   "compute_dtype": dtype_name(engine.model.compute_dtype),
                   "line": model_line(built.description, config.model.dtype,
                                      engine.model.compute_dtype)},
-        "kv_cache": {"groups": engine.describe_kv_cache_groups(),
+        "kv_cache": {"groups": _kv_groups(engine),
                      "pool": engine.pool_usage(), "leaked_blocks": leaked,
                      "capacity": _pool_capacity(config, engine.pool_usage()),
                      "k_scales": [c.k_scale for c in engine.model.caches]
@@ -405,11 +411,36 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     }
 
 
+def _kv_groups(engine: Any) -> list[dict[str, Any]]:
+    """The engine's KV-cache groups, each with its model layers apart from its specs (a sparse
+    model's indexer keys are a spec beside each latent layer's) and its token row's real bytes
+    and layout (an ``fp8_ds_mla`` row is 656 bytes, not its spec's ``576 uint8``)."""
+    from app.commands._kv_rows import count_layers, token_row
+
+    groups: list[dict[str, Any]] = engine.describe_kv_cache_groups()
+    for group, spec_group in zip(groups, engine.kv_cache_groups, strict=True):
+        group["num_layers"] = count_layers(group["specs"])
+        group["num_specs"] = len(group["layers"])
+        group["row"] = token_row(spec_group.kv_cache_spec)
+    return groups
+
+
+def _kv_group_line(group: dict[str, Any]) -> str:
+    from app.commands._kv_rows import row_text
+
+    specs = group.get("specs", {})
+    return (f"{group['spec']} -> {group['manager']}, block {group['block_size']} tokens x "
+            f"{row_text(group['row'])}, page {group['page_size_bytes']} B, "
+            f"{group['num_layers']} layer(s)"
+            + ("" if len(specs) < 2 else f" ({group['num_specs']} specs: " + ", ".join(
+                f"{n} {name}" for name, n in specs.items()) + ")"))
+
+
 def _fmt_latency(ms: dict[str, Any], steps: dict[str, Any]) -> str:
     if ms["p50"] is None:
         return "n/a"
-    return (f"p50 {ms['p50']:.1f} ms / {steps['p50']} steps, p99 {ms['p99']:.1f} ms / "
-            f"{steps['p99']} steps")
+    return (f"median {ms['p50']:.1f} ms ({steps['p50']:g} steps), p99 {ms['p99']:.1f} ms "
+            f"({steps['p99']:g} steps) over {ms['count']} requests")
 
 
 def render(result: dict[str, Any]) -> str:
@@ -443,11 +474,7 @@ def render(result: dict[str, Any]) -> str:
                      f"{load['peak_rss_ratio']:.2f}x the model's {load['model_bytes'] / 2**20:.0f}"
                      f" MiB; {load['skipped_mtp_tensors']} MTP tensors skipped")
     for i, group in enumerate(result["kv_cache"]["groups"]):
-        lines.append(f"kv group {i}      {group['spec']} -> {group['manager']}, block "
-                     f"{group['block_size']} x {group['head_size']} {group['dtype']}, page "
-                     f"{group['page_size_bytes']} B, {len(group['layers'])} layer(s)"
-                     + ("" if len(group.get("specs", {})) < 2 else " (" + ", ".join(
-                         f"{n} {name}" for name, n in group["specs"].items()) + ")"))
+        lines.append(f"kv group {i}      {_kv_group_line(group)}")
     leaked = result["kv_cache"]["leaked_blocks"]
     lines.append(f"kv pool         {pool['num_blocks']} blocks ({pool['cache_bytes'] / 2**20:.0f}"
                  f" MiB), peak used {pool['peak_used_blocks']} ({pool['peak_use']:.1%}), "
@@ -473,8 +500,11 @@ def render(result: dict[str, Any]) -> str:
                    f"{result['prefill_tokens_per_s']:.0f} tokens/s",
         "decode": f"{result['decode_tokens']} tokens in {result['decode_seconds']} s = "
                   f"{result['decode_tokens_per_s']:.0f} tokens/s",
-        "TTFT": _fmt_latency(result["ttft_ms"], result["ttft_steps"]),
-        "TPOT": _fmt_latency(result["tpot_ms"], result["tpot_steps"]),
+        "TTFT": _fmt_latency(result["ttft_ms"], result["ttft_steps"])
+        + f", prompts {wl['min_len']}-{wl['max_len']} tokens, all queued at step 0 (from "
+          "arrival to the first token: queueing and prefill)",
+        "TPOT": _fmt_latency(result["tpot_ms"], result["tpot_steps"])
+        + " (per token after the first)",
         "prefix cache": f"hit rate {result['prefix_cache_hit_rate']:.1%} of prompt tokens",
     }
     if spec["tokens"]:

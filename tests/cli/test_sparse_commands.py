@@ -81,7 +81,7 @@ def test_kv_plan_shows_the_indexer_keys_and_bytes_per_token(
     assert plan["bytes_per_token"] == 61 * (576 + 128) * 2
     assert main(["kv-plan", "--config", str(EXAMPLE)]) == 0
     text = capsys.readouterr().out
-    assert "61 x IndexerKeyCacheSpec (256 B/token per layer)" in text
+    assert "61 x IndexerKeyCacheSpec (256 B/token per layer: 128 bfloat16)" in text
     assert "bytes per token: 85888" in text
 
 

@@ -26,7 +26,6 @@ The 1-minute load average before and after is reported: on a busy machine figure
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ from app.backends.prefill.metadata import MLAPrefillMetadata
 from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.backends.sparse.cpu_indexer import default_sparse_indexer
 from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata
+from app.bench._load import load_text, one_minute_load, usable_cores
 from app.bench._peaks import BF16_DOT, FP32_FMA, load_peak_probe
 from app.bench._timing import time_interleaved
 from app.platforms import platform_for_device
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gib = args.stream_gib if args.stream_gib is not None else (0.0625 if args.quick else 1.0)
     if not gib > 0:
         raise ValueError(f"--stream-gib must be > 0, got {gib}")
-    load_before = os.getloadavg()[0]
+    load_before = one_minute_load()
     probe = load_peak_probe()
     kind = BF16_DOT if has_bf16_dot() else FP32_FMA
     buffer = torch.ones(max(64, int(gib * (1 << 30)) // 4))
@@ -239,15 +239,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "sparse", "ok": True, "rows": rows, "targets": targets,
             "stream_gbs": round(max(bw, bw_after), 1), "peak_kind": kind,
             "peak_gflops": round(max(peak, peak_after), 1), "threads": torch.get_num_threads(),
-            "bf16_dot": has_bf16_dot(), "load_avg_1m": [load_before, os.getloadavg()[0]],
+            "bf16_dot": has_bf16_dot(), "load_avg_1m": [load_before, one_minute_load()],
+            "cores": usable_cores(),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
 def render(result: dict[str, Any]) -> str:
     """A readable table of the rows' parts."""
+    load = result["load_avg_1m"]
     lines = [f"sparse vs dense (CPU, {result['threads']} threads, stream "
              f"{result['stream_gbs']} GB/s, {result['peak_kind']} {result['peak_gflops']} "
-             f"GFLOP/s, load {result['load_avg_1m']})",
+             f"GFLOP/s, {load_text(load[0], load[1], result.get('cores'))})",
              f"{'row':8s} {'part':10s} {'ms':>9s} {'MB':>8s} {'GFLOP':>8s} {'bytes rf':>8s} "
              f"{'roofline':>8s}"]
     for row in result["rows"]:

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.bench._load import load_text
 from app.bench.vllm.prefill import VLLM_PYTHON_ENV, _cpu_name, _load
 from app.commands._args import int_in, positive_float, positive_int
 
@@ -258,8 +259,9 @@ def render(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"vLLM engine bench failed: {result['error']}"
     spec, sides = result["checkpoint"], result["sides"]
-    lines = [f"vLLM engine on {result['cpu']} ({result['cores']} cores, load "
-             f"{result['load_average_before']} -> {result['load_average_after']}), "
+    load = load_text(result["load_average_before"], result["load_average_after"],
+                     result["cores"])
+    lines = [f"vLLM engine on {result['cpu']} ({load}), "
              f"{result['dtype']}, {spec['num_layers']} layers, {spec['num_heads']} heads, "
              f"hidden {spec['hidden_size']}, best of {result['rounds']} x {result['repeat']}",
              f"{'side':6s} {'prefill-heavy tok/s':>20s} {'decode-heavy tok/s':>19s} "

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from app.bench._load import load_text
 from app.bench._timing import time_interleaved
 from app.commands._args import int_in, positive_float, positive_int
 
@@ -252,9 +253,10 @@ def render(result: dict[str, Any]) -> str:
     """A readable table: vLLM's and our ms per call, the speed-up, the agreement."""
     if "error" in result:
         return f"vLLM side failed: {result['error']}\n{result.get('traceback', '')}".rstrip()
+    load = load_text(result["load_average_before"], result["load_average_after"],
+                     result["cores"])
     lines = [f"vLLM {result['vllm_version']} CPU MLA prefill on {result['cpu']} "
-             f"({result['cores']} cores, {result['threads']} threads, load "
-             f"{result['load_average_before']} -> {result['load_average_after']}); vLLM "
+             f"({result['threads']} threads, {load}); vLLM "
              f"selects {result['selected_by_vllm']} (plugin active: "
              f"{result['plugin_active']}); ours runs {result['our_kernel']}",
              f"{'case':14s} {'dtype':9s} {'vLLM ms':>10s} {'ours ms':>9s} {'speed-up':>9s} "
