@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["load_text", "one_minute_load", "usable_cores"]
+__all__ = ["load_text", "machine_cores", "one_minute_load"]
 
 
 def one_minute_load() -> float | None:
@@ -18,12 +18,10 @@ def one_minute_load() -> float | None:
         return None
 
 
-def usable_cores() -> int | None:
-    """The cores this process may run on (its affinity; else every core)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
+def machine_cores() -> int | None:
+    """The machine's cores: what its load average (runnable threads, machine-wide) is set
+    against."""
+    return os.cpu_count()
 
 
 def _first(value: float | Sequence[float] | None) -> float | None:
@@ -36,10 +34,10 @@ def _first(value: float | Sequence[float] | None) -> float | None:
 def load_text(before: float | Sequence[float] | None, after: float | Sequence[float] | None,
               cores: int | None = None) -> str:
     """``load 1.93 -> 2.10 / 2 cores (1-minute average)`` from the readings before and after
-    a benchmark (numbers, or ``getloadavg`` lists); ``cores`` defaults to ``usable_cores``."""
+    a benchmark (numbers, or ``getloadavg`` lists); ``cores`` defaults to ``machine_cores``."""
     first, last = _first(before), _first(after)
     if first is None and last is None:
         return "load n/a"
-    cores = usable_cores() if cores is None else cores
+    cores = machine_cores() if cores is None else cores
     readings = " -> ".join(f"{x:.2f}" for x in (first, last) if x is not None)
     return f"load {readings}" + (f" / {cores} cores" if cores else "") + " (1-minute average)"

@@ -78,7 +78,7 @@ from app.bench._decode_cases import (
     make_step,
 )
 from app.bench._decode_fp8 import fp8_targets, run_fp8_case
-from app.bench._load import load_text, one_minute_load, usable_cores
+from app.bench._load import load_text, machine_cores, one_minute_load
 from app.bench._peaks import (
     AMX_BF16,
     BF16_DOT,
@@ -548,7 +548,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stream_gib": gib, "stream_probe": stream.kind,
         "matmul_fp32_gflops": round(mm, 1),
         "matmul_fp32_gflops_runs": [round(x, 1) for x in mm_runs],
-        "load_average_1m": [load_before, one_minute_load()], "cores": usable_cores(),
+        "load_average_1m": [load_before, one_minute_load()], "cores": machine_cores(),
         "peaks": meter.summary(),   # without a probe: why each peak is not measured
         "cpu_mla_bf16_dot": _bf16_dot(), "cpu_mla_amx": _amx_kernel() if device.type == "cpu"
         else None, "results": rows, "skipped_backends": skipped,

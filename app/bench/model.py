@@ -407,10 +407,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     """A readable summary."""
+    load_line = load_text(result["load_average_before"], result["load_average_after"],
+                          result["machine"]["cores"])
     lines = [f"model: {result['model']['architecture']} {result['model']['dtype']}, "
              f"{result['model']['num_hidden_layers']} layers, baseline {result['baseline']} "
              f"({result['machine']['cpu']}, {result['torch_threads']} torch threads, "
-             f"{load_text(result['load_average_before'], result['load_average_after'])})"]
+             f"{load_line})"]
     if "error" in result:
         lines.append(f"the baseline failed: {result['error']}")
     for r in result["results"]:

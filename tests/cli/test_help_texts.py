@@ -91,4 +91,5 @@ def test_one_metavar_per_kind_of_value() -> None:
 def test_many_choices_show_one_word_and_list_them(run_cli: CliRunner) -> None:
     code, out, _ = run_cli("run", "--help")
     flat = " ".join(out.split())
+    assert code == 0
     assert "[--dtype DTYPE]" in flat and "(one of: bf16, bfloat16," in flat

@@ -40,7 +40,7 @@ from app.backends.prefill.metadata import MLAPrefillMetadata
 from app.backends.prefill.torch_sdpa import TorchSDPABackend
 from app.backends.sparse.cpu_indexer import default_sparse_indexer
 from app.backends.sparse.indexer import SparseIndexer, SparseIndexerMetadata
-from app.bench._load import load_text, one_minute_load, usable_cores
+from app.bench._load import load_text, machine_cores, one_minute_load
 from app.bench._peaks import BF16_DOT, FP32_FMA, load_peak_probe
 from app.bench._timing import time_interleaved
 from app.platforms import platform_for_device
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "stream_gbs": round(max(bw, bw_after), 1), "peak_kind": kind,
             "peak_gflops": round(max(peak, peak_after), 1), "threads": torch.get_num_threads(),
             "bf16_dot": has_bf16_dot(), "load_avg_1m": [load_before, one_minute_load()],
-            "cores": usable_cores(),
+            "cores": machine_cores(),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
