@@ -10,8 +10,16 @@ the same words and treats a caller's ``out=`` the same way:
   (``MAX_ATTENTION_SCALE`` for a softmax scale: kernels that take exp2 multiply it by
   log2(e) first). A one-element float tensor is read on the host where ``tensor_ok``.
 - ``writes_in_place``: whether a kernel may write straight into ``out``: contiguous, not a
-  negative view, sharing no memory with an input (an ``out`` that does is written after the
-  kernel, never during it: the kernel would read its own output).
+  negative view, sharing no memory with any tensor the kernel reads (q, the cache, and the
+  integer ones too: indices, block tables, lengths). An ``out`` that does is written after the
+  kernel, never during it: the kernel would read its own output (a corrupted index is an
+  out-of-bounds read in a native kernel).
+- ``check_out_spares_step``: an ``out`` sharing memory with the step's own tensors (block
+  tables, lengths, prefix sums: checked once per step, read by every later call) is a
+  ``ValueError``: written after the kernel it would still corrupt every later call of the step.
+- ``check_hook_result``: a kernel hook writes the ``out`` it was handed and returns None; one
+  that returns a tensor instead (its result, not written into ``out``) is a ``TypeError``
+  naming the hook and the class, never an unwritten buffer handed to the caller.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from app._validation import (
     tensors_overlap,
 )
 
-__all__ = ["check_attention_scale", "check_return_flag", "writes_in_place"]
+__all__ = ["check_attention_scale", "check_hook_result", "check_out_spares_step",
+           "check_return_flag", "writes_in_place"]
 
 
 def _number(who: str, name: str, value: object, tensor_ok: bool) -> float | None:
@@ -78,6 +87,30 @@ def check_return_flag(who: str, name: str, value: object) -> bool:
 
 
 def writes_in_place(out: torch.Tensor | None, inputs: Iterable[torch.Tensor]) -> bool:
-    """Whether a kernel may write into ``out`` directly (see the module docstring)."""
+    """Whether a kernel may write into ``out`` directly (see the module docstring): ``inputs``
+    are every tensor the kernel reads, integer ones included (O(number of inputs))."""
     return (out is not None and out.is_contiguous() and not out.is_neg()
             and not any(tensors_overlap(out, t) for t in inputs))
+
+
+def check_hook_result(backend: object, hook: str, returned: object, out: torch.Tensor) -> None:
+    """``TypeError`` unless the kernel hook ``hook`` of ``backend`` returned None (or the very
+    ``out`` it was handed): the base hands the caller ``out``, so a result returned instead of
+    written would be lost, and the caller would get a buffer the hook never wrote."""
+    if returned is None or returned is out:
+        return
+    got = (f"a {returned.dtype} tensor {list(returned.shape)}"
+           if isinstance(returned, torch.Tensor) else type(returned).__name__)
+    raise TypeError(f"{type(backend).__name__}.{hook} returned {got} instead of writing the "
+                    f"out it was handed ({out.dtype} {list(out.shape)}) and returning None: "
+                    f"a hook writes its result into out (out.copy_(result) if it computed it "
+                    f"elsewhere); the base returns out to the caller")
+
+
+def check_out_spares_step(who: str, out: object, step: Iterable[torch.Tensor]) -> None:
+    """``ValueError`` when ``out`` shares memory with one of the step's tensors ``step`` (see
+    the module docstring; O(number of tensors))."""
+    if isinstance(out, torch.Tensor) and any(tensors_overlap(out, t) for t in step):
+        raise ValueError(f"{who}: out shares memory with the step's metadata (its block "
+                         f"tables, lengths or prefix sums, checked once and read by every "
+                         f"call of the step): pass an out of its own")

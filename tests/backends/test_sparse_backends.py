@@ -106,6 +106,26 @@ class _Base2Lse(TorchSparseDecodeBackend):
             lse.mul_(1.4426950408889634)
 
 
+class _RoundedLse(TorchSparseDecodeBackend):
+    """Sums its LSE from the probabilities rounded to bf16, as CPU_MLA_SPARSE's bf16 dot path
+    did (issue 44): ~6e-4 off float64, inside bf16's tolerance but not the float32 LSE."""
+
+    def _run_sparse_decode(self, metadata, q, kv_cache, indices, out, lse, softmax_scale,
+                           k_scale):  # type: ignore[no-untyped-def]
+        super()._run_sparse_decode(metadata, q, kv_cache, indices, out, lse, softmax_scale,
+                                   k_scale)
+        if lse is None:
+            return
+        rows = kv_cache.reshape(-1, kv_cache.shape[-1]).float()
+        idx = indices.long()
+        s = torch.einsum("bqhd,bqkd->bqhk", q.float(), rows[idx.clamp(min=0)]) \
+            * (softmax_scale * k_scale)
+        s = s.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+        m = s.amax(-1, keepdim=True).clamp(min=-1e30)
+        p = torch.exp(s - m).to(torch.bfloat16).float()
+        lse.copy_(torch.where(p.sum(-1) > 0, (m.squeeze(-1) + p.sum(-1).log()), lse))
+
+
 class _NoKScale(TorchSparsePrefillBackend):
     """Drops the cache scale."""
 
@@ -120,6 +140,13 @@ class _NoKScale(TorchSparsePrefillBackend):
 def test_the_decode_kit_catches_a_wrong_sparse_backend(backend: type, case: str) -> None:
     report = run_decode_conformance(backend, dtype=torch.float32, num_heads=4, cases=[case])
     assert not report.passed, report.format()
+
+
+def test_the_kit_holds_a_bf16_sparse_lse_to_the_float32_one() -> None:
+    report = run_decode_conformance(_RoundedLse, dtype=torch.bfloat16, num_heads=8,
+                                    cases=["sparse_long_context"])
+    assert not report.passed, report.format()
+    assert "must be the float32 one" in report.format()
 
 
 def test_the_prefill_kit_catches_a_dropped_cache_scale() -> None:

@@ -9,7 +9,8 @@ on first use (``APP_CPU_NATIVE_KERNEL=0`` turns it off, as for the other CPU ker
   repeat one term per entry, a row naming nothing out 0 and LSE ``-inf``). The rows are read
   in place (a paged cache's flat slots, or rows of a tensor), each loaded once for all heads;
   q.k and p.v run on AVX512-BF16 dot products for a bf16 cache and q on a CPU that has them
-  (p rounded to bf16 for p.v, as CPU_MLA does; ``APP_CPU_DECODE_BF16_DOT=0`` keeps float32),
+  (p rounded to bf16 for p.v, as CPU_MLA does, the LSE from the unrounded float32 sum;
+  ``APP_CPU_DECODE_BF16_DOT=0`` keeps float32),
   with float32 sums. Work is
   dealt as (row, range of its entries): a step with fewer rows than threads splits each row's
   entries into parts merged by LSE, so a decode step of a few requests uses every core.
@@ -152,7 +153,9 @@ class NativeSparseKernel:
                lse: torch.Tensor | None, softmax_scale: float, k_scale: float,
                bf16_dot: bool | None = None) -> None:
         """Attention of ``q [T, H, D]`` (unit last stride) over the rows of ``kv`` that
-        ``indices [T, topk]`` (int32 contiguous, checked to be in range) names: ``kv`` a paged
+        ``indices [T, topk]`` (int32 contiguous, checked to be in range: a private copy no
+        other thread writes, as the backends' bases hand it, and no ``out`` over it) names:
+        ``kv`` a paged
         cache ``[num_blocks, block_size, D]`` (slot ``i`` = block ``i // block_size``, offset
         ``i % block_size``) or rows ``[N, D]`` (``block_size`` 1), unit last stride, q's
         dtype. Writes ``out [T, H, kv_lora_rank]`` (contiguous, any of fp32/bf16/fp16) and

@@ -55,30 +55,23 @@ from __future__ import annotations
 
 import warnings
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from app._types import DeviceCapability, MLADimensions
-from app._validation import (
-    FLOAT32_MAX,
-    FLOAT32_TINY,
-    MAX_ATTENTION_SCALE,
-    check_int_at_least,
-    is_int,
-)
-from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
+from app._validation import check_int_at_least, is_int
+from app.backends.contract import check_attention_scale, check_hook_result, check_return_flag
 from app.backends.declarations import (
     BackendDeclarations,
     DeclarationRule,
     collection_of,
     find_declaration_problems,
 )
-from app.backends.decode.checks import check_decode_inputs
+from app.backends.decode.calls import DecodeCall, check_own_verbs, runs_its_own_decode
 from app.backends.decode.metadata import MAX_QUERY_LEN, DecodeMetadata, MLADecodeMetadata
 from app.backends.decode.selector_config import MLADecodeSelectorConfig
-from app.backends.sparse.checks import check_sparse_indices
 from app.config import KV_CACHE_DTYPES
 from app.kvcache.cache_dtypes import canonical_kv_cache_dtype, ds_mla_row_bytes
 
@@ -174,6 +167,7 @@ class MLADecodeBackend(BackendDeclarations):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         own = vars(cls)
+        check_own_verbs(cls, MLADecodeBackend)   # verbs of its own: checked as the base's
         if "_plan" in own:
             warnings.warn(f"{cls.__qualname__}._plan: the step hook is named _prepare_step "
                           f"now, for decode and prefill alike; _plan is still called, for now",
@@ -466,6 +460,12 @@ class MLADecodeBackend(BackendDeclarations):
         ``[B, query_len, H]`` float32 natural log (contiguous)."""
         what = f"{type(self).__name__}.forward_decode"
         check_return_flag(what, "return_lse", return_lse)
+        if runs_its_own_decode(self):   # a class with its own run_decode and no _run_decode
+            result = self.run_decode(q, kv_cache, return_softmax_lse=return_lse, out=out,
+                                     softmax_scale=softmax_scale, k_scale=k_scale)
+            if not isinstance(result, tuple):
+                return result
+            return result[0], result[1].permute(1, 2, 0).contiguous()
         target, lse = self._decode(what, q, kv_cache, out, softmax_scale, k_scale, return_lse)
         return target if lse is None else (target, lse)
 
@@ -503,42 +503,24 @@ class MLADecodeBackend(BackendDeclarations):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The template of the verbs: checks, scales, ``out=``, the kernel hook (the sparse
         one when ``indices`` is given). Returns ``(out, lse [B, query_len, H] or None)``."""
-        sparse = indices is not None
-        if not (self.supports_sparse if sparse else self.supports_dense):
-            raise TypeError(f"{what}: {type(self).__name__} does not run "
-                            f"{'sparse' if sparse else 'dense'} attention (supports_"
-                            f"{'sparse' if sparse else 'dense'} is False)")
-        meta = self.metadata
-        scale = check_attention_scale(
-            what, "softmax_scale", self.scale if softmax_scale is None else softmax_scale,
-            upper=FLOAT32_MAX, tensor_ok=True)
-        kscale = 1.0 if k_scale is None else check_attention_scale(
-            what, "k_scale", k_scale, upper=FLOAT32_MAX, tensor_ok=True)
-        if not FLOAT32_TINY <= scale * kscale <= MAX_ATTENTION_SCALE:
-            raise ValueError(f"{what}: softmax_scale * k_scale must be in [{FLOAT32_TINY:.4g}, "
-                             f"{MAX_ATTENTION_SCALE:.4g}] (the kernels multiply q by it, and by "
-                             f"log2(e), in float32), got {scale * kscale!r}")
-        check_decode_inputs(what, meta, q, kv_cache, out, num_heads=self.num_heads,
-                            kv_lora_rank=self.kv_lora_rank,
-                            qk_rope_head_dim=self.qk_rope_head_dim,
-                            kv_cache_dtype=self.kv_cache_dtype,
-                            row_width=self.kv_cache_row_width)
-        shape = (meta.batch, meta.query_len, self.num_heads, self.kv_lora_rank)
-        checked = None if not sparse else check_sparse_indices(
-            what, indices, shape[:2], int(kv_cache.shape[0]) * int(kv_cache.shape[1]),
-            q.device)
-        # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
-        q, kv_cache = q.resolve_neg(), kv_cache.resolve_neg()
-        # An out= that shares memory with q or the cache is written after the kernel, never
-        # during it (the kernel would read its own output).
-        target = out if out is not None and writes_in_place(out, (q, kv_cache)) else \
-            torch.empty(shape, dtype=q.dtype, device=q.device)
+        call = DecodeCall.check(self, what, q, kv_cache, out, softmax_scale, k_scale, indices)
+        # An out= sharing memory with anything the kernel reads (q, the cache, the step's block
+        # tables and lengths, the indices) is written after the kernel, never during it.
+        target = call.target(out)
         # Kernels write the LSE token-major (next to their output rows).
-        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device) if want_lse else None
-        if meta.batch and checked is not None:
-            self._run_sparse_decode(meta, q, kv_cache, checked, target, lse, scale, kscale)
-        elif meta.batch:
-            self._run_decode(meta, q, kv_cache, target, lse, scale, kscale)
+        lse = torch.empty(call.shape[:3], dtype=torch.float32, device=call.q.device) \
+            if want_lse else None
+        hook: Callable[..., object]   # returns None (check_hook_result)
+        if call.metadata.batch and call.indices is not None:
+            hook = self._run_sparse_decode
+            check_hook_result(self, "_run_sparse_decode", hook(
+                call.metadata, call.q, call.kv_cache, call.indices, target, lse,
+                call.softmax_scale, call.k_scale), target)
+        elif call.metadata.batch:
+            hook = self._run_decode
+            check_hook_result(self, "_run_decode", hook(
+                call.metadata, call.q, call.kv_cache, target, lse, call.softmax_scale,
+                call.k_scale), target)
         if out is not None and target is not out:
             out.copy_(target)
             target = out
@@ -550,16 +532,17 @@ class MLADecodeBackend(BackendDeclarations):
                     k_scale: float) -> None:
         """Run the kernel on checked inputs (B >= 1): write ``out [B, query_len, H,
         kv_lora_rank]`` (contiguous, q's dtype) and, when ``lse`` is not None, ``lse [B,
-        query_len, H]`` (contiguous float32, natural log). ``q`` may be non-contiguous."""
+        query_len, H]`` (contiguous float32, natural log); return None (a returned tensor is a
+        ``TypeError``: the base hands the caller ``out``). ``q`` may be non-contiguous."""
 
     def _run_sparse_decode(self, metadata: MLADecodeMetadata, q: torch.Tensor,
                            kv_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor | None, softmax_scale: float,
                            k_scale: float) -> None:
         """Run the sparse kernel on checked inputs (B >= 1; a backend with
-        ``supports_sparse`` overrides it): ``indices [B, query_len, topk]`` int32 contiguous,
-        every entry a row of ``kv_cache.view(-1, D)`` or -1; write ``out`` and ``lse`` as
-        ``_run_decode`` does."""
+        ``supports_sparse`` overrides it): ``indices [B, query_len, topk]`` int32 contiguous
+        (the base's private checked copy, never the caller's tensor), every entry a row of
+        ``kv_cache.view(-1, D)`` or -1; write ``out`` and ``lse`` as ``_run_decode`` does."""
         raise NotImplementedError(f"{type(self).__name__} declares supports_sparse but does "
                                   f"not implement _run_sparse_decode")
 

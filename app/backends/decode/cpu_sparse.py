@@ -83,6 +83,8 @@ class CpuSparseDecodeBackend(MLASparseDecodeBackend):
         if q.device.type != "cpu":
             raise ValueError(f"{type(self).__name__}: expected CPU tensors, got {q.device}")
         kernel, dot = self._kernel_and_dot()
+        # indices is the base's private checked copy (check_sparse_indices), never the caller's
+        # tensor, and out shares memory with no input: the kernel reads unchecked pointers.
         rows = metadata.batch * metadata.query_len
         q_rows = q.reshape(rows, self.num_heads, self.head_dim)
         if q_rows.stride(-1) != 1:

@@ -121,6 +121,9 @@ class MLADecodeMetadata:
         init=False, factory=dict, repr=False)
     _checked_caches: set[tuple[int, int]] = attrs.field(init=False, factory=set, repr=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+    # Whether the host snapshots are this object's own (made by build): one made field by
+    # field holds the caller's tensors, which check_step copies before checking them.
+    _own_snapshots: bool = attrs.field(init=False, default=False, repr=False)
 
     @property
     def batch(self) -> int:
@@ -169,15 +172,29 @@ class MLADecodeMetadata:
                    query_len=qlen, seq_lens_list=lens, max_seq_len=max(lens, default=0))
         if copied:
             step._device_copies[bt.device] = (bt, sl)
+        step._own_snapshots = True
         return step
 
     def check_step(self, what: str, max_query_len: int) -> MLADecodeMetadata:
         """``self`` if its ``query_len`` is in 1..``max_query_len`` (a backend's own limit) and
         its host snapshots are what :meth:`build` makes; ``ValueError`` otherwise (one made
-        field by field may not be trusted: the kernels read those snapshots unchecked)."""
+        field by field may not be trusted: the kernels read those snapshots unchecked). One
+        made field by field holds the caller's tensors as its snapshots: a copy of it with
+        snapshots of its own is checked and returned instead (a tensor the caller rewrites
+        later, or another thread during a call, is never what a kernel reads; O(B * W))."""
         if not is_int(self.query_len) or not 1 <= self.query_len <= max_query_len:
             raise ValueError(f"{what}: query_len must be an int in [1, {max_query_len}], "
                              f"got {self.query_len!r}")
+        if not self._own_snapshots:
+            table, lens = self.block_table_cpu, self.seq_lens_cpu
+            if not (isinstance(table, torch.Tensor) and isinstance(lens, torch.Tensor)
+                    and table.dtype == lens.dtype == torch.int32):
+                raise ValueError(f"{what}: this MLADecodeMetadata's host snapshots must be "
+                                 f"int32 tensors; make it with MLADecodeMetadata.build()")
+            own = attrs.evolve(self, block_table_cpu=host_int32_snapshot(what, table),
+                               seq_lens_cpu=host_int32_snapshot(what, lens))
+            own._own_snapshots = True
+            return own.check_step(what, max_query_len)
         table, lens = self.block_table_cpu, self.seq_lens_cpu
         consistent = (
             isinstance(table, torch.Tensor) and isinstance(lens, torch.Tensor)

@@ -29,7 +29,6 @@ does not declare ``supports_dense`` runs only that.
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from abc import abstractmethod
@@ -41,7 +40,13 @@ import torch
 
 from app._types import DeviceCapability, MLADimensions
 from app._validation import INT32_MAX, check_int_at_least, is_int
-from app.backends.contract import check_attention_scale, check_return_flag, writes_in_place
+from app.backends.contract import (
+    check_attention_scale,
+    check_hook_result,
+    check_out_spares_step,
+    check_return_flag,
+    writes_in_place,
+)
 from app.backends.declarations import (
     BackendDeclarations,
     DeclarationRule,
@@ -55,6 +60,7 @@ from app.backends.prefill.metadata import (
     RaggedLayout,
     StepLayouts,
 )
+from app.backends.prefill.own_verbs import call_reads, check_own_verbs
 from app.backends.sparse.checks import SparseRowsCall
 
 if TYPE_CHECKING:
@@ -169,7 +175,7 @@ class MLAPrefillBackend(BackendDeclarations):
             warnings.warn(f"{cls.__qualname__}._on_prepare: the step hook is named "
                           f"_prepare_step now, for prefill and decode alike; _on_prepare is "
                           f"still called, for now", DeprecationWarning, stacklevel=3)
-        _check_own_verbs(cls)
+        check_own_verbs(cls, MLAPrefillBackend)
 
     @classmethod
     def declaration_problems(cls) -> list[str]:
@@ -388,8 +394,10 @@ class MLAPrefillBackend(BackendDeclarations):
             return_softmax_lse, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
             qk_rope_head_dim=self.qk_rope_head_dim, dtypes=tuple(self.supported_dtypes))
         if call.rows:
-            self._run_sparse_prefill(call.q, call.kv, call.indices, call.target, call.lse,
-                                     call.softmax_scale, call.k_scale)
+            hook: Callable[..., object] = self._run_sparse_prefill   # None, or a TypeError
+            check_hook_result(self, "_run_sparse_prefill", hook(
+                call.q, call.kv, call.indices, call.target, call.lse, call.softmax_scale,
+                call.k_scale), call.target)
         return call.result(out)
 
     def _run_sparse_prefill(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
@@ -398,13 +406,20 @@ class MLAPrefillBackend(BackendDeclarations):
         """Run the sparse kernel on checked inputs (T >= 1; a backend with
         ``supports_sparse`` overrides it): write ``out [T, H, kv_lora_rank]`` (contiguous, q's
         dtype) and, when given, ``lse [T, H]`` (contiguous float32, natural log, token-major
-        as the decode hooks write it; the base lays it out head-major)."""
+        as the decode hooks write it; the base lays it out head-major); return None.
+        ``indices`` is the base's private checked copy, never the caller's tensor."""
         raise NotImplementedError(f"{type(self).__name__} declares supports_sparse but does "
                                   f"not implement _run_sparse_prefill")
 
     def _check_inputs(self, layout: RaggedLayout, q: object, k: object, v: object,
                       out: object) -> None:
-        """Every check of one call's tensors against the step (``check_attention_inputs``)."""
+        """Every check of one call's tensors against the step (``check_attention_inputs``), and
+        an ``out=`` that shares memory with the step's prefix sums refused."""
+        if out is not None and self._layouts is not None:
+            step = self._layouts
+            check_out_spares_step(self._label(), out, (
+                t for lay in (step.new_tokens, *step.chunks)
+                for t in (lay.cu_q, lay.cu_kv, lay.cu_q_cpu, lay.cu_kv_cpu)))
         check_attention_inputs(
             self._label(), q, k, v, num_heads=self.num_heads, qk_head_dim=self.qk_head_dim,
             v_head_dim=self.v_head_dim, total_q=layout.total_q, total_kv=layout.total_kv,
@@ -423,8 +438,9 @@ class MLAPrefillBackend(BackendDeclarations):
         self._check_inputs(layout, q, k, v, out)
         # Kernels read and write raw memory: a negative view (conj().imag) is materialised.
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
-        # An out= sharing memory with an input is written after the kernel, never during it.
-        result = out if out is not None and writes_in_place(out, (q, k, v)) else torch.empty(
+        # An out= sharing memory with anything the kernel reads is written after the kernel.
+        in_place = out is not None and writes_in_place(out, call_reads(layout, q, k, v))
+        result = out if in_place and out is not None else torch.empty(
             layout.total_q, self.num_heads, self.v_head_dim, dtype=self._out_dtype(q.dtype),
             device=q.device)
         lse = (torch.empty(self.num_heads, layout.total_q, dtype=torch.float32, device=q.device)
@@ -436,7 +452,9 @@ class MLAPrefillBackend(BackendDeclarations):
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            self._run_prefill(call, layout, q, k, v, causal, result, lse)
+            hook: Callable[..., object] = self._run_prefill   # None, or a TypeError
+            check_hook_result(self, "_run_prefill", hook(call, layout, q, k, v, causal, result,
+                                                         lse), result)
             zero_empty_rows(result, lse, self._empty_mask(layout, causal, q.device))
         if out is not None and result is not out:
             out.copy_(result)
@@ -449,8 +467,9 @@ class MLAPrefillBackend(BackendDeclarations):
                      ) -> None:
         """Run the kernel on checked inputs (at least one query and one key): write ``out
         [T, H, Dv]`` (contiguous, ``_out_dtype``) and, when given, ``lse [H, T]`` (contiguous
-        float32, natural log). ``call`` is -1 for the new tokens, else the context chunk index;
-        ``layout`` its checked lengths. Rows that see no key are fixed up after."""
+        float32, natural log), and return None (a returned tensor is a ``TypeError``: the base
+        hands the caller ``out``). ``call`` is -1 for the new tokens, else the context chunk
+        index; ``layout`` its checked lengths. Rows that see no key are fixed up after."""
 
     def _empty_mask(self, layout: RaggedLayout, causal: bool,
                     device: torch.device) -> torch.Tensor | None:
@@ -467,114 +486,6 @@ class MLAPrefillBackend(BackendDeclarations):
         return {"name": self.get_name(), "class": f"{type(self).__module__}."
                 f"{type(self).__qualname__}", "num_heads": self.num_heads,
                 "qk_head_dim": self.qk_head_dim, "v_head_dim": self.v_head_dim}
-
-
-# -- a subclass that defines the verbs itself (the README's old way) ------------------------------
-
-def _check_own_verbs(cls: type[MLAPrefillBackend]) -> None:
-    """Wrap ``prepare_metadata`` and the run verbs that ``cls`` defines itself in the base's
-    checks (see the module docstring), and make a class whose run verbs are all its own
-    concrete (its ``_run_prefill`` is never called)."""
-    for name, wrap in (("prepare_metadata", _checked_prepare),
-                       ("run_prefill_new_tokens", _checked_new_tokens),
-                       ("run_prefill_context_chunk", _checked_context_chunk)):
-        own = vars(cls).get(name)
-        if callable(own) and not getattr(own, "_app_checked", False):
-            checked = wrap(own)
-            checked._app_checked = True  # type: ignore[attr-defined]
-            type.__setattr__(cls, name, checked)
-    base = MLAPrefillBackend
-    if (getattr(cls._run_prefill, "__isabstractmethod__", False)
-            and cls.run_prefill_new_tokens is not base.run_prefill_new_tokens
-            and cls.run_prefill_context_chunk is not base.run_prefill_context_chunk):
-        type.__setattr__(cls, "_run_prefill", _runs_its_own_verbs)
-
-
-def _runs_its_own_verbs(self: MLAPrefillBackend, *args: Any) -> None:
-    """``_run_prefill`` of a class whose run verbs are its own: never called by them."""
-    raise NotImplementedError(f"{type(self).__name__} defines run_prefill_new_tokens and "
-                              f"run_prefill_context_chunk itself: its _run_prefill is unused")
-
-
-_Verb = Callable[..., Any]
-
-
-def _checked_prepare(own: _Verb) -> _Verb:
-    @functools.wraps(own)
-    def prepare_metadata(self: MLAPrefillBackend, prefill_metadata: MLAPrefillMetadata,
-                         *args: Any, **kwargs: Any) -> Any:
-        self._take_step(prefill_metadata)
-        try:
-            return own(self, prefill_metadata, *args, **kwargs)
-        except BaseException:
-            self._metadata = self._layouts = None
-            raise
-    return prepare_metadata
-
-
-def _checked_new_tokens(own: _Verb) -> _Verb:
-    @functools.wraps(own)
-    def run_prefill_new_tokens(self: MLAPrefillBackend, q: torch.Tensor, k: torch.Tensor,
-                               v: torch.Tensor, return_softmax_lse: bool,
-                               out: torch.Tensor | None = None, *args: Any, **kwargs: Any
-                               ) -> Any:
-        verb = "run_prefill_new_tokens"
-        want = check_return_flag(f"{self._label()}.{verb}", "return_softmax_lse",
-                                 return_softmax_lse)
-        layout = self._step().new_tokens
-        self._check_inputs(layout, q, k, v, out)
-        given = out if writes_in_place(out, (q, k, v)) else None
-        result = own(self, q, k, v, return_softmax_lse, given, *args, **kwargs)
-        return _own_result(self, verb, layout, True, result, want, out)
-    return run_prefill_new_tokens
-
-
-def _checked_context_chunk(own: _Verb) -> _Verb:
-    @functools.wraps(own)
-    def run_prefill_context_chunk(self: MLAPrefillBackend, chunk: int, q: torch.Tensor,
-                                  k: torch.Tensor, v: torch.Tensor,
-                                  out: torch.Tensor | None = None, *args: Any, **kwargs: Any
-                                  ) -> Any:
-        self.context_chunk(chunk)
-        layout = self._step().chunks[chunk]
-        self._check_inputs(layout, q, k, v, out)
-        given = out if writes_in_place(out, (q, k, v)) else None
-        result = own(self, chunk, q, k, v, given, *args, **kwargs)
-        return _own_result(self, "run_prefill_context_chunk", layout, False, result, True, out)
-    return run_prefill_context_chunk
-
-
-def _own_result(backend: MLAPrefillBackend, verb: str, layout: RaggedLayout, causal: bool,
-                result: object, want_lse: bool, out: torch.Tensor | None) -> Any:
-    """What a subclass's own verb returned, held to the contract: ``out [T, H, Dv]`` (copied
-    into the caller's ``out=``), the LSE ``[H, T]`` float32 (contiguous), rows that see no key
-    out 0 and LSE ``-inf``; ``TypeError`` / ``ValueError`` naming the verb otherwise."""
-    who = f"{backend._label()}.{verb}"
-    got, lse = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
-    want_out = [layout.total_q, backend.num_heads, backend.v_head_dim]
-    if not isinstance(got, torch.Tensor) or list(got.shape) != want_out:
-        raise TypeError(f"{who} returned {_describe(result)}; expected out {want_out}"
-                        f"{' and lse [H, T]' if want_lse else ''}")
-    if want_lse:
-        want_lse_shape = [backend.num_heads, layout.total_q]
-        if not isinstance(lse, torch.Tensor) or list(lse.shape) != want_lse_shape \
-                or lse.dtype != torch.float32:
-            raise TypeError(f"{who} returned {_describe(result)}; expected (out, lse) with "
-                            f"lse {want_lse_shape} float32 (natural log, head-major)")
-        lse = lse.contiguous()
-    if out is not None and got is not out:
-        out.copy_(got)
-        got = out
-    zero_empty_rows(got, lse, backend._empty_mask(layout, causal, got.device))
-    return (got, lse) if want_lse else got
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor {list(value.shape)}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
 
 
 class MLASparsePrefillBackend(MLAPrefillBackend):

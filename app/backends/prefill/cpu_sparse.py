@@ -78,5 +78,7 @@ class CpuSparsePrefillBackend(MLASparsePrefillBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         dot = q.dtype == kv.dtype == torch.bfloat16 and has_bf16_dot()
+        # indices is the base's private checked copy (check_sparse_indices), never the caller's
+        # tensor, and out shares memory with no input: the kernel reads unchecked pointers.
         kernel.attend(q, kv, 1, indices, self.kv_lora_rank, out, lse, softmax_scale, k_scale,
                       bf16_dot=dot)

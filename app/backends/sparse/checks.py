@@ -5,7 +5,10 @@ it attends to: ``indices [..., topk]`` int32, each an index into the rows of ``k
 cache viewed flat, ``[num_blocks * block_size, D]``: slot ``block_id * block_size + offset``,
 or rows gathered into a workspace), ``-1`` for padding. A kernel reads those rows directly, so an
 index out of ``[-1, num_rows)`` would be an out-of-bounds read: ``check_sparse_indices`` refuses
-it (one ``aminmax`` over the indices) before any kernel runs.
+it (one ``aminmax`` over the indices) before any kernel runs. It checks, and returns, a private
+copy: the values checked are the values the kernel reads, whatever another thread does to the
+caller's tensor during the call, and whatever the kernel writes into an ``out=`` that shares
+memory with it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ __all__ = ["SparseRowsCall", "check_sparse_indices", "check_sparse_out", "check_
 
 def check_sparse_indices(what: str, indices: object, rows: tuple[int, ...], num_kv_rows: int,
                          device: torch.device) -> torch.Tensor:
-    """``indices`` as a contiguous int32 tensor ``[*rows, topk]`` (``topk >= 1``) on ``device``
-    whose every value is in ``[-1, num_kv_rows)``; ``TypeError`` / ``ValueError`` naming
-    ``what``, the expected and the given value otherwise."""
+    """A private contiguous int32 copy of ``indices`` ``[*rows, topk]`` (``topk >= 1``) on
+    ``device`` whose every value is in ``[-1, num_kv_rows)``; ``TypeError`` / ``ValueError``
+    naming ``what``, the expected and the given value otherwise. The copy, never the caller's
+    tensor, is what is checked and what a kernel must read (see the module docstring)."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{what}: indices must be a torch.Tensor, got {type(indices).__name__}")
     check_dense(f"{what}: indices", indices)
@@ -37,14 +41,19 @@ def check_sparse_indices(what: str, indices: object, rows: tuple[int, ...], num_
                          f"{indices.dtype}")
     if indices.device != device:
         raise ValueError(f"{what}: indices are on {indices.device} but q is on {device}")
-    if indices.numel():
-        low, high = (int(x) for x in torch.aminmax(indices))
+    # Copied before it is checked: a caller's tensor rewritten by another thread after the check
+    # (or an out= over it written by the kernel) would be read out of range by a native kernel.
+    # O(rows * topk) int32, never O(cache): cheap next to the attention it feeds.
+    private = torch.empty(tuple(indices.shape), dtype=torch.int32, device=indices.device)
+    private.copy_(indices)
+    if private.numel():
+        low, high = (int(x) for x in torch.aminmax(private))
         if low < -1 or high >= num_kv_rows:
-            bad = ((indices < -1) | (indices >= num_kv_rows)).nonzero()[0].tolist()
-            raise ValueError(f"{what}: indices{bad} = {int(indices[tuple(bad)])} is out of "
+            bad = ((private < -1) | (private >= num_kv_rows)).nonzero()[0].tolist()
+            raise ValueError(f"{what}: indices{bad} = {int(private[tuple(bad)])} is out of "
                              f"range: every index must be a row of kv in [0, {num_kv_rows}) "
                              f"or -1 (padding)")
-    return indices.contiguous()
+    return private
 
 
 def check_sparse_rows(what: str, q: object, kv: object, *, num_heads: int, head_dim: int,
@@ -87,9 +96,10 @@ def check_sparse_out(what: str, out: object, shape: tuple[int, ...], dtype: torc
 
 @attrs.frozen(eq=False)
 class SparseRowsCall:
-    """One sparse call over latent rows (``run_sparse_prefill``), checked: its inputs, scales,
-    the tensor the kernel writes (``target``: the caller's ``out=`` when it may be written in
-    place) and the token-major LSE ``[T, H]`` to fill (None when not asked for)."""
+    """One sparse call over latent rows (``run_sparse_prefill``), checked: its inputs (the
+    indices a private checked copy), scales, the tensor the kernel writes (``target``: the
+    caller's ``out=`` when it shares memory with no input, the caller's indices included) and
+    the token-major LSE ``[T, H]`` to fill (None when not asked for)."""
 
     q: torch.Tensor
     kv: torch.Tensor
@@ -124,7 +134,8 @@ class SparseRowsCall:
         if out is not None:
             check_sparse_out(what, out, shape, q.dtype, q.device)
         q, kv = q.resolve_neg(), kv.resolve_neg()
-        in_place = isinstance(out, torch.Tensor) and writes_in_place(out, (q, kv))
+        in_place = isinstance(out, torch.Tensor) and isinstance(indices, torch.Tensor) \
+            and writes_in_place(out, (q, kv, indices, idx))
         target = out if in_place and isinstance(out, torch.Tensor) else torch.empty(
             shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if want else None

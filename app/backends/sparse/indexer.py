@@ -32,13 +32,14 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import attrs
 import torch
 
 from app._validation import INT32_MAX, check_dense, check_int_at_least
+from app.backends.contract import check_hook_result
 from app.backends.declarations import BackendDeclarations
 
 __all__ = ["SCORE_BUDGET", "SparseIndexer", "SparseIndexerMetadata", "TorchSparseIndexer",
@@ -218,7 +219,8 @@ class SparseIndexer(BackendDeclarations):
         width = _selection_width(metadata, topk)
         out = torch.full((metadata.num_rows, width), -1, dtype=torch.int32, device=q.device)
         if metadata.num_rows:
-            self._select(q, weights, key_cache, metadata, out)
+            hook: Callable[..., object] = self._select   # None, or a TypeError
+            check_hook_result(self, "_select", hook(q, weights, key_cache, metadata, out), out)
         return out
 
     @abstractmethod
@@ -227,7 +229,8 @@ class SparseIndexer(BackendDeclarations):
         """Write each row's best visible positions into ``out [T, width]`` (pre-filled with
         -1; checked inputs, at least one row; ``width = min(topk, max(metadata.seq_lens))``, so
         a row's best ``width`` are its best ``topk``) as ``topk_positions`` orders and ties
-        them."""
+        them, and return None (a returned tensor is a ``TypeError``: ``select`` returns
+        ``out``)."""
 
 
 def _check_inputs(what: str, q: object, weights: object, key_cache: object,

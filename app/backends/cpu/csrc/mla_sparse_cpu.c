@@ -8,9 +8,11 @@
  * scored for every head (q.k over the whole row: AVX512-BF16 dot products for a bf16 cache and
  * q, else float32 FMAs), folded into an online softmax in base 2 (vectorised over the tile's
  * keys), and p.v accumulates in float32: on the dot path as bf16 dot products over pairs of
- * keys (p rounded to bf16, and summed rounded, as CPU_MLA does), else as float32 FMAs with 16
- * heads of one 16-column slice held in registers, each value row loaded once for them. NaN and inf: a non-finite score makes its row's p (and so its output) non-finite;
- * rows a query does not name are never read.
+ * keys (p rounded to bf16, as CPU_MLA does: the output is normalised by the sum of the rounded
+ * p, lr, while the LSE is the float32 one, from the sum of the unrounded p, l), else as
+ * float32 FMAs with 16 heads of one 16-column slice held in registers, each value row loaded
+ * once for them. NaN and inf: a non-finite score makes its row's p (and so its output)
+ * non-finite; rows a query does not name are never read.
  *
  * Indexer: an item is up to 8 query rows of one request and a range of its key positions.
  * Each row's q is packed once per item with the heads along the vector lanes (16 per vector,
@@ -135,11 +137,14 @@ static __attribute__((APP_AVX512BF16_ISA)) void qk_bf16(const uint16_t* q, int64
 }
 
 /* Fold the scores S[h * TK + j] (base 2) of n rows into head h's running max m, sum l and
- * accumulator acc (rescaled when the max rises); S becomes the probabilities p. Vectorised
+ * accumulator acc (rescaled when the max rises); S becomes the probabilities p. With bf16_pv
+ * the p stored are rounded to bf16 (p.v multiplies them so) and lr sums those rounded ones
+ * (the output's normaliser), while l always sums the unrounded float32 p: the LSE is the
+ * float32 one, as CPU_MLA's (a chunked prefill merges its chunks by it). Vectorised
  * over the tile's keys (TK = 32: two vectors); a NaN score is never a max (vmaxps returns its
  * second operand, the running max, for a NaN first one) and makes its p NaN. */
 static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m, float* l,
-                         float* acc, int bf16_pv) {
+                         float* lr, float* acc, int bf16_pv) {
   const __mmask16 k0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
   const __mmask16 k1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -157,25 +162,29 @@ static void softmax_tile(float* S, int n, int64_t heads, int64_t rank, float* m,
       p0 = _mm512_maskz_mov_ps(k0, app_exp2_nonpositive(_mm512_sub_ps(s0, vm)));
       p1 = _mm512_maskz_mov_ps(k1, app_exp2_nonpositive(_mm512_sub_ps(s1, vm)));
     }
-    if (bf16_pv) { /* p.v multiplies p in bf16: the sum takes the same rounded p */
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1)); /* unrounded: the LSE's */
+    float sum_r = sum;
+    if (bf16_pv) { /* p.v multiplies p in bf16: the output's normaliser sums the same p */
       p0 = app_round_to_bf16(p0);
       p1 = app_round_to_bf16(p1);
+      sum_r = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     }
     _mm512_storeu_ps(s, p0);
     _mm512_storeu_ps(s + 16, p1);
-    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
     if (mx != m[h]) {
       const float alpha = m[h] == -INFINITY ? 0.f : exp2f(m[h] - mx);
-      if (l[h] != 0.f || isnan(l[h])) {
+      if (l[h] != 0.f || isnan(l[h]) || lr[h] != 0.f || isnan(lr[h])) {
         const __m512 va = _mm512_set1_ps(alpha);
         for (int64_t c = 0; c < rank; c += 16)
           _mm512_storeu_ps(acc + h * rank + c,
                            _mm512_mul_ps(va, _mm512_loadu_ps(acc + h * rank + c)));
       }
       l[h] *= alpha;
+      lr[h] *= alpha;
       m[h] = mx;
     }
     l[h] += sum;
+    lr[h] += sum_r;
   }
 }
 
@@ -212,7 +221,7 @@ static inline int bf16_pv(const mla_sparse_attn_args* a) {
  * zero probability times a NaN would be NaN). */
 static inline const void* zero_row(const mla_sparse_attn_args* a) {
   const int64_t d = a->rank + a->rope;
-  return a->scratch + a->heads * (d + TK + a->rank + 2);
+  return a->scratch + a->heads * (d + TK + a->rank + 3);
 }
 
 /* The bf16 p.v of one tile: keys in pairs (j, j + 1), their 32-column slices interleaved
@@ -262,23 +271,24 @@ static __attribute__((APP_AVX512BF16_ISA)) void pv_tile_bf16(float* P,
 
 static void attn_tile(const mla_sparse_attn_args* a, const void* qrow, const float* qf,
                       const void* const* rows, int n, const void* const* next, int nn,
-                      float* S, float* m, float* l, float* acc) {
+                      float* S, float* m, float* l, float* lr, float* acc) {
   const int64_t d = a->rank + a->rope;
   if (a->bf16_dot)
     qk_bf16((const uint16_t*)qrow, a->q_sh, a->heads, d, rows, n, a->q_mult, S, next, nn);
   else
     qk_f32(qf, a->heads, d, rows, n, a->kv_dt, a->q_mult, S, next, nn);
-  softmax_tile(S, n, a->heads, a->rank, m, l, acc, bf16_pv(a));
+  softmax_tile(S, n, a->heads, a->rank, m, l, lr, acc, bf16_pv(a));
   if (bf16_pv(a))
     pv_tile_bf16(S, rows, n, a->heads, a->rank, acc, zero_row(a));
   else
     pv_tile(S, rows, n, a->kv_dt, a->heads, a->rank, acc);
 }
 
-/* Write head h's normalised output (v_mult * acc / l) and its LSE: natural log into out/lse,
- * or base 2 into a partial. A head whose row named nothing gets 0 and -inf. */
+/* Write head h's normalised output (v_mult * acc / lr: acc's own weights, see softmax_tile) and
+ * its LSE (from l, the float32 sum): natural log into out/lse, or base 2 into a partial. A head
+ * whose row named nothing gets 0 and -inf. */
 static void attn_finish(const mla_sparse_attn_args* a, int64_t row, int64_t part,
-                        const float* m, const float* l, const float* acc) {
+                        const float* m, const float* l, const float* lr, const float* acc) {
   const int64_t heads = a->heads, rank = a->rank;
   const int permuted = bf16_pv(a); /* pv_tile_bf16's column order, per 32 columns */
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -286,7 +296,7 @@ static void attn_finish(const mla_sparse_attn_args* a, int64_t row, int64_t part
                                            30, 31);
   for (int64_t h = 0; h < heads; ++h) {
     const int empty = l[h] == 0.f;
-    const __m512 scale = _mm512_set1_ps(empty ? 0.f : a->v_mult / l[h]);
+    const __m512 scale = _mm512_set1_ps(empty ? 0.f : a->v_mult / lr[h]);
     const float lse2 = empty ? -INFINITY : m[h] + log2f(l[h]);
     for (int64_t c = 0; c < rank; c += 16) {
       __m512 v = _mm512_loadu_ps(acc + h * rank + c);
@@ -333,7 +343,8 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
   float* S = qf + heads * d;              /* [heads, TK] */
   float* acc = S + heads * TK;            /* [heads, rank] */
   float* m = acc + heads * rank;          /* [heads] */
-  float* l = m + heads;                   /* [heads] */
+  float* l = m + heads;                   /* [heads] float32 sums of p (the LSE's) */
+  float* lr = l + heads;                  /* [heads] sums of p as p.v takes them (the output's) */
   const char* qrow = (const char*)a->q + row * a->q_st * esize;
   if (!a->bf16_dot)
     for (int64_t h = 0; h < heads; ++h)
@@ -341,7 +352,7 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
         _mm512_storeu_ps(qf + h * d + e, load16(qrow + h * a->q_sh * esize, e, a->q_dt));
   memset(acc, 0, (size_t)(heads * rank) * sizeof(float));
   if (bf16_pv(a)) memset((void*)zero_row(a), 0, (size_t)rank * 2);
-  for (int64_t h = 0; h < heads; ++h) m[h] = -INFINITY, l[h] = 0.f;
+  for (int64_t h = 0; h < heads; ++h) m[h] = -INFINITY, l[h] = 0.f, lr[h] = 0.f;
   const int32_t* idx = a->indices + row * a->topk;
   const void* tiles[2][TK];
   int64_t e = e0;
@@ -349,16 +360,16 @@ static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, in
   for (int j = 0; j < n; ++j) prefetch_lines(tiles[0][j], d * esize);
   while (n) { /* the next tile's rows are asked for while this one is scored */
     const int nn = gather(a, idx, &e, e1, esize, tiles[cur ^ 1]);
-    attn_tile(a, qrow, qf, tiles[cur], n, tiles[cur ^ 1], nn, S, m, l, acc);
+    attn_tile(a, qrow, qf, tiles[cur], n, tiles[cur ^ 1], nn, S, m, l, lr, acc);
     cur ^= 1;
     n = nn;
   }
-  attn_finish(a, row, part, m, l, acc);
+  attn_finish(a, row, part, m, l, lr, acc);
 }
 
 APP_NATIVE_EXPORT int64_t mla_sparse_attn_scratch_floats(int64_t heads, int64_t rank,
                                                          int64_t rope) {
-  return heads * (rank + rope + TK + rank + 2) + rank / 2 + 16;
+  return heads * (rank + rope + TK + rank + 3) + rank / 2 + 16;
 }
 
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {
