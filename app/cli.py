@@ -17,7 +17,6 @@ import logging
 import sys
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
 logger = logging.getLogger(__name__)
@@ -59,14 +58,6 @@ DESCRIPTION = ("MLA attention for DeepSeek models on CPUs and GPUs: prefill and 
                "DeepSeek-V2/V3, V3.2 and GLM-5 checkpoints, checked against float64.")
 
 
-def program_name(argv0: str | None = None) -> str:
-    """How the user started the CLI, for ``--help`` and errors: ``app`` (the installed script)
-    or ``python -m app`` (``argv0`` is ``app/__main__.py``; also when ``main`` is called from
-    Python, as tests do). ``argv0`` defaults to ``sys.argv[0]``."""
-    name = Path(sys.argv[0] if argv0 is None else argv0).name
-    return "app" if name in ("app", "app.exe") else "python -m app"
-
-
 def _epilog(prog: str) -> str:
     steps = [(f"{prog} run", "the main job, no download"),
              (f"{prog} checkpoint --family v32 DIR", "a tiny checkpoint"),
@@ -78,7 +69,7 @@ def _epilog(prog: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand whose module is installed."""
-    from app.commands._help import uniform_metavars
+    from app.commands._help import program_name, uniform_metavars
 
     prog = program_name()
     parser = OneLineArgumentParser(prog=prog, description=textwrap.fill(DESCRIPTION, 79),

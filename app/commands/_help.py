@@ -10,6 +10,7 @@ dtype aliases) shows one word and lists the choices in its help.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from app.commands._args import bench_device, buffer_gib, output_file, positive_float
@@ -66,3 +67,11 @@ def uniform_metavars(parser: argparse.ArgumentParser) -> None:
                 uniform_metavars(sub)
         else:
             _name(action)
+
+
+def program_name(argv0: str | None = None) -> str:
+    """How the user started the CLI, for ``--help`` and errors: ``app`` (the installed script)
+    or ``python -m app`` (``argv0`` is ``app/__main__.py``; also when ``main`` is called from
+    Python, as tests do). ``argv0`` defaults to ``sys.argv[0]``."""
+    name = Path(sys.argv[0] if argv0 is None else argv0).name
+    return "app" if name in ("app", "app.exe") else "python -m app"

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from app.commands._args import int_in
+from app.commands._help import program_name
 from app.commands._output import print_json, print_text
 
 HELP = ("write a tiny random checkpoint of a family (v2, v3, v32, glm) to DIR, to try generate "
@@ -197,7 +198,6 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Write the checkpoint and say what it is and how to use it."""
-    from app.cli import program_name
 
     result = write(args)
     if args.json:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from app.cli import build_parser, program_name
-from app.commands._help import METAVARS
+from app.cli import build_parser
+from app.commands._help import METAVARS, program_name
 from tests.cli.conftest import CliRunner, assert_one_line_usage_error
 
 #: Metavars of values that are their own kind (a list, a pair, a pattern).

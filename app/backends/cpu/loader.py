@@ -202,8 +202,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-#: ``-m`` compiler flags -> the ``/proc/cpuinfo`` flag of the instructions they let the
-#: compiler emit anywhere in the library (``-mamx-tile`` -> ``amx_tile``).
+#: ``-m`` flags whose ``/proc/cpuinfo`` name is not theirs with ``-`` made ``_``.
 _ISA_FLAG_NAMES = {"avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
                    "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
                    "sse4.1": "sse4_1", "sse4.2": "sse4_2"}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -36,8 +36,8 @@ from app.backends.decode.checks import check_decode_inputs
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.sparse.checks import check_sparse_indices
 
-if TYPE_CHECKING:
-    from app.backends.decode.base import MLADecodeBackend
+# The backend is typed ``Any`` here: it is an ``MLADecodeBackend``, whose module imports this
+# one (importing it back, even for types only, would be a cycle).
 
 __all__ = ["DecodeCall", "check_own_verbs"]
 
@@ -58,7 +58,7 @@ class DecodeCall:
     reads: tuple[torch.Tensor, ...]
 
     @classmethod
-    def check(cls, backend: MLADecodeBackend, what: str, q: torch.Tensor,
+    def check(cls, backend: Any, what: str, q: torch.Tensor,
               kv_cache: torch.Tensor, out: torch.Tensor | None, softmax_scale: object,
               k_scale: object, indices: object = None) -> DecodeCall:
         """Every check of one call (``TypeError`` / ``ValueError`` naming ``what``); a sparse
@@ -106,7 +106,7 @@ class DecodeCall:
         return torch.empty(self.shape, dtype=self.q.dtype, device=self.q.device)
 
 
-def check_own_verbs(cls: type[MLADecodeBackend], base: Any) -> None:
+def check_own_verbs(cls: type[Any], base: Any) -> None:
     """Wrap the run verbs ``cls`` defines itself in the checks of ``base``
     (``MLADecodeBackend``; see the module docstring)."""
     for verb, hook, sparse in (("run_decode", "_run_decode", False),
@@ -138,7 +138,7 @@ def _unused_hook(hook: str, verb: str) -> _Verb:
 
 def _checked_verb(own: _Verb, verb: str, sparse: bool) -> _Verb:
     @functools.wraps(own)
-    def checked(self: MLADecodeBackend, q: torch.Tensor, kv_cache: torch.Tensor,
+    def checked(self: Any, q: torch.Tensor, kv_cache: torch.Tensor,
                 *args: Any, **kwargs: Any) -> Any:
         what = f"{type(self).__name__}.{verb}"
         indices = None

@@ -53,14 +53,19 @@ from app.backends.declarations import (
     collection_of,
     find_declaration_problems,
 )
-from app.backends.prefill.checks import check_attention_inputs, empty_rows_mask, zero_empty_rows
+from app.backends.prefill.checks import (
+    call_reads,
+    check_attention_inputs,
+    check_own_verbs,
+    empty_rows_mask,
+    zero_empty_rows,
+)
 from app.backends.prefill.metadata import (
     ContextChunkMetadata,
     MLAPrefillMetadata,
     RaggedLayout,
     StepLayouts,
 )
-from app.backends.prefill.own_verbs import call_reads, check_own_verbs
 from app.backends.sparse.checks import SparseRowsCall
 
 if TYPE_CHECKING:
