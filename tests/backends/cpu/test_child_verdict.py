@@ -22,6 +22,10 @@ from app.backends.cpu.loader import load_native_library, reset_native_libraries
 from tests._support import native_compiler_or_skip
 from tests.backends.cpu import _child_specs as specs
 
+#: builds native kernels and self-tests them in child processes: outside the quick
+#: subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

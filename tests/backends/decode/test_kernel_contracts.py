@@ -296,6 +296,7 @@ def test_flashinfer_dtypes_match_the_documented_kernels(cap: DeviceCapability) -
             assert backend._kernel_q_dtype() == documented[dtype], (cap, dtype)
 
 
+@pytest.mark.slow
 def test_tokenspeed_declarations_match_the_package_can_implement() -> None:
     """Every block size / head count / query_len / dtype TOKENSPEED_MLA accepts is one the
     package's own ``_check_can_implement`` accepts, and the ones it refuses are refused."""
