@@ -44,6 +44,7 @@ def test_platform_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "platform" in out and "torch_version" in out and "imports" in out
 
 
+@pytest.mark.slow
 def test_module_entry_point_runs() -> None:
     proc = subprocess.run([sys.executable, "-m", "app", "platform", "--json"],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -674,6 +674,7 @@ def _render_in_fresh_process(blocked: tuple[str, ...]) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_errors_doc_is_current() -> None:
     if torch.cuda.is_available():
         pytest.skip("the doc is generated on a machine without CUDA")
@@ -686,6 +687,7 @@ def test_errors_doc_is_current() -> None:
         "tests/test_errors_doc.py")
 
 
+@pytest.mark.slow
 def test_errors_doc_does_not_depend_on_optional_kernel_packages() -> None:
     if torch.cuda.is_available():
         pytest.skip("the doc is generated on a machine without CUDA")

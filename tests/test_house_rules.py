@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+#: parses every module of the package: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 APP = Path(__file__).parent.parent / "app"
 PUBLIC_PACKAGES = ["app", "app.backends", "app.kvcache", "app.platforms", "app.testing",
                    "app.mla", "app.model", "app.deployment", "app.plugins", "app.config",

@@ -16,6 +16,9 @@ from app import plugins
 from app.containers import create_container
 from app.platforms import CpuPlatform, CudaPlatform, detect_platform
 
+#: installs the distribution into a scratch environment: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 PLUGIN_SRC = Path(__file__).parent / "fixtures" / "plugin_dist"
 
 

@@ -13,6 +13,9 @@ from app.backends.decode.cpu_mla import CpuMLADecodeBackend
 from app.bench import decode
 from app.cli import main
 
+#: runs the decode benchmark: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--json", "decode", "--quick", "--repeat", "1", "--stream-gib",

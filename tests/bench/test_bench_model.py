@@ -17,6 +17,9 @@ from app.bench import model as bench_model
 from app.bench.vllm.model import WholeVLLM, check_vllm_python
 from app.cli import main
 
+#: runs the model benchmark: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 #: A stand-in for the vLLM environment's python: runs the real worker's ``--serve`` (its line
 #: protocol, its stdout redirection) with vLLM's engine replaced by a recorder.
 STAND_IN = textwrap.dedent("""

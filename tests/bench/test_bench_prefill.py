@@ -12,6 +12,9 @@ from app.bench import prefill
 from app.cli import main
 from app.testing import reference_attention
 
+#: runs the prefill benchmark: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 def test_quick_benchmark_json(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--json", "prefill", "--quick", "--dtypes", "fp32"])

@@ -18,6 +18,9 @@ from app.backends.cpu import decode_kernel as cpu_mla_decode
 from app.backends.cpu import loader as loader
 from tests._support import native_compiler_or_skip
 
+#: builds and runs the native C harnesses: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 NATIVE = Path(__file__).resolve().parents[2] / "benchmarks" / "native"
 
 

@@ -101,23 +101,30 @@ def test_meter_reads_a_gpu_on_cuda_and_nothing_elsewhere() -> None:
 
 
 def test_bench_decode_reads_the_fma_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """A float32 row is read against the fp32 FMA peak on every CPU; a bf16 row against the
+    peak measured for the unit it names (AMX tiles, torch's bf16 matmul, bf16 dot products or
+    fp32 FMAs: which one depends on the CPU, issue 43, so only the pairing is held here; the
+    choice itself is ``test_each_dtype_is_charged_at_the_fastest_unit_the_cpu_offers``)."""
     import json
 
     from app.cli import main
 
     _probe()   # on a GPU machine too: tests/conftest.py pins the CPU platform
     assert main(["bench", "--json", "decode", "--quick", "--no-baseline",
-                 "--backends", "CPU_MLA", "--dtypes", "bf16"]) in (0, 1)
+                 "--backends", "CPU_MLA", "--dtypes", "bf16,fp32"]) in (0, 1)
     result = json.loads(capsys.readouterr().out)
-    peak = result["peaks"]["fp32_fma_gflops"]
-    assert peak > 0 and result["peaks"]["cpu_model"] == detect_cpu_features().model_name
+    peaks = result["peaks"]
+    assert peaks["fp32_fma_gflops"] > 0 and peaks["cpu_model"] == detect_cpu_features().model_name
     assert result["stream_probe"] == "native" and result["stream_gbs"] > 0
-    kind = BF16_DOT if result["cpu_mla_bf16_dot"] else FP32_FMA
-    peak = result["peaks"][f"{kind}_gflops"]
+    assert {row["dtype"] for row in result["results"]} <= {"bf16", "fp32"}
     for row in result["results"]:
-        assert row["bound_peak"] == kind and row["peak_gflops"] == peak
-        assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / peak, rel=5e-3,
-                                                        abs=2e-3)
+        kind = row["bound_peak"]
+        if row["dtype"] == "fp32":
+            assert kind == FP32_FMA
+        assert kind in _peaks.CPU_UNITS[torch.bfloat16] and row["peak_gflops"] == peaks[
+            f"{kind}_gflops"] > 0
+        assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / row["peak_gflops"],
+                                                        rel=5e-3, abs=2e-3)
         assert row["fraction_of_peak_paired"] > 0 and row["roofline_fraction_paired"] > 0
 
 

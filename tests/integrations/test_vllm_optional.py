@@ -15,6 +15,9 @@ from app._files import load_toml
 from app._imports import import_object
 from app.integrations import VLLM_ENTRY_POINT, register_vllm_plugin
 
+#: starts fresh interpreters: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).parent.parent.parent
 
 

@@ -10,6 +10,9 @@ import pytest
 from app.bench import kv
 from app.cli import main
 
+#: runs the KV benchmark: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 def args(**overrides: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

@@ -29,6 +29,9 @@ from tests._simulated_cuda import SimTensor, SimulatedCuda
 from tests.backends.decode import _kernel_fakes as decode_fakes
 from tests.backends.prefill import _kernel_fakes as prefill_fakes
 
+#: runs decode steps under a dispatch counter: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 DIMS = {"num_heads": 2, "hidden_size": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 64, "v_head_dim": 16}
 

@@ -16,6 +16,10 @@ from app.cli import main
 from app.commands._output import ProgressBar
 from tests.model.conftest import TINY
 
+#: runs the whole engine through the CLI, some in fresh processes: outside the quick
+#: subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 SMALL = ["--num-requests", "4", "--min-len", "8", "--max-len", "72", "--step-tokens", "48",
          "--min-new-tokens", "2", "--max-new-tokens", "6", "--num-blocks", "64",
          "--no-progress", "--no-malloc-tuning"]

@@ -26,6 +26,10 @@ from app.model import (
 )
 from app.model.sparse.config import IndexerConfig
 
+#: runs the sparse engine end to end (about a minute of CPU): outside the quick subset
+#: (-m "not slow").
+pytestmark = pytest.mark.slow
+
 TINY_SPARSE = ModelConfig(dtype=torch.float32, num_heads=2, hidden_size=64, kv_lora_rank=32,
                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                           index_topk=8, index_head_dim=16, index_n_heads=16)

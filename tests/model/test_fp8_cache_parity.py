@@ -37,6 +37,9 @@ from app.model import ReferenceModel, load_checkpoint
 from app.model.reference import routing_tolerance
 from tests.model.hf_checkpoints import MODELS, engine_generate, hf_logprobs, hf_model, prompts
 
+#: decodes whole prompts on three caches: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 

@@ -37,6 +37,9 @@ from tests.model.sparse_checkpoints import (
     with_index_topk,
 )
 
+#: checks the model against transformers token by token: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 

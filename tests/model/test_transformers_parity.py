@@ -35,6 +35,9 @@ from tests.model.hf_checkpoints import (
     write_fp8_copy,
 )
 
+#: checks the model against transformers token by token: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 

@@ -11,6 +11,9 @@ from app.backends.decode.base import DecodeMetadata
 from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend, decode_one_request
 from app.testing import DECODE_CASES, reference_decode, run_decode_conformance
 
+#: runs the decode conformance kit many times: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 class NoCausalMask(TorchSDPADecodeBackend):
     """Lets every query row of the step see every new token."""

@@ -22,6 +22,10 @@ from app.backends.cpu.child_verdict import Verdict, read_verdict, verdict_path
 from app.backends.cpu.loader import load_native_library, reset_native_libraries
 from tests.backends.cpu import _child_specs as specs
 
+#: builds native kernels and self-tests them in child processes: outside the quick
+#: subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

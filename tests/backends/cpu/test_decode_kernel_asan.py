@@ -23,6 +23,9 @@ from app.backends.cpu import loader as loader
 from app.backends.cpu.loader import cpu_flags
 from tests._support import native_compiler_or_skip
 
+#: builds and runs the kernel under AddressSanitizer: outside the quick subset (-m "not slow").
+pytestmark = pytest.mark.slow
+
 DRIVER = Path(__file__).with_name("native") / "asan_decode_driver.c"
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer", "-mavx512f", "-mfma", "-mf16c", "-fopenmp"]

@@ -83,6 +83,7 @@ def test_threads_with_their_own_backends_and_plans(native: bool) -> None:
     assert hammer(workers) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False], ids=["native", "aten"])
 def test_threads_sharing_one_backend_for_one_step(native: bool) -> None:
     """An engine running several layers of one step at once on one backend instance: the

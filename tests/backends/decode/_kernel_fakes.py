@@ -2,11 +2,12 @@
 
 Each stand-in first binds its arguments to the *installed* package's function (so a misspelt or
 missing argument fails here as it would on a GPU), runs the checks the real entry point runs
-that matter to the caller (the real ``MLAInputContract.validate_run_options`` and CSR metadata
-validation of flashinfer's MLA wrapper; tokenspeed's workspace size computed with the package's
-own split heuristics), then computes the attention with ``app.testing.reference_decode`` and
-hands it back as the library does: base-2 LSE unless natural log is asked (flashinfer), always
-base 2 (tokenspeed); bf16 output for trtllm-gen and for tokenspeed's FP8 path.
+that matter to the caller (flashinfer's MLA wrapper's plan / run agreement and CSR
+metadata, as its public API documents them, ``_flashinfer_contract``; tokenspeed's workspace
+size computed with the package's own split heuristics), then computes the attention with
+``app.testing.reference_decode`` and hands it back as the library does: base-2 LSE unless
+natural log is asked (flashinfer), always base 2 (tokenspeed); bf16 output for trtllm-gen and
+for tokenspeed's FP8 path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from app.testing import reference_decode
+from tests.backends.decode import _flashinfer_contract as public
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -58,8 +60,6 @@ class FakeFlashInferMLA:
     def __init__(self) -> None:
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
-        from flashinfer.mla._batch_mla._contracts import MLAInputContract
-        from flashinfer.mla._batch_mla._planning import _validate_csr_metadata
 
         self.created: list[dict[str, Any]] = []
         self.plans: list[dict[str, Any]] = []
@@ -81,37 +81,26 @@ class FakeFlashInferMLA:
                 self.plan_args: dict[str, Any] | None = None
 
             def plan(self, *args: Any, **kwargs: Any) -> None:
-                a = dict(inspect.signature(BatchMLAPagedAttentionWrapper.plan).bind(
-                    self, *args, **kwargs).arguments)
+                a = public.bind(BatchMLAPagedAttentionWrapper.plan, self, *args, **kwargs)
                 md = a["metadata"]
                 if not isinstance(md, MLAPlanMetadata) or md.qo_indptr is None:
                     raise ValueError("expected MLAPlanMetadata.csr(...)")
-                _validate_csr_metadata(qo_indptr=md.qo_indptr, kv_indptr=md.kv_indptr,
-                                       kv_indices=md.kv_indices, kv_len_arr=md.kv_len_arr,
-                                       page_size=a["page_size"], device=torch.device("cpu"))
+                public.check_csr(md, a["page_size"])
+                if a["query_layout"] != "packed" or a["kv_cache_layout"] != "packed":
+                    raise AssertionError("the stand-in models packed query and kv_cache only")
                 fp8 = a["kv_data_type"] == torch.float8_e4m3fn
-                a["contract"] = MLAInputContract(
-                    lse_mode=a.get("lse_mode", "none"), output_dtype=a["q_data_type"],
-                    output_scale="none", scale_mode=a.get("scale_mode", "default"),
-                    query_layout=a["query_layout"], kv_cache_layout=a["kv_cache_layout"],
-                    head_dim_ckv=a["head_dim_ckv"], head_dim_kpe=a["head_dim_kpe"])
                 if fp8 and a["q_data_type"] != torch.bfloat16:
                     raise ValueError("FP8 MLA caches need a bf16 query")
                 fake.plans.append(a)
                 self.plan_args = a
 
             def run(self, *args: Any, **kwargs: Any) -> Any:
-                a = inspect.signature(BatchMLAPagedAttentionWrapper.run).bind(
-                    self, *args, **kwargs).arguments
+                a = public.bind(BatchMLAPagedAttentionWrapper.run, self, *args, **kwargs)
                 fake.runs.append(dict(a))
                 p = self.plan_args
                 if p is None:
                     raise RuntimeError("BatchMLAPagedAttentionWrapper.run() called before plan()")
-                names = ("out", "lse", "return_lse", "return_lse_base_on_e", "o_scale",
-                         "ckv_scale", "ckv_scale_arr", "kpe_scale")
-                defaults = {"return_lse": False, "return_lse_base_on_e": False}
-                p["contract"].validate_run_options(
-                    **{n: a.get(n, defaults.get(n)) for n in names})
+                public.check_run_agrees_with_plan(p, a)
                 return fake._wrapper_attention(p, a)
 
         self.wrapper_cls = Wrapper

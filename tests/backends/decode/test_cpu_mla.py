@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from app._types import MLADimensions
-from app.backends.cpu import decode_kernel
+from app.backends.cpu import amx, decode_kernel
+from app.backends.cpu.decode_kernel_amx import amx_decode_status
 from app.backends.cpu.loader import load_native_library, reset_native_libraries
 from app.backends.decode import cpu_mla as cpu_mla_decode
 from app.backends.decode.cpu_mla import CpuMLADecodeBackend, plan_decode
@@ -131,7 +132,9 @@ def test_switched_off_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_kernel
 def test_bf16_float32_path_conforms_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the bf16 dot products switched off (or absent), bf16 runs the float32 path."""
+    """With the bf16 dot products switched off (or absent), bf16 runs the float32 path (AMX
+    pinned off: on an AMX CPU bf16 would run on the tiles instead, issue 43)."""
+    monkeypatch.setenv(amx.AMX_ENV, "0")
     monkeypatch.setenv(cpu_mla_decode.BF16_DOT_ENV, "0")
     assert not cpu_mla_decode.has_bf16_dot()
     assert_decode_conformance(CpuMLADecodeBackend, device="cpu", dtype=torch.bfloat16,
@@ -154,7 +157,11 @@ def test_bf16_dot_needs_bf16_q_and_cache() -> None:
 @needs_kernel
 def test_a_backend_looks_its_kernel_up_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel and the bf16 switch are resolved at a backend's first run, not on every
-    layer of every step; a backend made after the switch changes sees the new value."""
+    layer of every step; a backend made after the switch changes sees the new value. AMX is
+    pinned off: on an AMX CPU both backends would run bf16 on the tiles, where the switch
+    means nothing (issue 43), and the two results would not differ."""
+    monkeypatch.setenv(amx.AMX_ENV, "0")
+    assert not amx_decode_status().available
     gen = torch.Generator().manual_seed(9)
     cache = torch.randn(8, 16, 576, generator=gen).bfloat16()
     table = torch.arange(8, dtype=torch.int32).reshape(2, 4)

@@ -1,8 +1,10 @@
 """CPU_MLA on a CPU that reports AMX (faked /proc/cpuinfo flags). The flags alone never put a
 bf16 step on the AMX kernel: Linux must grant the tile state and the kernel pass its
-self-tests (here the real request is refused, as on any CPU without AMX), so selection, the
-bf16 dot-product path and the benchmark behave as on any AVX512-BF16 CPU and say why AMX is
-not used; AMX without AVX512-BF16 must never reach ``vdpbf16ps``."""
+self-tests. Here Linux's answer is faked too (a refusal, as on any CPU without AMX or under a
+seccomp profile; on a real AMX CPU the real request is granted, and reading it sent bf16 to
+the tiles, issue 43), so selection, the bf16 dot-product path and the benchmark behave as on
+any AVX512-BF16 CPU and say why AMX is not used, on every machine alike; AMX without
+AVX512-BF16 must never reach ``vdpbf16ps``."""
 
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ SAPPHIRE_RAPIDS = ("fpu sse sse2 avx fma f16c avx2 avx512f avx512dq avx512cd avx
 AMX_ONLY = "fpu sse sse2 avx fma f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl " \
            "amx_bf16 amx_tile amx_int8"
 
+# What Linux answers a process that may not have the tile state (amx._ask's wording).
+REFUSED = ("Linux refused the AMX tile state: arch_prctl(ARCH_REQ_XCOMP_PERM, "
+           "XFEATURE_XTILEDATA) failed with EPERM (refused by a security policy: faked by "
+           "the test)")
+
 needs_kernel = pytest.mark.skipif(not CpuMLADecodeBackend.is_available(),
                                   reason="the native decode kernel cannot run here")
 # The kernel really executes vdpbf16ps when the (faked) flags say AVX512-BF16: only here.
@@ -45,7 +52,9 @@ needs_real_bf16 = pytest.mark.skipif(
 def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
              ) -> Iterator[Callable[[str], None]]:
     """Sets both flag readers (the platform's cached one and the kernels' /proc/cpuinfo
-    read) to a flags line of our own; restores them after."""
+    read) to a flags line of our own, and Linux's answer to the tile-state request to a
+    refusal (every AMX path, the decode kernel and the peak probe, asks ``amx.amx_status``);
+    restores them after, and drops any peak probe measured before or under the fake."""
 
     def install(flags: str) -> None:
         path = tmp_path / "cpuinfo"
@@ -53,8 +62,11 @@ def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(cpu_features_module, "CPUINFO_PATH", path)
         monkeypatch.setattr(decode_kernel, "cpu_flags", lambda: frozenset(flags.split()))
         monkeypatch.setattr(amx, "cpu_flags", lambda: frozenset(flags.split()))
+        monkeypatch.setattr(amx, "request_tile_permission", lambda syscall=None: REFUSED)
+        monkeypatch.delenv(amx.AMX_ENV, raising=False)  # the refusal decides, not the switch
         cpu_features_module._reset_for_tests()
         decode_kernel._cpu_has_bf16_dot.cache_clear()
+        peaks._probe.clear()  # one built earlier may hold the real AMX probe
 
     yield install
     cpu_features_module._reset_for_tests()
@@ -85,9 +97,9 @@ def test_an_amx_cpu_selects_cpu_mla_on_its_bf16_dot_products(
     meter.runs = {BF16_DOT: [400.0], BF16_MATMUL: [300.0], FP32_FMA: [200.0]}
     assert bench_decode._bound_peak(CpuMLADecodeBackend, torch.bfloat16, meter) == BF16_MATMUL
     assert bench_decode._bound_peak(CpuMLADecodeBackend, torch.float32, meter) == FP32_FMA
-    if CpuMLADecodeBackend.is_available() and not {"amx_tile", "amx_bf16"} <= cpu_flags():
-        # this CPU has no AMX, so Linux refuses the tile state whatever the flags say
-        assert "Linux refused the AMX tile state" in peak_kinds()["amx_bf16"]
+    assert amx.amx_status().reason == REFUSED
+    assert peak_kinds()["amx_bf16"] == REFUSED   # the probe is not built, and says why
+    if CpuMLADecodeBackend.is_available():
         path = explanation["kernel_path"]
         assert path == CpuMLADecodeBackend.kernel_path(torch.bfloat16)
         assert path.startswith("AVX512-BF16 dot products (vdpbf16ps, float32 sums): AMX "

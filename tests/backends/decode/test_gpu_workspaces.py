@@ -114,6 +114,7 @@ def test_backends_share_workspaces_only_when_given_the_same(
     assert shared.nbytes(ts_mod.WORKSPACE_NAME, cpu) == 10
 
 
+@pytest.mark.slow
 def test_trtllm_gen_workspace_grows_with_the_batch_when_the_lse_is_asked(
         fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
     backend = support.on_cpu(FlashInferMLADecodeBackend, SM100)(128, 0.1, 512, 64,

@@ -3,8 +3,9 @@
 1. ``validate_configuration`` and the constructors on pretend SM75 / SM80 / SM90 / SM100 /
    SM103 / SM107 / SM110 / SM120 GPUs, with the packages present or missing.
 2. The exact arguments each backend passes are bound (``inspect.signature(...).bind``) to the
-   installed flashinfer-python and tokenspeed-mla functions, and flashinfer's own plan / run
-   contract checks run on them.
+   installed flashinfer-python and tokenspeed-mla functions, and held to flashinfer's plan /
+   run contract as its public API documents it (``_flashinfer_contract``: no private module,
+   so a patch release that moves one breaks nothing).
 3. Each backend's whole plumbing runs through the decode conformance kit on CPU with stand-in
    kernels that follow the libraries' documented conventions (``_decode_kernel_fakes``): plan
    reuse, LSE base, per-call scales, the FP8 path, workspace growth, shape checks.
@@ -35,6 +36,7 @@ from app.backends.decode.tokenspeed_mla import (
 from app.testing import assert_decode_conformance, reference_decode, run_decode_conformance
 from app.testing.decode_conformance import DECODE_CASES
 from tests._support import kernel_packages_imported_by
+from tests.backends.decode import _flashinfer_contract as public
 from tests.backends.decode import _gpu_support as support
 from tests.backends.decode import _kernel_fakes as fakes
 
@@ -69,6 +71,7 @@ def _available(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, ok: bo
 
 # -- nothing imported at module import ----------------------------------------------------
 
+@pytest.mark.slow
 def test_kernel_packages_are_not_imported_with_the_decode_modules() -> None:
     code = "import app.backends.decode.flashinfer_mla, app.backends.decode.tokenspeed_mla\n"
     assert kernel_packages_imported_by(code) == []
@@ -209,40 +212,49 @@ def _prepared(cls: type[MLADecodeBackend], cap: DeviceCapability, lens: list[int
                                             (SM90, FP8)])
 def test_flashinfer_wrapper_arguments_bind(cap: DeviceCapability, dtype: torch.dtype) -> None:
     flashinfer_mla = pytest.importorskip("flashinfer.mla")
-    from flashinfer.mla._batch_mla._contracts import MLAInputContract
-    from flashinfer.mla._batch_mla._planning import _validate_csr_metadata
-
     wrapper = flashinfer_mla.BatchMLAPagedAttentionWrapper
     backend, cache, _ = _prepared(FlashInferMLADecodeBackend, cap, [5, 40, 17], 16, 2, dtype)
     kernels = FlashInferMLAKernels(wrapper, flashinfer_mla.MLAPlanMetadata, lambda: None)
     q_dtype = backend.query_dtypes()[0]
-    plan = inspect.signature(wrapper.plan).bind(
-        None, **backend.plan_kwargs(backend.metadata, 16, q_dtype, 0.1, kernels)).arguments
+    plan = public.bind(wrapper.plan, None,
+                       **backend.plan_kwargs(backend.metadata, 16, q_dtype, 0.1, kernels))
     md = plan["metadata"]
-    _validate_csr_metadata(qo_indptr=md.qo_indptr, kv_indptr=md.kv_indptr,
-                           kv_indices=md.kv_indices, kv_len_arr=md.kv_len_arr, page_size=16,
-                           device=torch.device("cpu"))
+    assert isinstance(md, flashinfer_mla.MLAPlanMetadata)
+    public.check_csr(md, 16)
     assert md.qo_indptr.tolist() == [0, 2, 4, 6] and md.kv_indptr.tolist() == [0, 1, 4, 6]
     assert md.kv_len_arr.tolist() == [5, 40, 17]
     assert plan["causal"] is True and plan["lse_mode"] == "basee"
     assert plan["scale_mode"] == ("kv-per-tensor" if dtype == FP8 else "default")
-    init = inspect.signature(wrapper.__init__).bind(
-        None, torch.empty(0, dtype=torch.uint8), backend=backend.kernel).arguments
+    init = public.bind(wrapper.__init__, None, torch.empty(0, dtype=torch.uint8),
+                       backend=backend.kernel)
     assert init["backend"] == ("fa2" if cap == SM80 else "fa3")
     rows = 6
     run_kwargs = backend.run_kwargs(torch.zeros(rows, 16, 576, dtype=q_dtype), cache,
                                     torch.zeros(rows, 16, 512, dtype=q_dtype),
                                     torch.zeros(rows, 16), 0.5)
-    run = inspect.signature(wrapper.run).bind(None, **run_kwargs).arguments
-    contract = MLAInputContract(lse_mode=plan["lse_mode"], output_dtype=q_dtype,
-                                output_scale="none", scale_mode=plan["scale_mode"])
-    names = ("out", "lse", "return_lse", "return_lse_base_on_e", "o_scale", "ckv_scale",
-             "ckv_scale_arr", "kpe_scale")
-    contract.validate_run_options(**{n: run.get(n) for n in names[:2]},
-                                  **{n: run.get(n, False) for n in names[2:4]},
-                                  **{n: run.get(n) for n in names[4:]})
+    run = public.bind(wrapper.run, None, **run_kwargs)
+    public.check_run_agrees_with_plan(plan, run)
     if dtype == FP8:
         assert run["ckv_scale"] == run["kpe_scale"] == 0.5
+
+
+def test_the_public_contract_checks_can_fail() -> None:
+    """The checks above, written from flashinfer's documentation, refuse what it refuses."""
+    flashinfer_mla = pytest.importorskip("flashinfer.mla")
+    wrapper = flashinfer_mla.BatchMLAPagedAttentionWrapper
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="pages per request"):
+        public.check_csr(flashinfer_mla.MLAPlanMetadata.csr(i32(0, 1), i32(0, 1), i32(3),
+                                                            i32(17)), 16)
+    plan = public.bind(wrapper.plan, None, lse_mode="basee", q_data_type=torch.bfloat16)
+    run = public.bind(wrapper.run, None, return_lse=True)
+    with pytest.raises(ValueError, match="lse_mode"):
+        public.check_run_agrees_with_plan(plan, run)              # base 2 asked at run
+    with pytest.raises(ValueError, match="kv-per-tensor"):
+        public.check_run_agrees_with_plan(plan, {**run, "return_lse_base_on_e": True,
+                                                 "ckv_scale": 0.5})
+    with pytest.raises(ValueError, match="not one flashinfer takes"):
+        public.check_run_agrees_with_plan({**plan, "lse_mode": "natural"}, run)
 
 
 def test_trtllm_arguments_bind() -> None:
@@ -252,8 +264,9 @@ def test_trtllm_arguments_bind() -> None:
     q = torch.zeros(3, 4, 16, 576, dtype=torch.bfloat16)
     kwargs = backend.trtllm_kwargs(backend.metadata, q, cache, torch.zeros(3, 4, 16, 512),
                                    torch.zeros(3, 4, 16), 0.25, 1.5)
-    bound = inspect.signature(real).bind(**kwargs).arguments
+    bound = public.bind(real, **kwargs)
     assert bound["backend"] == "trtllm-gen" and bound["return_lse_base"] == "basee"
+    assert "basee" in public.literal_choices(real, "return_lse_base")
     assert (bound["bmm1_scale"], bound["bmm2_scale"], bound["max_seq_len"]) == (0.25, 1.5, 70)
     assert bound["is_var_seq"] is True and bound["return_lse"] is True
     assert bound["block_tables"].dtype == bound["seq_lens"].dtype == torch.int32
@@ -261,51 +274,29 @@ def test_trtllm_arguments_bind() -> None:
     ws = bound["workspace_buffer"]
     assert ws.dtype == torch.uint8 and not ws.any()
     assert ws.numel() == fi_mod.trtllm_gen_workspace_bytes(3, 4, 16, with_lse=True)
-    from flashinfer.mla._core import _check_trtllm_gen_mla_shape  # the entry's own checks
-    _check_trtllm_gen_mla_shape(q, cache, 512, 64, 0, bound["block_tables"], 32,
-                                require_aligned_block_table=False)
+    public.check_trtllm_shapes(bound)                # the shapes the function documents
+    with pytest.raises(ValueError, match="block_tables / max_seq_len"):
+        public.check_trtllm_shapes({**bound, "max_seq_len": 200})
 
 
 @pytest.mark.parametrize("cap", [SM80, SM90, SM100])
-def test_flashinfer_dtypes_match_the_package_checks(monkeypatch: pytest.MonkeyPatch,
-                                                    cap: DeviceCapability) -> None:
-    """The cache dtypes FLASHINFER_MLA accepts on a GPU are the ones flashinfer's own plan
-    checks accept there, with the query dtype the backend hands the kernel."""
-    pytest.importorskip("flashinfer")
-    from flashinfer.mla._batch_mla._backends import _fa_common, trtllm_gen_backend
-
-    monkeypatch.setattr(_fa_common, "get_compute_capability",
-                        lambda device: (cap.major, cap.minor))
-    monkeypatch.setattr(_fa_common, "is_sm90a_supported", lambda device: cap.major == 9)
-    # an H100's / B200's shared memory per SM and per block (opt-in), in bytes
-    monkeypatch.setattr(_fa_common, "_get_fa_shared_memory_limits",
-                        lambda device: (233472, 232448))
+def test_flashinfer_dtypes_match_the_documented_kernels(cap: DeviceCapability) -> None:
+    """The cache dtypes FLASHINFER_MLA accepts on a GPU, and the query dtype it hands the
+    kernel for each, are the ones flashinfer documents for the kernel it picks there
+    (``_flashinfer_contract.DOCUMENTED_DTYPES``)."""
+    kernel = decode_kernel_for(cap, 16)
+    documented = public.DOCUMENTED_DTYPES[kernel]
     for dtype in (torch.float16, torch.bfloat16, torch.float32, FP8):
         ours = FlashInferMLADecodeBackend.validate_configuration(cap, cfg(dtype,
                                                                           block_size=32))
-        kernel = decode_kernel_for(cap, 16)
-        q_dtype = dtype if dtype != FP8 else (FP8 if kernel == "trtllm-gen" else torch.bfloat16)
-        try:
-            if kernel == "trtllm-gen":
-                trtllm_gen_backend._validate_trtllm_gen_mla_native_capability(
-                    q_data_type=q_dtype, kv_data_type=dtype, head_dim_ckv=512,
-                    head_dim_kpe=64, sm_scale=0.1)
-            else:
-                _fa_common._validate_generated_fa_plan(
-                    backend=kernel, device=torch.device("cpu"),
-                    qo_indptr=torch.zeros(2, dtype=torch.int32),
-                    kv_indptr=torch.zeros(2, dtype=torch.int32),
-                    kv_indices=torch.zeros(0, dtype=torch.int32),
-                    kv_len_arr=torch.zeros(1, dtype=torch.int32), head_dim_ckv=512,
-                    head_dim_kpe=64, q_data_type=q_dtype, kv_data_type=dtype,
-                    output_dtype=q_dtype,
-                    scale_mode="kv-per-tensor" if dtype == FP8 else "default")
-            theirs = True
-        except ValueError:
-            theirs = False
-        assert (ours == []) is theirs, (cap, dtype, ours)
+        assert (ours == []) is (dtype in documented), (cap, dtype, ours)
+        if ours == []:
+            backend = support.on_cpu(FlashInferMLADecodeBackend, cap)(16, 0.1, 512, 64, dtype)
+            assert backend.kernel == kernel
+            assert backend._kernel_q_dtype() == documented[dtype], (cap, dtype)
 
 
+@pytest.mark.slow
 def test_tokenspeed_declarations_match_the_package_can_implement() -> None:
     """Every block size / head count / query_len / dtype TOKENSPEED_MLA accepts is one the
     package's own ``_check_can_implement`` accepts, and the ones it refuses are refused."""
@@ -355,6 +346,7 @@ def test_gpu_backends_refuse_cpu_tensors() -> None:
 
 # -- the whole plumbing on CPU, with stand-in kernels ---------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("cap", "dtype"), [(SM80, torch.float16), (SM90, torch.bfloat16)])
 def test_flashinfer_wrapper_plumbing_conforms(fake_flashinfer: fakes.FakeFlashInferMLA,
                                               cap: DeviceCapability, dtype: torch.dtype
@@ -366,6 +358,7 @@ def test_flashinfer_wrapper_plumbing_conforms(fake_flashinfer: fakes.FakeFlashIn
     assert all(r["return_lse_base_on_e"] for r in fake_flashinfer.runs)
 
 
+@pytest.mark.slow
 def test_flashinfer_trtllm_plumbing_conforms(fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
     cls = support.on_cpu(FlashInferMLADecodeBackend, SM100)
     cases = [c for c in DECODE_CASES if c != "other_block_size"]  # it would try 5 tokens
@@ -378,6 +371,7 @@ def test_flashinfer_trtllm_plumbing_conforms(fake_flashinfer: fakes.FakeFlashInf
     assert {c["return_lse_base"] for c in calls} == {"basee"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tokenspeed_plumbing_conforms(fake_tokenspeed: list[dict[str, Any]],
                                       dtype: torch.dtype) -> None:
@@ -387,6 +381,7 @@ def test_tokenspeed_plumbing_conforms(fake_tokenspeed: list[dict[str, Any]],
     assert {c["is_var_seq"] for c in fake_tokenspeed} == {True, False}
 
 
+@pytest.mark.slow
 def test_fa3_nonfinite_rows_reproduce_the_h100_and_the_declaration_passes_the_kit(
         fake_flashinfer: fakes.FakeFlashInferMLA) -> None:
     """The stand-in does what the fa3 kernel's source does with a masked key's value (the

@@ -67,6 +67,7 @@ def on_cpu(cls: type[MLAPrefillBackend]) -> type[MLAPrefillBackend]:
 
 # -- nothing imported at module import ----------------------------------------------------
 
+@pytest.mark.slow
 def test_kernel_packages_are_not_imported_with_the_backend_modules() -> None:
     code = ("import app.backends.prefill.flash_attn, app.backends.prefill.flashinfer\n"
             "import app.backends.merge\n"
@@ -298,6 +299,7 @@ def test_gpu_backends_refuse_cpu_tensors() -> None:
 
 # -- the whole plumbing on CPU, with stand-in kernels ---------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("natural_lse", [True, False])
 @pytest.mark.parametrize("cap", [SM80, SM90, SM100])
 def test_flashinfer_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
@@ -310,6 +312,7 @@ def test_flashinfer_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
     assert all(p["causal"] in (True, False) for p in fake.plans)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [SM80, SM90])
 def test_flashinfer_through_the_installed_run_conforms(monkeypatch: pytest.MonkeyPatch,
                                                        cap: DeviceCapability) -> None:
@@ -367,6 +370,7 @@ def test_the_flashinfer_lse_costs_one_elementwise_op(monkeypatch: pytest.MonkeyP
     assert not counts[False] - collections.Counter({"aten.empty.memory_format": 1})
 
 
+@pytest.mark.slow
 def test_trtllm_plumbing_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     prefill = pytest.importorskip("flashinfer.prefill")
     calls: list[dict[str, Any]] = []
@@ -379,6 +383,7 @@ def test_trtllm_plumbing_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls and all(c["return_lse"] for c in calls)
 
 
+@pytest.mark.slow
 def test_tokenspeed_plumbing_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     tokenspeed = pytest.importorskip("tokenspeed_mla")
     calls: list[dict[str, Any]] = []
@@ -396,6 +401,7 @@ def test_tokenspeed_plumbing_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(calls) > 5 and all(c["return_lse"] for c in calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("variant", "cap"), [("fa4", SM90), ("fa4", SM100), ("fa2", SM80),
                                               ("fa2", SM90)])
 def test_flash_attn_plumbing_conforms(monkeypatch: pytest.MonkeyPatch,
