@@ -101,6 +101,7 @@ def test_the_loaders_notes_reach_every_kernel_line(capsys: pytest.CaptureFixture
         assert line.endswith(note)
 
 
+@pytest.mark.slow
 def test_platform_says_where_bf16_runs_with_amx_off(fake_cpu: FakeCpu,  # noqa: F811
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A (faked) AMX machine with APP_CPU_AMX=0: decode on the dot products, prefill on the

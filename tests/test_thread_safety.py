@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 from app.backends import (
@@ -33,6 +34,7 @@ PERMANENT = _subclasses("Permanent", THREADS)
 CONFIG = EngineConfig(model=ModelConfig(dtype=torch.float32))
 
 
+@pytest.mark.slow
 def test_sixteen_threads_end_consistent() -> None:
     shared = create_container(CONFIG, platform=CpuPlatform())
     errors: list[BaseException] = []

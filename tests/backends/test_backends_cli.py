@@ -126,6 +126,7 @@ def test_bad_arguments_are_one_line_errors(argv: list[str], fragment: str,
     assert err.startswith("error: ") and fragment in err
 
 
+@pytest.mark.slow
 def test_module_entry_point() -> None:
     proc = subprocess.run([sys.executable, "-m", "app", "backends", "--json"],
                           capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)

@@ -72,6 +72,7 @@ def _add_line(catalog: str, constant: str, line: str) -> str:
     return catalog[:end] + line + catalog[end:]
 
 
+@pytest.mark.slow
 def test_one_module_and_one_catalog_line_add_a_backend(tmp_path: Path) -> None:
     copy = tmp_path / "app"
     shutil.copytree(APP, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))

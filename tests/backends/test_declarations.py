@@ -105,6 +105,7 @@ def test_a_subclass_that_swaps_the_probe_alone_is_asked_its_probe() -> None:
     assert asked == [1]
 
 
+@pytest.mark.slow
 def test_selecting_on_a_cpu_imports_no_gpu_kernel_package() -> None:
     code = ("from app.backends import explain_mla_decode_selection, "
             "explain_mla_prefill_selection\n"

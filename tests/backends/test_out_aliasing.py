@@ -177,6 +177,7 @@ def _rewriter(idx: torch.Tensor, good: torch.Tensor, stop: threading.Event) -> t
 @pytest.mark.parametrize(("kind", "cls"), [("decode", TorchSparseDecodeBackend),
                                            ("prefill", TorchSparsePrefillBackend),
                                            *_NATIVE_SPARSE])
+@pytest.mark.slow
 def test_a_thread_rewriting_the_indices_during_calls(kind: str, cls: type) -> None:
     """Every call either refuses the indices it copied (some were out of range at the copy) or
     attends exactly the good ones; none reads a rewritten value (a native kernel would crash)."""

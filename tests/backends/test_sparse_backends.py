@@ -43,6 +43,7 @@ SPARSE = EngineConfig(model=ModelConfig(index_topk=2048))
 DENSE = EngineConfig()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_sparse_decode_passes_the_sparse_cases(dtype: torch.dtype) -> None:
     report = run_decode_conformance(TorchSparseDecodeBackend, dtype=dtype, num_heads=8)
@@ -50,6 +51,7 @@ def test_torch_sparse_decode_passes_the_sparse_cases(dtype: torch.dtype) -> None
     assert [c.name for c in report.cases] == list(SPARSE_DECODE_CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_sparse_prefill_passes_the_sparse_cases(dtype: torch.dtype) -> None:
     report = run_conformance(TorchSparsePrefillBackend, dtype=dtype)

@@ -351,6 +351,7 @@ def test_the_prefill_kernel_checks_its_struct_and_codes_from_the_library() -> No
     assert len(set(kernel.dtype_codes.values())) == 3
 
 
+@pytest.mark.slow
 def test_processes_building_at_once_leave_one_library_and_no_temp_files(env: Path) -> None:
     """Builds go to private temp directories and are renamed into place: processes racing
     on an empty cache all load a whole library."""

@@ -84,6 +84,7 @@ def run(path: str, q_lens: list[int], kv_lens: list[int], causal: bool,
 PATHS = pytest.mark.parametrize("path", ["native", "aten"])
 
 
+@pytest.mark.slow
 @PATHS
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
 def test_the_issue_case_a_bad_key_reaches_exactly_the_rows_that_see_it(path: str,

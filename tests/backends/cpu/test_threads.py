@@ -62,6 +62,7 @@ def hammer(workers: list[Callable[[], None]]) -> list[BaseException]:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False], ids=["native", "aten"])
 def test_threads_with_their_own_backends_and_plans(native: bool) -> None:
     """The issue's case: each thread its own backend and plan (1 x 8 vs 3 x 8 tokens, and

@@ -84,6 +84,7 @@ KERNELS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "ds_mla", "vllm_ds_mla"])
 @pytest.mark.parametrize(("cls", "q_dtype", "dequant", "probs", "rounded"), KERNELS)
 def test_the_error_against_float64_of_the_latent_is_what_e4m3_allows(
@@ -134,6 +135,7 @@ def test_cpu_mla_and_torch_sdpa_agree_on_fp8_caches() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cls", [pytest.param(CpuMLADecodeBackend, marks=needs_kernel),
                                  TorchSDPADecodeBackend])
+@pytest.mark.slow
 def test_the_kit_s_fp8_cases_pass(cls: type, dtype: torch.dtype) -> None:
     report = run_decode_conformance(cls, dtype=dtype, cases=["fp8_cache", "fp8_ds_mla_cache"])
     assert report.passed and len(report.cases) == 2, report.format()

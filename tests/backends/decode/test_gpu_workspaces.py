@@ -56,6 +56,7 @@ def _ws_bytes(backend: Any) -> int:
     return workspaces.nbytes(ts_mod.WORKSPACE_NAME, "cpu")
 
 
+@pytest.mark.slow
 def test_tokenspeed_workspace_grows_with_batch_and_query_len(
         fake_tokenspeed: list[dict[str, Any]]) -> None:
     backend = support.on_cpu(TokenSpeedMLADecodeBackend, SM100)(16, 0.1, 512, 64, torch.bfloat16)

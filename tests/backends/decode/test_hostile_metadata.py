@@ -64,6 +64,7 @@ _REWRITE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", BACKENDS)
 def test_rewriting_the_step_buffers_between_layers_changes_nothing(
         cls: type[MLADecodeBackend]) -> None:

@@ -10,6 +10,7 @@ from app.backends.decode.torch_sdpa import TorchSDPADecodeBackend, decode_one_re
 from app.testing import assert_decode_conformance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_torch_sdpa_decode_conforms(dtype: torch.dtype) -> None:
     assert_decode_conformance(TorchSDPADecodeBackend, device="cpu", dtype=dtype, num_heads=8)
