@@ -72,7 +72,7 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CACHE_DIR_ENV", "NATIVE_DIR", "NativeLibrary", "NativeLibrarySpec",
            "NativeLibraryStatus", "cache_directories", "check_library_file", "cpu_flags",
-           "directory_problem", "find_compiler", "load_native_library", "read_switch",
+           "directory_problem", "find_compiler", "load_native_library", "on_build", "read_switch",
            "required_cpu_flags", "reset_native_libraries"]
 
 #: Where the C sources and headers live.
@@ -319,6 +319,27 @@ def _file_problem(path: Path) -> str | None:
 
 # -- building ------------------------------------------------------------------------------
 
+_build_listeners: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def on_build(callback: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, call ``callback(library name)`` as each native library starts
+    compiling (the first use on a machine: seconds each), so a command can say why it is
+    quiet. The callback runs on the loading thread; it must not load a library itself."""
+    _build_listeners.append(callback)
+    try:
+        yield
+    finally:
+        _build_listeners.remove(callback)
+
+
+def _announce_build(name: str) -> None:
+    logger.info("compiling native library %s (first use with these sources)", name)
+    for callback in list(_build_listeners):
+        callback(name)
+
+
 def _library_file_name(spec: NativeLibrarySpec, compiler: str) -> str:
     """``<name>-<hash>.so``: the hash covers sources, headers, compiler, flags and ABI."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
@@ -338,6 +359,7 @@ def _build_and_open(spec: NativeLibrarySpec, compiler: str, target: Path
     when it passes rename it onto ``target`` (atomic: a concurrent loader sees the old file or
     the whole new one); the library, or ``None`` and what is wrong (``target`` untouched)."""
     build_dir = Path(tempfile.mkdtemp(prefix=f".{spec.name}-build-", dir=target.parent))
+    _announce_build(spec.name)
     try:
         out = build_dir / target.name
         cmd = [compiler, *_BASE_FLAGS, *spec.flags, "-I", str(NATIVE_DIR), "-o", str(out),
