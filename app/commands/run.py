@@ -326,13 +326,15 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     from app.backends.cpu.loader import on_build
 
     threads = apply_thread_count()
-    _say(not args.no_progress, stream, f"threads: {threads.count} ({threads.source})")
     with on_build(_build_notice(not args.no_progress, stream)):
-        result = _execute(args, stream)
+        result = _execute(args, stream, f"threads: {threads.count} ({threads.source})")
     return {**result, "threads": threads.as_dict()}
 
 
-def _execute(args: argparse.Namespace, stream: IO[str] | None) -> dict[str, Any]:
+def _execute(args: argparse.Namespace, stream: IO[str] | None, threads: str
+             ) -> dict[str, Any]:
+    """The job, ``threads`` said first once the command line and the sizes are checked (a
+    usage error stays the only line on stderr)."""
     from app.containers import create_container
     from app.mla.checks import tolerance_rule
     from app.mla.engine import MLAEngine
@@ -367,6 +369,7 @@ def _execute(args: argparse.Namespace, stream: IO[str] | None) -> dict[str, Any]
             raise
         raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     check_request_fits(config, args.max_len)
+    _say(not args.no_progress, stream, threads)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(
         config, query_len=1 + args.speculative_tokens, container=container)

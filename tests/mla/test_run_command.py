@@ -130,7 +130,8 @@ def test_run_says_when_a_native_kernel_compiles(monkeypatch: pytest.MonkeyPatch)
     from app.backends.cpu import loader
     from app.commands import run as run_command
 
-    def fake_execute(args: Any, stream: Any) -> dict[str, Any]:
+    def fake_execute(args: Any, stream: Any, threads: str) -> dict[str, Any]:
+        stream.write(threads + "\n")
         loader._announce_build("mla_prefill_cpu")
         loader._announce_build("mla_decode_cpu")
         return {}
@@ -296,7 +297,7 @@ def test_bench_run_small(capsys: pytest.CaptureFixture[str]) -> None:
                  "--no-malloc-tuning"])
     result = _json(capsys)
     assert code == (0 if result["ok"] else 1)
-    assert list(result)[0] == "threads"  # first: how many threads, and why
+    assert next(iter(result)) == "threads"  # first: how many threads, and why
     assert result["threads"]["count"] == torch.get_num_threads()
     assert result["threads"]["source"]
     decode, prefill = result["mixes"]
