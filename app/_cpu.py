@@ -27,14 +27,26 @@ import functools
 import os
 import platform
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import torch
 
-__all__ = ["CPUINFO_PATH", "FEATURE_NAMES", "CpuFeatures", "available_host_bytes",
-           "copy_to_device", "cpu_has_native_bf16", "detect_cpu_features", "parse_cpuinfo",
-           "physical_memory_bytes", "read_cpu_features"]
+__all__ = [
+    "CPUINFO_PATH",
+    "FEATURE_NAMES",
+    "CpuFeatures",
+    "available_host_bytes",
+    "copy_to_device",
+    "cpu_flags",
+    "cpu_has_native_bf16",
+    "detect_cpu_features",
+    "parse_cpuinfo",
+    "physical_memory_bytes",
+    "read_cpu_features",
+    "required_cpu_flags",
+]
 
 #: Where Linux publishes the CPU's flags.
 CPUINFO_PATH = Path("/proc/cpuinfo")
@@ -187,3 +199,39 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return physical_memory_bytes()
+
+
+# -- the flags a native library needs ----------------------------------------------------
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none), read every
+    call: what the native loader checks a library's instruction sets against."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+#: ``-m`` flags whose ``/proc/cpuinfo`` name is not theirs with ``-`` made ``_``.
+_ISA_FLAG_NAMES = {"avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+                   "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
+                   "sse4.1": "sse4_1", "sse4.2": "sse4_2"}
+#: ``-m`` flags that are not instruction sets.
+_NOT_ISA = ("arch=", "tune=", "no-", "cpu=", "fpmath=", "abi=", "cmodel=", "prefer-")
+
+
+def required_cpu_flags(flags: Sequence[str]) -> frozenset[str]:
+    """The ``/proc/cpuinfo`` flags a library built with the compiler ``flags`` needs: one per
+    ISA flag (``-mavx512f`` -> ``avx512f``, ``-mavx512bf16`` -> ``avx512_bf16``); flags that
+    name no instruction set (``-O3``, ``-D...``, ``-march=...``) need nothing."""
+    needed = set()
+    for flag in flags:
+        if not flag.startswith("-m") or flag[2:].startswith(_NOT_ISA):
+            continue
+        name = flag[2:]
+        needed.add(_ISA_FLAG_NAMES.get(name, name.replace("-", "_")))
+    return frozenset(needed)

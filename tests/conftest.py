@@ -46,3 +46,16 @@ def _cpu_platform_unless_marked(request: pytest.FixtureRequest,
             default.platform.reset()
     _last_pin[:] = [pin]
     yield
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """torch's thread count as the test found it: a command run in-process sizes torch's
+    threads from the machine (``app._threads.apply_thread_count``), and the next test must
+    not inherit that."""
+    import torch
+
+    old = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != old:
+        torch.set_num_threads(old)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,33 @@ def test_platform_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["platform"]) == 0
     out = capsys.readouterr().out
     assert "platform" in out and "torch_version" in out and "imports" in out
+    threads = [line for line in out.splitlines() if line.startswith("threads ")]
+    assert len(threads) == 1 and f" {torch.get_num_threads()} (" in threads[0], out
+
+
+@pytest.mark.parametrize("environ", [{"OMP_NUM_THREADS": "1"}, {}])
+def test_platform_says_where_the_thread_count_came_from(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        environ: dict[str, str]) -> None:
+    """The machine faked whole: as many CPUs in the affinity mask as torch runs threads,
+    no cgroup files."""
+    from app import _threads
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    n = torch.get_num_threads()
+    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: set(range(n)))
+    monkeypatch.setattr(_threads, "CGROUP_ROOT", tmp_path / "no-cgroup")
+    monkeypatch.setattr(_threads, "PROC_SELF_CGROUP", tmp_path / "no-proc-self-cgroup")
+    monkeypatch.setattr(_threads, "_applied", None)
+    assert main(["platform", "--json"]) == 0
+    threads = json.loads(capsys.readouterr().out)["threads"]
+    assert threads["source"] == ("OMP_NUM_THREADS=1" if environ
+                                 else f"affinity {n} CPU{'s' if n > 1 else ''}")
+    assert threads["count"] == n  # OMP_NUM_THREADS set now: torch read it at its start
+    assert threads["wait_policy"] == _threads.wait_policy()
 
 
 @pytest.mark.slow

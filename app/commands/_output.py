@@ -6,7 +6,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 
@@ -67,48 +67,80 @@ def format_mapping(data: dict[str, Any]) -> str:
 
 
 class ProgressBar:
-    """A plain-text progress bar on a stream: redrawn in place on a terminal (at most 10 times
-    a second), one line per 10% otherwise (logs stay readable)."""
+    """A plain-text progress indicator on a stream. On a terminal: a bar redrawn in place (at
+    most 10 times a second). Elsewhere (a log file, a pipe, CI) no bar: one line when work
+    has gone on for ``heartbeat`` seconds since the last line (so a log is never silent for
+    long), and one closing line with the total time; a job that finishes quickly writes one
+    line."""
 
     def __init__(self, total: int, label: str, stream: IO[str] | None = None,
-                 width: int = 30, enabled: bool = True) -> None:
+                 width: int = 30, enabled: bool = True, heartbeat: float = 10.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.total = max(total, 1)
         self.label = label
         self.stream = sys.stderr if stream is None else stream
         self.width = width
         self.enabled = enabled
+        self.heartbeat = heartbeat
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_draw = 0.0
-        self._last_decile = -1
-        self._start = time.perf_counter()
+        self._clock = clock
+        self._start = clock()
+        # a terminal draws the first update at once; a log's first line waits a heartbeat
+        self._last_draw = -math.inf if self.tty else self._start
+        self._done = 0
+        self._info = ""
+        self._closed = False
 
     def update(self, done: int, info: str = "") -> None:
         """Show ``done`` of ``total`` with a short ``info`` text."""
-        if not self.enabled:
+        if not self.enabled or self._closed:
             return
-        frac = min(max(done / self.total, 0.0), 1.0)
-        now = time.perf_counter()
+        self._done, self._info = done, info
+        now = self._clock()
         if self.tty:
             if done < self.total and now - self._last_draw < 0.1:
                 return
             self._last_draw = now
-            self.stream.write("\r" + self._line(done, frac, now, info) + "\x1b[K")
+            self._write("\r" + self._bar(done, now, info) + "\x1b[K")
+        elif now - self._last_draw >= self.heartbeat:
+            self._last_draw = now
+            self._write(self._plain(done, now, info) + "\n")
+
+    def note(self, text: str) -> None:
+        """Write ``text`` as a line of its own (on a terminal, above the bar, redrawn after)."""
+        if not self.enabled:
+            return
+        if self.tty and not self._closed:
+            now = self._clock()
+            self._write("\r\x1b[K" + text + "\n" + self._bar(self._done, now, self._info))
         else:
-            decile = int(frac * 10)
-            if decile == self._last_decile:
-                return
-            self._last_decile = decile
-            self.stream.write(self._line(done, frac, now, info) + "\n")
+            self._write(text + "\n")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
         self.stream.flush()
 
-    def _line(self, done: int, frac: float, now: float, info: str) -> str:
+    def _bar(self, done: int, now: float, info: str) -> str:
+        frac = min(max(done / self.total, 0.0), 1.0)
         filled = int(frac * self.width)
         bar = "#" * filled + "." * (self.width - filled)
         text = f"{self.label} [{bar}] {done}/{self.total} {now - self._start:5.1f}s"
         return f"{text}  {info}" if info else text
 
+    def _plain(self, done: int, now: float, info: str) -> str:
+        pct = min(max(done / self.total, 0.0), 1.0)
+        text = f"{self.label}: {pct:.0%} ({done}/{self.total}) after {now - self._start:.1f} s"
+        return f"{text}, {info}" if info else text
+
     def close(self) -> None:
-        """End the bar's line on a terminal."""
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        """End the bar's line on a terminal; elsewhere, one line with the total time."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        if self.tty:
+            self._write("\n")
+        else:
+            now = self._clock()
+            info = f", {self._info}" if self._info else ""
+            self._write(f"{self.label}: done, {self._done}/{self.total} in "
+                        f"{now - self._start:.1f} s{info}\n")

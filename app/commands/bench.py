@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 from app._files import write_regular_file
+from app._threads import apply_thread_count
 from app.commands._args import output_file
 from app.commands._output import json_text, print_json, print_text
 
@@ -48,13 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen benchmark; JSON with ``--json``, a readable summary otherwise."""
-    result = args._bench.run(args)
+    """Run the chosen benchmark on the threads :func:`app._threads.apply_thread_count` sizes
+    (said first: ``threads`` in the JSON); JSON with ``--json``, a readable summary
+    otherwise."""
+    threads = apply_thread_count()
+    result = {"threads": threads.as_dict(), **args._bench.run(args)}
     if args.output is not None:
         write_regular_file(args.output, (json_text(result, indent=2) + "\n").encode(),
                            "--output")
     if args.json:
         print_json(result)
     else:
+        print_text(f"threads: {threads.count} ({threads.source})")
         print_text(args._bench.render(result))
     return 0 if result.get("ok", True) else 1

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app._threads import apply_thread_count
 from app.commands._args import add_kv_cache_dtype_argument, positive_int
 from app.commands._model import add_model_arguments, build_model, model_line
 from app.commands._output import json_text, print_text, raise_for_errors
@@ -93,6 +94,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     if not args.prompt_ids and not args.prompt:
         raise ValueError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
     tokenizer = _tokenizer(args.model) if args.prompt else None  # before loading: fails at once
+    threads = apply_thread_count()
     start = time.perf_counter()
     built = build_model(args, EngineConfig(), progress=not args.no_progress)
     load_seconds = time.perf_counter() - start
@@ -142,6 +144,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
                      "decode": engine.decode_backend_class.get_name()},
         "kv_cache_dtype": config.cache.kv_cache_dtype,
         "stop_token_ids": list(stop),
+        "threads": threads.as_dict(),
     }
 
 

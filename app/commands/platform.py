@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from app._threads import apply_thread_count
 from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show the detected platform, device capability, torch and kernel packages"
@@ -58,6 +59,8 @@ def collect() -> dict[str, Any]:
     info["torch_version"] = torch.__version__
     info["torch_cuda"] = torch.version.cuda
     info["python_version"] = _pyplatform.python_version()
+    threads = apply_thread_count()
+    info["threads"] = threads.as_dict()
     info["cpu_native_kernel"] = cpu_native_kernel()
     info["cpu_bf16_kernel"] = cpu_bf16_kernel()
     info["cpu_decode_kernel"] = cpu_decode_kernel()
@@ -161,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         info["cpu_features"] = " ".join(
             f"{name}={'yes' if features[name] else 'no'}" for name in FEATURE_NAMES
         ) + f" (from {features['source']})"
+    threads = info["threads"]
+    info["threads"] = f"{threads['count']} ({threads['source']})"
     print_text(format_mapping(info))
     print_text()
     print_text(format_table(

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +35,7 @@ import torch
 from dependency_injector import providers
 
 from app import deployment
+from app._threads import apply_thread_count
 from app.commands._args import add_kv_cache_dtype_argument, int_in, positive_int
 from app.commands._memory import check_cache_fits, check_request_fits
 from app.commands._model import add_model_arguments, build_model, model_line
@@ -41,6 +44,12 @@ from app.config import EngineConfig, dtype_name
 
 HELP = ("run the main job: serve many requests (prefill + decode) on a DeepSeek model (random, "
         "or --model DIR), checked against float64")
+
+#: The float64 check runs in this many groups of requests, the progress shown after each
+#: (each group runs the last layer's feed-forward once over its rows).
+CHECK_GROUPS = 8
+#: Said when a native kernel library starts compiling (first use on a machine).
+COMPILING = "compiling the native kernels (first run, ~20 s)"
 
 #: The embedded default workload.
 DEFAULTS: dict[str, Any] = {
@@ -230,8 +239,15 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
     return outputs
 
 
+def _groups(items: list[Any], count: int) -> list[list[Any]]:
+    """``items`` in at most ``count`` consecutive groups of near-equal size."""
+    size = max(1, math.ceil(len(items) / count))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
-               dtype: torch.dtype) -> dict[str, Any]:
+               dtype: torch.dtype, show: bool = False,
+               stream: IO[str] | None = None) -> dict[str, Any]:
     from app.mla.checks import check_generations, derived_tolerance, tolerance_rule
     from app.model.reference import ReferenceModel, reference_tolerance, routing_tolerance
 
@@ -246,12 +262,18 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
     totals = dict.fromkeys(keys, 0)
     prefill_err = decode_err = prefill_abs = decode_abs = scale = dtype_err = 0.0
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
-    # reuses the keys and values of the common prefix.
-    results = check_generations(reference, sorted(outputs, key=lambda o: o.token_ids),
-                                None if prefill_rows < 0 else prefill_rows,
-                                None if decode_rows < 0 else decode_rows,
-                                routing_tolerance=routing_tolerance(dtype, cache_dtype),
-                                dtype_reference=plain)
+    # reuses the keys and values of the common prefix (across groups too: it keeps them).
+    ordered = sorted(outputs, key=lambda o: o.token_ids)
+    bar = ProgressBar(len(ordered), "check", stream=stream, enabled=show)
+    results: list[Any] = []
+    for group in _groups(ordered, CHECK_GROUPS):
+        results.extend(check_generations(reference, group,
+                                         None if prefill_rows < 0 else prefill_rows,
+                                         None if decode_rows < 0 else decode_rows,
+                                         routing_tolerance=routing_tolerance(dtype, cache_dtype),
+                                         dtype_reference=plain))
+        bar.update(len(results))
+    bar.close()
     for result in results:
         for key in keys:
             totals[key] += getattr(result, key)
@@ -285,8 +307,40 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def _say(show: bool, stream: IO[str] | None, text: str) -> None:
+    """One progress line on ``stream`` (stderr by default), when progress is shown."""
+    if show:
+        out = sys.stderr if stream is None else stream
+        out.write(text + "\n")
+        out.flush()
+
+
+def _build_notice(show: bool, stream: IO[str] | None) -> Callable[[str], None]:
+    """What ``run`` says as a native library starts compiling: the first one with the
+    expected time, the others by name."""
+    said: list[str] = []
+
+    def notice(name: str) -> None:
+        _say(show, stream, f"{COMPILING}: {name} ..." if not said else f"compiling {name} ...")
+        said.append(name)
+
+    return notice
+
+
 def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the job; the summary as a dict (``ok`` False when the check fails)."""
+    from app.backends.cpu.loader import on_build
+
+    threads = apply_thread_count()
+    with on_build(_build_notice(not args.no_progress, stream)):
+        result = _execute(args, stream, f"threads: {threads.count} ({threads.source})")
+    return {**result, "threads": threads.as_dict()}
+
+
+def _execute(args: argparse.Namespace, stream: IO[str] | None, threads: str
+             ) -> dict[str, Any]:
+    """The job, ``threads`` said first once the command line and the sizes are checked (a
+    usage error stays the only line on stderr)."""
     from app.containers import create_container
     from app.mla.checks import tolerance_rule
     from app.mla.engine import MLAEngine
@@ -321,6 +375,7 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
             raise
         raise ValueError(f"deployment file {str(args.deployment)!r}: {exc}") from None
     check_request_fits(config, args.max_len)
+    _say(not args.no_progress, stream, threads)
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(
         config, query_len=1 + args.speculative_tokens, container=container)
@@ -345,8 +400,10 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
                              "tolerance_rule": tolerance_rule(dtype,
                                                               config.cache.kv_cache_dtype)}
     if not args.no_check:
+        _say(not args.no_progress, stream,
+             f"checking against float64 ({len(outputs)} requests, teacher-forced) ...")
         check = _check_all(engine, outputs, args.check_prefill_rows, args.check_decode_rows,
-                           dtype)
+                           dtype, not args.no_progress, stream)
     stats = engine.stats
     leaked = engine.initial_free_blocks - engine.kv_manager.num_free_blocks
     ok = check["passed"] is not False and leaked == 0
@@ -450,9 +507,12 @@ def render(result: dict[str, Any]) -> str:
     pool = result["kv_cache"]["pool"]
     check = result["check"]
     model = result["model"]
+    threads = result["threads"]
     lines = [
         f"platform        {plat['platform']} ({plat['platform_class']}), device capability "
         f"{plat['device_capability']}, fast bf16: {plat['fast_bfloat16']}",
+        f"threads         {threads['count']} ({threads['source']}); OpenMP wait policy: "
+        f"{threads['wait_policy']}",
         f"backend         prefill {backend['chosen']} ({backend['class']})"
         + ("" if backend["requested"] is None else f", requested {backend['requested']}"),
     ]

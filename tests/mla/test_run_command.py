@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.cli import main
+from app.cli import build_parser, main
 from app.commands._output import ProgressBar
 from tests.model.conftest import TINY
 
@@ -37,6 +37,10 @@ def tiny_deployment(tmp_path: Path) -> Path:
 
 def _json(capsys: pytest.CaptureFixture[str]) -> Any:
     return json.loads(capsys.readouterr().out)
+
+
+def _parse(argv: list[str]) -> Any:
+    return build_parser().parse_args(argv)
 
 
 def test_run_small_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -103,7 +107,49 @@ def test_run_text_summary_and_progress(capsys: pytest.CaptureFixture[str],
                   "max error", "rows checked", "tokens", "check time"):
         assert label in captured.out
     assert "PASS" in captured.out
-    assert "generate [" in captured.err and "decode" in captured.err
+    assert "\nthreads         " in captured.out and "OpenMP wait policy" in captured.out
+    err = captured.err.splitlines()  # not a terminal: no bar, a few plain lines
+    assert err[0].startswith("threads: ") and "(" in err[0]
+    assert any(line.startswith("generate: done, ") and "decode" in line for line in err)
+    assert any(line.startswith("checking against float64 (4 requests") for line in err)
+    assert any(line.startswith("check: done, 4/4 in ") for line in err)
+    assert not any("[" in line or "\r" in line for line in err), err
+    assert len(err) == 4, err
+
+
+def test_run_says_where_its_thread_count_came_from(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tiny_deployment: Path) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["run", "--json", *SMALL, "--deployment", str(tiny_deployment)]) == 0
+    threads = _json(capsys)["threads"]
+    assert threads["source"] == "OMP_NUM_THREADS=1"
+    assert threads["count"] == torch.get_num_threads()
+    assert isinstance(threads["wait_policy"], str) and threads["wait_policy"]
+
+
+def test_run_says_when_a_native_kernel_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first build takes seconds: ``run`` says so. A fake engine build stands in for the
+    loader's (tests/backends/cpu/test_loader.py checks the loader calls back)."""
+    from app.backends.cpu import loader
+    from app.commands import run as run_command
+
+    def fake_execute(args: Any, stream: Any, threads: str) -> dict[str, Any]:
+        stream.write(threads + "\n")
+        loader._announce_build("mla_prefill_cpu")
+        loader._announce_build("mla_decode_cpu")
+        return {}
+
+    monkeypatch.setattr(run_command, "_execute", fake_execute)
+    args = [a for a in SMALL if a != "--no-progress"]
+    stream = io.StringIO()
+    parsed = _parse(["run", *args])
+    run_command.execute(parsed, stream)
+    lines = stream.getvalue().splitlines()
+    assert lines[1:] == ["compiling the native kernels (first run, ~20 s): mla_prefill_cpu ...",
+                         "compiling mla_decode_cpu ..."]
+    loader._announce_build("after the run")  # no listener left behind
+    assert stream.getvalue().count("\n") == 3
 
 
 def test_run_fails_when_the_error_exceeds_the_tolerance(
@@ -181,28 +227,60 @@ def test_run_with_a_deployment(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["kv_cache"]["pool"]["num_blocks"] == 64
 
 
-def test_progress_bar_plain_lines() -> None:
-    stream = io.StringIO()
-    bar = ProgressBar(20, "work", stream=stream)
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_non_terminal_is_one_closing_line_for_quick_work() -> None:
+    stream, clock = io.StringIO(), FakeClock()
+    bar = ProgressBar(20, "work", stream=stream, clock=clock)
     for i in range(1, 21):
+        clock.now += 0.1
         bar.update(i, "info")
+    assert stream.getvalue() == ""  # no bar, no line per step
+    bar.close()
+    bar.close()  # once
+    assert stream.getvalue() == "work: done, 20/20 in 2.0 s, info\n"
+
+
+def test_progress_on_a_non_terminal_is_never_silent_for_long() -> None:
+    stream, clock = io.StringIO(), FakeClock()
+    bar = ProgressBar(10, "check", stream=stream, clock=clock, heartbeat=10.0)
+    for i in range(1, 11):
+        clock.now += 4.0
+        bar.update(i)
     bar.close()
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 11  # one line per 10%, from the first update on
-    assert lines[-1].startswith("work [" + "#" * 30 + "] 20/20")
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
+    assert lines == ["check: 30% (3/10) after 12.0 s", "check: 60% (6/10) after 24.0 s",
+                     "check: 90% (9/10) after 36.0 s", "check: done, 10/10 in 40.0 s"]
+    assert not any("[" in line or "#" in line or "\r" in line for line in lines)
 
+
+def test_progress_on_a_terminal_redraws_one_line() -> None:
     tty = Tty()
     bar = ProgressBar(3, "work", stream=tty)
     for i in range(1, 4):
         bar.update(i)
+    bar.note("compiling x ...")
     bar.close()
     text = tty.getvalue()
     assert text.startswith("\rwork [") and "3/3" in text and text.endswith("\n")
+    assert "\r\x1b[Kcompiling x ...\nwork [" in text  # the note above the bar, redrawn
+    assert text.count("\n") == 2
     quiet = io.StringIO()
-    ProgressBar(5, "x", stream=quiet, enabled=False).update(5)
+    off = ProgressBar(5, "x", stream=quiet, enabled=False)
+    off.update(5)
+    off.note("hidden")
+    off.close()
     assert quiet.getvalue() == ""
 
 
@@ -225,6 +303,9 @@ def test_bench_run_small(capsys: pytest.CaptureFixture[str]) -> None:
                  "--no-malloc-tuning"])
     result = _json(capsys)
     assert code == (0 if result["ok"] else 1)
+    assert next(iter(result)) == "threads"  # first: how many threads, and why
+    assert result["threads"]["count"] == torch.get_num_threads()
+    assert result["threads"]["source"]
     decode, prefill = result["mixes"]
     assert decode["mix"] == "decode-heavy" and decode["workload"]["running_requests"] == 4
     assert 40 <= decode["workload"]["mean_context"] <= 92

@@ -74,20 +74,21 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from app._cpu import cpu_flags, required_cpu_flags
 from app.backends.cpu import child_verdict
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CACHE_DIR_ENV", "NATIVE_DIR", "NativeLibrary", "NativeLibrarySpec",
            "NativeLibraryStatus", "cache_directories", "check_library_file", "cpu_flags",
-           "directory_problem", "find_compiler", "load_native_library", "read_switch",
+           "directory_problem", "find_compiler", "load_native_library", "on_build", "read_switch",
            "required_cpu_flags", "reset_native_libraries"]
 
 #: Where the C sources and headers live.
@@ -190,39 +191,6 @@ def read_switch(env: str) -> bool:
     return value
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-#: ``-m`` flags whose ``/proc/cpuinfo`` name is not theirs with ``-`` made ``_``.
-_ISA_FLAG_NAMES = {"avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
-                   "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
-                   "sse4.1": "sse4_1", "sse4.2": "sse4_2"}
-#: ``-m`` flags that are not instruction sets.
-_NOT_ISA = ("arch=", "tune=", "no-", "cpu=", "fpmath=", "abi=", "cmodel=", "prefer-")
-
-
-def required_cpu_flags(flags: Sequence[str]) -> frozenset[str]:
-    """The ``/proc/cpuinfo`` flags a library built with the compiler ``flags`` needs: one per
-    ISA flag (``-mavx512f`` -> ``avx512f``, ``-mavx512bf16`` -> ``avx512_bf16``); flags that
-    name no instruction set (``-O3``, ``-D...``, ``-march=...``) need nothing."""
-    needed = set()
-    for flag in flags:
-        if not flag.startswith("-m") or flag[2:].startswith(_NOT_ISA):
-            continue
-        name = flag[2:]
-        needed.add(_ISA_FLAG_NAMES.get(name, name.replace("-", "_")))
-    return frozenset(needed)
-
-
 def find_compiler() -> str | None:
     """``$CC``, else the first of cc/gcc/clang on ``PATH``; ``None`` if none is found."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
@@ -313,6 +281,27 @@ def _file_problem(path: Path) -> str | None:
 
 # -- building ------------------------------------------------------------------------------
 
+_build_listeners: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def on_build(callback: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, call ``callback(library name)`` as each native library starts
+    compiling (the first use on a machine: seconds each), so a command can say why it is
+    quiet. The callback runs on the loading thread; it must not load a library itself."""
+    _build_listeners.append(callback)
+    try:
+        yield
+    finally:
+        _build_listeners.remove(callback)
+
+
+def _announce_build(name: str) -> None:
+    logger.info("compiling native library %s (first use with these sources)", name)
+    for callback in list(_build_listeners):
+        callback(name)
+
+
 def _library_file_name(spec: NativeLibrarySpec, compiler: str) -> str:
     """``<name>-<hash>.so``: the hash covers sources, headers, compiler, flags and ABI."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
@@ -344,6 +333,7 @@ def _build_and_open(spec: NativeLibrarySpec, compiler: str, target: Path
         build_dir = Path(tempfile.mkdtemp(prefix=f".{spec.name}-build-", dir=target.parent))
     except OSError as exc:
         raise _not_writable(exc) from None
+    _announce_build(spec.name)
     try:
         out = build_dir / target.name
         cmd = [compiler, *_BASE_FLAGS, *spec.flags, "-I", str(NATIVE_DIR), "-o", str(out),

@@ -561,3 +561,23 @@ def test_a_full_disk_during_the_build_falls_through(
     assert status.path.parent == fallback_dir(env)
     assert "No space left on device" in status.notes[0]
     assert f"cache directory {cache_dir(env)} cannot take a build" in status.notes[0]
+
+
+def test_a_build_is_announced_to_listeners_and_a_cached_load_is_not(env: Path) -> None:
+    """``run`` says "compiling the native kernels" through ``on_build``: called as a build
+    starts, once per library built, never for a library loaded from the cache, and not after
+    the block."""
+    built: list[str] = []
+    with loader.on_build(built.append):
+        status = loader.load_native_library(spec(env))
+        assert status.available, status.reasons
+        assert built == ["tiny3"]
+        loader.load_native_library(spec(env))  # this process's: no load at all
+        loader.reset_native_libraries()
+        assert loader.load_native_library(spec(env)).available  # from the cache file
+        assert built == ["tiny3"]
+    loader.reset_native_libraries()
+    for library in cache_dir(env).iterdir():
+        library.unlink()
+    assert loader.load_native_library(spec(env)).available  # built again, nobody listening
+    assert built == ["tiny3"]
