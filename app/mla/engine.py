@@ -101,7 +101,10 @@ class MLAEngine:
     scale: build it with ``DeepseekConfig.model_config``). ``step_tokens`` is the token budget
     per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the
     n-gram drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops
-    the per-row outputs (benchmarks). ``timer`` charges each phase of each step.
+    the per-row outputs (benchmarks); ``keep_selections=True`` (a sparse model, with
+    ``keep_outputs``) also keeps each row's selected positions (``RequestOutput.selections``:
+    ``4 * index_topk`` bytes per token and indexer layer). ``timer`` charges each phase of
+    each step.
     ``decode_batch_sizes`` pads each decode step's batch up to the smallest that holds it
     (``DeepseekModel``; none by default).
     """
@@ -109,14 +112,23 @@ class MLAEngine:
     def __init__(self, container: Application | None = None, *, weights: ModelWeights,
                  step_tokens: int = 8192, max_num_seqs: int = 256,
                  num_speculative_tokens: int = 0, keep_outputs: bool = True,
-                 timer: PhaseTimer | None = None, decode_batch_sizes: Sequence[int] = ()
-                 ) -> None:
+                 timer: PhaseTimer | None = None, decode_batch_sizes: Sequence[int] = (),
+                 keep_selections: bool = False) -> None:
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("max_num_seqs", max_num_seqs, 1)
         check_int("MLAEngine: num_speculative_tokens", num_speculative_tokens, 0,
                   MAX_QUERY_LEN - 1)   # a decode step's query: 1 + the drafts
         if not isinstance(keep_outputs, bool):
             raise TypeError(f"MLAEngine: keep_outputs must be a bool, got {keep_outputs!r}")
+        if not isinstance(keep_selections, bool):
+            raise TypeError(f"MLAEngine: keep_selections must be a bool, got "
+                            f"{keep_selections!r}")
+        if keep_selections and not keep_outputs:
+            raise ValueError("MLAEngine: keep_selections=True needs keep_outputs=True (the "
+                             "selections are checked with the rows they produced)")
+        if keep_selections and weights.config.indexer is None:
+            raise ValueError("MLAEngine: keep_selections=True needs a sparse model (an "
+                             "indexer: DeepSeek-V3.2, GLM-5); this one is dense")
         if timer is not None and not isinstance(timer, PhaseTimer):
             raise TypeError(f"MLAEngine: timer must be an app.model.profiling.PhaseTimer or "
                             f"None, got {type(timer).__name__}")
@@ -181,6 +193,8 @@ class MLAEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self.step_tokens = step_tokens
         self.keep_outputs = keep_outputs
+        self.keep_selections = keep_selections
+        self.model.record_selections = keep_selections
         self.stats = EngineStats()
         self._states: dict[str, RequestState] = {}
         self.initial_free_blocks = self.kv_manager.num_free_blocks
@@ -346,12 +360,15 @@ class MLAEngine:
                              for st, done, n in sched.prefill])
             plan = self.model.plan_prefill(batch)
         hidden = self.model.prefill(ids, plan)
+        chosen = self._step_selections()
         last_rows: list[int] = []
         completing: list[RequestState] = []
         with self.timer.phase("schedule"):
             offset = 0
             for st, done, n in sched.prefill:
                 st.keep_rows(done, hidden[offset:offset + n], RowKind.PREFILL)
+                if chosen is not None:
+                    st.keep_selection_rows(done, chosen[:, offset:offset + n])
                 self.kv_manager.cache_blocks(st.kv, done + n)
                 offset += n
                 if done + n == st.num_tokens:
@@ -384,6 +401,7 @@ class MLAEngine:
                 ids.extend(st.drafts if k else ())
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
+        chosen = self._step_selections()
         choice = self.model.greedy(hidden)
         hidden, choice, first_bad = trusted_rows(
             self.model, self.decode_backend_class, tables, dones, ids, q, hidden, choice)
@@ -401,6 +419,8 @@ class MLAEngine:
                     failing.append(b)    # its next token needs a non-finite row
                 computed = 1 + min(verdict.accepted, len(out) - 1)  # the last emitted is not
                 st.keep_rows(done, hidden[b * q:b * q + computed], RowKind.DECODE)
+                if chosen is not None:
+                    st.keep_selection_rows(done, chosen[:, b * q:b * q + computed])
                 self.kv_manager.cache_blocks(st.kv, done + computed)
                 if k:
                     st.num_draft_tokens += k
@@ -415,6 +435,14 @@ class MLAEngine:
             for b in failing:
                 self._fail(states[b], message, reasons)
         return count
+
+    def _step_selections(self) -> torch.Tensor | None:
+        """The step just run's selected positions on the CPU (``keep_selections``), else
+        None."""
+        if not self.keep_selections or self.model.last_selections is None:
+            return None
+        chosen, self.model.last_selections = self.model.last_selections.cpu(), None
+        return chosen
 
     def _non_finite(self, choice: GreedyChoice, rerun: Callable[[Watch], torch.Tensor]
                     ) -> dict[int, str]:
@@ -495,7 +523,22 @@ class MLAEngine:
             num_cached_tokens=max(st.num_cached_tokens, 0),
             num_preemptions=st.num_preemptions, logit_margins=tuple(st.logit_margins),
             logprobs=tuple(st.logprobs), metrics=metrics, hidden=hidden, row_kinds=kinds,
-            error=self._errors.pop(st.request_id, None))
+            error=self._errors.pop(st.request_id, None),
+            selections=self._kept_selections(st, total))
+
+    def _kept_selections(self, st: RequestState, total: int) -> torch.Tensor | None:
+        """``st``'s kept selections over its ``total`` rows (-1 where none was kept), None
+        unless the engine keeps them."""
+        if not self.keep_selections:
+            return None
+        kept, st.kept_selections = st.kept_selections, None
+        layers = sum(indexer is not None for indexer in self.model.indexers)
+        topk = self.model.arch.indexer.index_topk if self.model.arch.indexer else 0
+        out = torch.full((layers, total, topk), -1, dtype=torch.int32)
+        if kept is not None:
+            n = min(total, int(kept.shape[1]))
+            out[:, :n] = kept[:, :n]
+        return out
 
     def run(self, requests: Iterable[Request] = ()) -> list[RequestOutput]:
         """Add ``requests`` and step until every one of them is finished; exactly their

@@ -78,7 +78,9 @@ class RequestState:
     ``num_blocks`` valid); ``kept_rows`` / ``kept_kinds`` the outputs kept so far when the
     engine keeps them (``keep_rows``: views of the steps' outputs, merged every
     ``KEPT_VIEWS`` steps and copied out by ``kept_outputs`` when the request finishes);
-    ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
+    ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``); ``kept_selections`` a
+    sparse model's selected positions per indexer layer and row when the engine keeps them
+    (``keep_selection_rows``; None otherwise).
     """
 
     request: Request
@@ -103,6 +105,21 @@ class RequestState:
     row_kinds: torch.Tensor | None = None
     kept_rows: list[tuple[int, torch.Tensor, bool]] | None = None
     kept_kinds: list[int] = attrs.field(factory=list)
+    kept_selections: torch.Tensor | None = None
+
+    def keep_selection_rows(self, start: int, chosen: torch.Tensor) -> None:
+        """Keep ``chosen [indexer layers, n, index_topk]`` (a step's selected positions of
+        this request's rows ``start..start + n``; copied to the CPU) over whatever was kept
+        there, in ``kept_selections`` (grown by doubling; rows never computed stay -1)."""
+        layers, n, topk = (int(d) for d in chosen.shape)
+        kept = self.kept_selections
+        if kept is None or kept.shape[1] < start + n:
+            size = max(start + n, 0 if kept is None else 2 * int(kept.shape[1]))
+            grown = torch.full((layers, size, topk), -1, dtype=torch.int32)
+            if kept is not None:
+                grown[:, :kept.shape[1]] = kept
+            kept = self.kept_selections = grown
+        kept[:, start:start + n] = chosen.to(device="cpu", dtype=torch.int32)
 
     def keep_rows(self, start: int, rows: torch.Tensor, kind: int) -> None:
         """Keep ``rows`` (a step's output rows; a view, not copied: a step costs no copy per

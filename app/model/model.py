@@ -192,6 +192,12 @@ class DeepseekModel:
         chunk = config.attention.context_chunk_tokens
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
+        #: A sparse model: keep each step's selected positions (``last_selections``), for a
+        #: check that feeds them to the float64 reference (``MLAEngine(keep_selections=True)``).
+        self.record_selections = False
+        #: The last sparse step's selections when recording: ``[indexer layers, T,
+        #: index_topk]`` int32 positions (-1 padding), its rows those of the step's output.
+        self.last_selections: torch.Tensor | None = None
         self.indexers: list[LayerIndexer | None] = []
         self.key_caches: list[PagedLatentCache | None] = []
         self.sparse_executors: list[SparseMLAExecutor] = []
@@ -379,8 +385,10 @@ class DeepseekModel:
             if not isinstance(plan, SparsePrefillPlan):
                 raise TypeError("a sparse model's prefill needs its own plan: pass the batch, "
                                 "or model.plan_prefill(batch)")
-            sparse, step = self.sparse_executors, SparseSelection()
-            return self._layers(h, lambda i, x: sparse[i].run_prefill(x, plan, step), watch)
+            sparse, step = self.sparse_executors, SparseSelection(self.record_selections)
+            out = self._layers(h, lambda i, x: sparse[i].run_prefill(x, plan, step), watch)
+            self._recorded(step)
+            return out
         executors = self.prefill_executors
         return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
 
@@ -398,11 +406,18 @@ class DeepseekModel:
             h = self.embed(token_ids)
         if self.is_sparse:
             sparse_plan = plan if isinstance(plan, SparseDecodePlan) else plan_sparse_decode(plan)
-            sparse, step = self.sparse_executors, SparseSelection()
-            return self._layers(h, lambda i, x: sparse[i].run_decode(x, sparse_plan, step),
-                                watch)
+            sparse, step = self.sparse_executors, SparseSelection(self.record_selections)
+            out = self._layers(h, lambda i, x: sparse[i].run_decode(x, sparse_plan, step),
+                               watch)
+            self._recorded(step)
+            return out
         executors = self.decode_executors
         return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
+
+    def _recorded(self, step: SparseSelection) -> None:
+        """Keep ``step``'s recorded selections as ``last_selections`` (when recording)."""
+        if step.chosen:
+            self.last_selections = torch.stack(step.chosen)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``hidden [N, D]`` -> logits ``[N, vocab]`` in the compute dtype."""

@@ -83,10 +83,14 @@ def plan_sparse_decode(plan: DecodePlan) -> SparseDecodePlan:
 
 class SparseSelection:
     """One step's latest selection (latent-cache slots ``[T, index_topk]`` int32): a GLM-5
-    ``shared`` layer attends to the rows the layer before it selected."""
+    ``shared`` layer attends to the rows the layer before it selected. ``record``: also keep
+    every indexer layer's selected positions (``chosen``, in layer order, each ``[T,
+    index_topk]`` int32, -1 padding), for a check that feeds the engine's own selection to
+    the float64 reference."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         self.slots: torch.Tensor | None = None
+        self.chosen: list[torch.Tensor] | None = [] if record else None
 
 
 class SparseMLAExecutor:
@@ -133,6 +137,8 @@ class SparseMLAExecutor:
             self.key_cache.write(slots, ik)
             chosen = self.selector.select(iq, weights, self.key_cache.data, meta,
                                           self.index_topk)
+            if selection.chosen is not None:
+                selection.chosen.append(chosen)
             selection.slots = meta.to_slots(chosen, self.cache.block_size)
         return selection.slots
 

@@ -10,13 +10,22 @@ takes the selection of the layer before it. Where a row's margin is within an en
 (``SELECTION_TOLERANCES``), the engine may select another key and still be right: the checks
 count such rows apart, as they count routing near-ties.
 
+Given an engine's own selection (``forced``: the positions each row attended to), the reference
+attends to those instead of its own, so that the attention is compared without the selection's
+rounding, and compares the two selections apart (``compare_selection``): per row, the keys the
+two share, and the *violation* of the engine's selection in the reference's scores (the best
+score it left out minus the worst it kept, over the row's largest score magnitude; 0 or below
+for a selection the reference's scores allow, ties included; inf for a position that is not
+visible or a wrong count). A row whose forced entries are all -1 (the engine did not compute it,
+e.g. a prefix-cache hit) takes the reference's own selection and is not compared.
+
 ``ReferenceModel(weights, dtype=bf16)`` computes the indexer as transformers does in that dtype:
 queries and keys in the dtype, scores in float32 (``weights_proj`` in float32 too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,7 +35,8 @@ from app.model.rope import apply_rope, rope_inv_freq
 from app.model.sparse.layer import INDEXER_NORM_EPS
 from app.model.sparse.weights import IndexerWeights
 
-__all__ = ["SELECTION_TOLERANCES", "SparseReference", "selection_mask"]
+__all__ = ["SELECTION_TOLERANCES", "SparseReference", "accumulate_comparisons",
+           "checked_selections", "compare_selection", "selection_mask"]
 
 #: Relative selection margins (gap / the row's largest score magnitude) within which the rounding
 #: of an engine of the dtype may select either way. Measured on a random V3.2-shaped model
@@ -55,6 +65,61 @@ def selection_mask(selected: torch.Tensor, end: int) -> torch.Tensor:
     keep = torch.zeros(rows, end + 1, dtype=torch.bool)
     keep.scatter_(1, torch.where(selected >= 0, selected, end), True)
     return keep[:, :end]
+
+
+def compare_selection(total: torch.Tensor, chosen: torch.Tensor, own: torch.Tensor
+                      ) -> torch.Tensor:
+    """``chosen [rows, topk]`` (an engine's positions, -1 padding) against ``own`` (the
+    reference's top-k of the float64 scores ``total [rows, n]``, ``-inf`` where not visible):
+    ``[rows, 3]`` float64 of the keys both select, the keys the reference selects, and the
+    violation of ``chosen`` (see the module; inf for an invisible position or a count other
+    than the reference's)."""
+    end = total.shape[1]
+    visible = torch.isfinite(total)
+    beyond = (chosen >= end).any(dim=1)         # past every visible key: never right
+    chosen = torch.where(chosen >= end, -1, chosen)
+    mine, theirs = selection_mask(chosen, end), selection_mask(own, end)
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    worst_kept = torch.where(mine, total, inf).amin(dim=1)
+    best_left = torch.where(visible & ~mine, total, -inf).amax(dim=1)
+    scale = torch.where(visible, total, 0.0).abs().amax(dim=1).clamp(min=1e-300)
+    violation = ((best_left - worst_kept) / scale).clamp(min=0.0).nan_to_num(nan=0.0)
+    wrong = beyond | (mine.sum(dim=1) != theirs.sum(dim=1)) | (mine & ~visible).any(dim=1)
+    violation = torch.where(wrong, inf, violation)
+    return torch.stack([(mine & theirs).sum(dim=1).double(), theirs.sum(dim=1).double(),
+                        violation], dim=1)
+
+
+def accumulate_comparisons(so_far: torch.Tensor, compared: torch.Tensor) -> torch.Tensor:
+    """``compare_selection`` results ``[n, 3]`` of two layers in one: keys summed, the larger
+    violation."""
+    return torch.cat([so_far[:, :2] + compared[:, :2],
+                      torch.maximum(so_far[:, 2:], compared[:, 2:])], dim=1)
+
+
+def checked_selections(lengths: Sequence[int], selections: Sequence[torch.Tensor | None],
+                       layers: int | None, topk: int) -> list[torch.Tensor | None]:
+    """An engine's ``selections`` (one per sequence of ``lengths``, or None) as CPU int64,
+    each checked to be ``[layers, length, topk]`` integers; ``ValueError`` otherwise (or when
+    ``layers`` is None: a dense model)."""
+    if len(selections) != len(lengths):
+        raise ValueError(f"ReferenceModel.outputs_many: {len(selections)} selections for "
+                         f"{len(lengths)} sequences")
+    out: list[torch.Tensor | None] = []
+    for length, given in zip(lengths, selections, strict=True):
+        if given is None:
+            out.append(None)
+            continue
+        want = [layers, length, topk]
+        if layers is None or not isinstance(given, torch.Tensor) \
+                or list(given.shape) != want or given.dtype.is_floating_point \
+                or given.dtype == torch.bool:
+            raise ValueError(f"ReferenceModel.outputs_many: a selection must be an integer "
+                             f"tensor [indexer layers, tokens, index_topk] = {want} of a "
+                             f"sparse model, got {getattr(given, 'dtype', type(given).__name__)}"
+                             f" {list(getattr(given, 'shape', []))}")
+        out.append(given.to(device="cpu", dtype=torch.int64))
+    return out
 
 
 def _grown(buffer: torch.Tensor | None, n: int, keep: int, tail: tuple[int, ...],
@@ -119,33 +184,63 @@ class SparseReference:
         self._keys[i] = keys
 
     def select(self, i: int, h: torch.Tensor, rows: torch.Tensor, common: int, n: int,
-               store: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s selection ``[len(rows), topk]`` (int64 positions, -1 padding) and its
-        margins at ``rows`` (sorted; inputs ``h``), a shared layer's taken from the layer
-        before. ``store``: ``rows`` are ``common..n`` and are kept for later sequences."""
+               store: bool, forced: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s selection ``[len(rows), topk]`` (int64 positions, -1 padding), its
+        margins and its comparison with ``forced`` (``compare_selection``; zeros where not
+        compared) at ``rows`` (sorted; inputs ``h``), a shared layer's taken from the layer
+        before (compared there). ``forced [len(rows), topk]``: the engine's selection, used
+        where a row has one (see the module). ``store``: ``rows`` are ``common..n`` and are
+        kept for later sequences."""
+        compared = torch.zeros(rows.numel(), 3, dtype=torch.float64)
         if self.weights[i] is None:
             source = next(j for j in range(i - 1, -1, -1) if self.weights[j] is not None)
             selected, margins = self._selected[source], self._margins[source]
             if selected is None or margins is None:  # pragma: no cover - layers run in order
                 raise RuntimeError("the shared layer's source was not computed")
-            return selected.index_select(0, rows), margins.index_select(0, rows)
+            return selected.index_select(0, rows), margins.index_select(0, rows), compared
         sel = torch.empty(rows.numel(), self.topk, dtype=torch.int64)
         margins = torch.empty(rows.numel(), dtype=torch.float64)
         end = int(rows.max()) + 1 if rows.numel() else 1
         block = max(1, _SCORE_BUDGET // (self.indexer.index_n_heads * end))
         for b0 in range(0, rows.numel(), block):
             part = slice(b0, b0 + block)
-            sel[part], margins[part] = self._select_block(i, h[part], rows[part])
+            total = self._scores(i, h[part], rows[part])
+            own = topk_positions(total, self.topk).to(torch.int64)
+            sel[part], margins[part] = own, _margins(total, self.topk)
+            if forced is not None:
+                given = forced[part].to(torch.int64)
+                known = (given >= 0).any(dim=1)
+                sel[part] = torch.where(known[:, None], given, own)
+                compared[part] = torch.where(known[:, None],
+                                             compare_selection(total, given, own), 0.0)
         if store:
             self._selected[i] = _grown(self._selected[i], n, common, (self.topk,),
                                        torch.int64, -1)
             self._margins[i] = _grown(self._margins[i], n, common, (), torch.float64)
             self._selected[i][common:n] = sel   # type: ignore[index]
             self._margins[i][common:n] = margins   # type: ignore[index]
-        return sel, margins
+        return sel, margins, compared
 
-    def _select_block(self, i: int, h: torch.Tensor, rows: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def agreeing_prefix(self, forced: torch.Tensor, limit: int) -> int:
+        """How many of the first ``limit`` positions the stored selections (of the sequence
+        before) share with ``forced [indexer layers, >= limit, topk]`` (rows without one
+        agree): the reuse of that sequence's state stops at the first that differs."""
+        own = [i for i, w in enumerate(self.weights) if w is not None]
+        agree = limit
+        for j, i in enumerate(own):
+            stored = self._selected[i]
+            if stored is None or not limit:
+                continue
+            given = forced[j, :limit].to(torch.int64)
+            differ = (given >= 0).any(dim=1) & (given != stored[:limit]).any(dim=1)
+            if bool(differ.any()):
+                agree = min(agree, int(differ.nonzero()[0, 0]))
+        return agree
+
+    def _scores(self, i: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s index scores ``[len(rows), rows[-1] + 1]`` float64 (``-inf``: not
+        visible) of the rows ``rows`` (inputs ``h``)."""
         w, keys = self.weights[i], self._keys[i]
         if w is None or keys is None:  # pragma: no cover - checked by the caller
             raise RuntimeError("no indexer keys")
@@ -161,7 +256,7 @@ class SparseReference:
         scores = torch.einsum("rhd,nd->rhn", q.to(score_dtype), keys[:end].to(score_dtype))
         total = torch.einsum("rh,rhn->rn", weights, scores.relu_()).to(torch.float64)
         total.masked_fill_(torch.arange(end).view(1, -1) > rows.view(-1, 1), float("-inf"))
-        return topk_positions(total, self.topk).to(torch.int64), _margins(total, self.topk)
+        return total
 
 
 def _margins(total: torch.Tensor, topk: int) -> torch.Tensor:
