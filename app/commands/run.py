@@ -226,7 +226,12 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
 
 def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
                dtype: torch.dtype) -> dict[str, Any]:
-    from app.mla.checks import check_generations, derived_tolerance, tolerance_rule
+    from app.mla.checks import (
+        check_generations,
+        derived_tolerance,
+        selection_limit,
+        tolerance_rule,
+    )
     from app.model.reference import ReferenceModel, reference_tolerance, routing_tolerance
 
     start = time.perf_counter()
@@ -236,7 +241,9 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
     plain = ReferenceModel(engine.weights, dtype=dtype, kv_cache_dtype=cache_dtype)
     keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
             "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
-            "token_mismatches", "routing_near_ties", "selection_near_ties")
+            "token_mismatches", "routing_near_ties", "selection_near_ties",
+            "selection_rows_compared", "selection_keys", "selection_keys_shared",
+            "dtype_route_differences")
     totals = dict.fromkeys(keys, 0)
     prefill_err = decode_err = prefill_abs = decode_abs = scale = dtype_err = 0.0
     # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
@@ -256,8 +263,13 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
         scale = max(scale, result.ref_max_abs)
         dtype_err = max(dtype_err, result.dtype_relative_error)
     tolerance = derived_tolerance(dtype, dtype_err)
+    limit = selection_limit(dtype, tolerance)
+    violations = [v for result in results for v in result.selection_violations]
+    totals["selection_differences"] = len(violations)
+    totals["selection_mismatches"] = sum(result.selection_mismatches(limit)
+                                         for result in results)
     passed = prefill_err <= tolerance and decode_err <= tolerance \
-        and totals["token_mismatches"] == 0
+        and totals["token_mismatches"] == 0 and totals["selection_mismatches"] == 0
     prefill_text = "every prefill row" if prefill_rows < 0 else (
         f"at most {prefill_rows} prefill rows (the last 16, the others at a stride)")
     decode_text = "every decode row" if decode_rows < 0 else (
@@ -273,6 +285,7 @@ def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: 
             "tolerance_floor": reference_tolerance(dtype),
             "tolerance_rule": tolerance_rule(dtype, cache_dtype),
             "routing_tolerance": routing_tolerance(dtype, cache_dtype),
+            "selection_limit": limit, "selection_max_violation": max(violations, default=0.0),
             "passed": passed,
             "reference_tokens_reused": reference.reused_tokens,
             "reference_tokens_computed": reference.computed_tokens,
@@ -318,8 +331,15 @@ def execute(args: argparse.Namespace, stream: IO[str] | None = None) -> dict[str
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(
         config, query_len=1 + args.speculative_tokens, container=container)
+    # A sparse model's check attends to the engine's own selections (app.mla.checks): every
+    # computed row's, since a sampled row reads the keys the rows before it computed from
+    # theirs. Kept as bitmasks (app.model.sparse.selections: S / 8 bytes per row and indexer
+    # layer, whatever index_topk is): ~1.5 GB for the default workload on a real V3.2, not the
+    # ~35 GB of int32 positions.
     engine = MLAEngine(container, weights=built.weights, step_tokens=args.step_tokens,
-                       num_speculative_tokens=args.speculative_tokens)
+                       num_speculative_tokens=args.speculative_tokens,
+                       keep_selections=not args.no_check
+                       and built.weights.config.indexer is not None)
     workload = make_workload(args.num_requests, args.min_len, args.max_len,
                              engine.model.vocab_size, seed=args.seed,
                              min_new_tokens=args.min_new_tokens,
@@ -489,7 +509,10 @@ def render(result: dict[str, Any]) -> str:
             f"({check['ref_max_abs']:.2f}) vs dense float64; tolerance "
             f"{check['tolerance']:.2e}: {verdict}")
         summary["tolerance"] = (f"{check['tolerance_rule']}; that model's error here: "
-                                f"{check['dtype_max_relative_error']:.2e}")
+                                f"{check['dtype_max_relative_error']:.2e}"
+                                + (f" ({check['dtype_route_differences']} rows where it chose "
+                                   "other experts than float64 left out)"
+                                   if check["dtype_route_differences"] else ""))
         summary["rows checked"] = (
             f"prefill {check['prefill_rows_checked']} of {check['prefill_rows_computed']}, "
             f"decode {check['decode_rows_checked']} of {check['decode_rows_computed']} "
@@ -503,6 +526,8 @@ def render(result: dict[str, Any]) -> str:
                              + (f"; {check['selection_near_ties']} rows with a top-k "
                                 "selection near-tie (sparse attention) not compared"
                                 if check["selection_near_ties"] else ""))
+        if check["selection_rows_compared"]:
+            summary["selections"] = _selection_line(check)
         summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
                                  f"of the wall time)")
     else:
@@ -510,6 +535,17 @@ def render(result: dict[str, Any]) -> str:
     summary["wall time"] = f"{result['wall_seconds']} s"
     lines.extend(f"{key:<16}{value}" for key, value in summary.items())
     return "\n".join(lines)
+
+
+def _selection_line(check: dict[str, Any]) -> str:
+    """A sparse model's selections against float64's (the check attends to the engine's)."""
+    shared = check["selection_keys_shared"] / max(check["selection_keys"], 1)
+    return (f"the engine's own top-k fed to the float64 reference; vs its own top-k on "
+            f"{check['selection_rows_compared']} rows: {shared:.2%} of "
+            f"{check['selection_keys']} keys shared, {check['selection_differences']} rows "
+            f"selected otherwise, {check['selection_mismatches']} of them beyond rounding "
+            f"(largest violation {check['selection_max_violation']:.2e}, limit "
+            f"{check['selection_limit']:.2e} of the row's largest score)")
 
 
 def run(args: argparse.Namespace) -> int:
