@@ -26,9 +26,6 @@ import torch
 __all__ = ["check_keep_selections", "checked_selections", "pack_positions", "selection_bytes",
            "unpack_positions"]
 
-_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
 def selection_bytes(keys: int) -> int:
     """The bytes of one row's bitmask over ``keys`` positions."""
     return (keys + 7) // 8
@@ -43,9 +40,12 @@ def pack_positions(positions: torch.Tensor, keys: int) -> torch.Tensor:
     room = 8 * selection_bytes(keys)
     mask = torch.zeros(flat.shape[0], room + 1, dtype=torch.bool, device=positions.device)
     mask.scatter_(1, torch.where((flat >= 0) & (flat < room), flat, room), True)
-    weights = torch.tensor(_BITS, dtype=torch.int32, device=positions.device)
-    bits = (mask[:, :room].view(-1, room // 8, 8).to(torch.int32) * weights).sum(dim=-1)
-    return bits.to(torch.uint8).view(*lead, room // 8)
+    # bit by bit in uint8: nothing wider than the bitmask itself, nothing copied from the host
+    eighths = mask[:, :room].view(-1, room // 8, 8).to(torch.uint8)
+    bits = eighths[..., 0].clone()
+    for b in range(1, 8):
+        bits |= eighths[..., b] << b
+    return bits.view(*lead, room // 8)
 
 
 def unpack_positions(bits: torch.Tensor) -> torch.Tensor:
