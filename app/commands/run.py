@@ -45,9 +45,6 @@ from app.config import EngineConfig, dtype_name
 HELP = ("run the main job: serve many requests (prefill + decode) on a DeepSeek model (random, "
         "or --model DIR), checked against float64")
 
-#: The float64 check runs in this many groups of requests, the progress shown after each
-#: (each group runs the last layer's feed-forward once over its rows).
-CHECK_GROUPS = 8
 #: Said when a native kernel library starts compiling (first use on a machine).
 COMPILING = "compiling the native kernels (first run, ~20 s)"
 
@@ -239,72 +236,17 @@ def _serve(engine: Any, total_tokens: int, show: bool, stream: IO[str] | None) -
     return outputs
 
 
-def _groups(items: list[Any], count: int) -> list[list[Any]]:
-    """``items`` in at most ``count`` consecutive groups of near-equal size."""
-    size = max(1, math.ceil(len(items) / count))
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
 def _check_all(engine: Any, outputs: list[Any], prefill_rows: int, decode_rows: int,
                dtype: torch.dtype, show: bool = False,
                stream: IO[str] | None = None) -> dict[str, Any]:
-    from app.mla.checks import check_generations, derived_tolerance, tolerance_rule
-    from app.model.reference import ReferenceModel, reference_tolerance, routing_tolerance
+    from app.mla.checks import check_engine_outputs
 
-    start = time.perf_counter()
-    reference = ReferenceModel(engine.weights)
-    cache_dtype = engine.config.cache.kv_cache_dtype
-    # what the dtype (and an FP8 cache) alone cost
-    plain = ReferenceModel(engine.weights, dtype=dtype, kv_cache_dtype=cache_dtype)
-    keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
-            "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
-            "token_mismatches", "routing_near_ties", "selection_near_ties")
-    totals = dict.fromkeys(keys, 0)
-    prefill_err = decode_err = prefill_abs = decode_abs = scale = dtype_err = 0.0
-    # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
-    # reuses the keys and values of the common prefix (across groups too: it keeps them).
-    ordered = sorted(outputs, key=lambda o: o.token_ids)
-    bar = ProgressBar(len(ordered), "check", stream=stream, enabled=show)
-    results: list[Any] = []
-    for group in _groups(ordered, CHECK_GROUPS):
-        results.extend(check_generations(reference, group,
-                                         None if prefill_rows < 0 else prefill_rows,
-                                         None if decode_rows < 0 else decode_rows,
-                                         routing_tolerance=routing_tolerance(dtype, cache_dtype),
-                                         dtype_reference=plain))
-        bar.update(len(results))
-    bar.close()
-    for result in results:
-        for key in keys:
-            totals[key] += getattr(result, key)
-        prefill_err = max(prefill_err, result.prefill_relative_error)
-        decode_err = max(decode_err, result.decode_relative_error)
-        prefill_abs = max(prefill_abs, result.prefill_max_abs_error)
-        decode_abs = max(decode_abs, result.decode_max_abs_error)
-        scale = max(scale, result.ref_max_abs)
-        dtype_err = max(dtype_err, result.dtype_relative_error)
-    tolerance = derived_tolerance(dtype, dtype_err)
-    passed = prefill_err <= tolerance and decode_err <= tolerance \
-        and totals["token_mismatches"] == 0
-    prefill_text = "every prefill row" if prefill_rows < 0 else (
-        f"at most {prefill_rows} prefill rows (the last 16, the others at a stride)")
-    decode_text = "every decode row" if decode_rows < 0 else (
-        f"at most {decode_rows} decode rows (the first 8 and the last 8, the others at a "
-        f"stride)")
-    sample = (f"per request: {prefill_text}, {decode_text}; the tokens those rows chose")
-    return {"enabled": True, "reference": "the dense float64 model, teacher-forced on each "
-            "final sequence (prompt + generated)", "sample": sample, **totals,
-            "prefill_max_relative_error": prefill_err, "decode_max_relative_error": decode_err,
-            "prefill_max_abs_error": prefill_abs, "decode_max_abs_error": decode_abs,
-            "ref_max_abs": scale, "max_relative_error": max(prefill_err, decode_err),
-            "dtype_max_relative_error": dtype_err, "tolerance": tolerance,
-            "tolerance_floor": reference_tolerance(dtype),
-            "tolerance_rule": tolerance_rule(dtype, cache_dtype),
-            "routing_tolerance": routing_tolerance(dtype, cache_dtype),
-            "passed": passed,
-            "reference_tokens_reused": reference.reused_tokens,
-            "reference_tokens_computed": reference.computed_tokens,
-            "seconds": round(time.perf_counter() - start, 3)}
+    bar = ProgressBar(len(outputs), "check", stream=stream, enabled=show)
+    try:
+        return check_engine_outputs(engine, outputs, prefill_rows, decode_rows, dtype,
+                                    progress=bar.update)
+    finally:
+        bar.close()
 
 
 def _say(show: bool, stream: IO[str] | None, text: str) -> None:
@@ -379,8 +321,15 @@ def _execute(args: argparse.Namespace, stream: IO[str] | None, threads: str
     explanation = explain_mla_prefill_selection(config, container=container)
     decode_explanation = explain_mla_decode_selection(
         config, query_len=1 + args.speculative_tokens, container=container)
+    # A sparse model's check attends to the engine's own selections (app.mla.checks): every
+    # computed row's, since a sampled row reads the keys the rows before it computed from
+    # theirs. Kept as bitmasks (app.model.sparse.selections: S / 8 bytes per row and indexer
+    # layer, whatever index_topk is): ~1.5 GB for the default workload on a real V3.2, not the
+    # ~35 GB of int32 positions.
     engine = MLAEngine(container, weights=built.weights, step_tokens=args.step_tokens,
-                       num_speculative_tokens=args.speculative_tokens)
+                       num_speculative_tokens=args.speculative_tokens,
+                       keep_selections=not args.no_check
+                       and built.weights.config.indexer is not None)
     workload = make_workload(args.num_requests, args.min_len, args.max_len,
                              engine.model.vocab_size, seed=args.seed,
                              min_new_tokens=args.min_new_tokens,
@@ -579,7 +528,10 @@ def render(result: dict[str, Any]) -> str:
             f"({check['ref_max_abs']:.2f}) vs dense float64; tolerance "
             f"{check['tolerance']:.2e}: {verdict}")
         summary["tolerance"] = (f"{check['tolerance_rule']}; that model's error here: "
-                                f"{check['dtype_max_relative_error']:.2e}")
+                                f"{check['dtype_max_relative_error']:.2e}"
+                                + (f" ({check['dtype_route_differences']} rows where it chose "
+                                   "other experts than float64 left out)"
+                                   if check["dtype_route_differences"] else ""))
         summary["rows checked"] = (
             f"prefill {check['prefill_rows_checked']} of {check['prefill_rows_computed']}, "
             f"decode {check['decode_rows_checked']} of {check['decode_rows_computed']} "
@@ -593,6 +545,8 @@ def render(result: dict[str, Any]) -> str:
                              + (f"; {check['selection_near_ties']} rows with a top-k "
                                 "selection near-tie (sparse attention) not compared"
                                 if check["selection_near_ties"] else ""))
+        if check["selection_rows_compared"]:
+            summary["selections"] = _selection_line(check)
         summary["check time"] = (f"{check['seconds']} s ({result['check_share_of_wall']:.0%} "
                                  f"of the wall time)")
     else:
@@ -600,6 +554,17 @@ def render(result: dict[str, Any]) -> str:
     summary["wall time"] = f"{result['wall_seconds']} s"
     lines.extend(f"{key:<16}{value}" for key, value in summary.items())
     return "\n".join(lines)
+
+
+def _selection_line(check: dict[str, Any]) -> str:
+    """A sparse model's selections against float64's (the check attends to the engine's)."""
+    shared = check["selection_keys_shared"] / max(check["selection_keys"], 1)
+    return (f"the engine's own top-k fed to the float64 reference; vs its own top-k on "
+            f"{check['selection_rows_compared']} rows: {shared:.2%} of "
+            f"{check['selection_keys']} keys shared, {check['selection_differences']} rows "
+            f"selected otherwise, {check['selection_mismatches']} of them beyond rounding "
+            f"(largest violation {check['selection_max_violation']:.2e}, limit "
+            f"{check['selection_limit']:.2e} of the row's largest score)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,9 +12,20 @@ flip beyond that means a token came from the wrong row or a wrong logit.
 Rows whose routing margin (``ReferenceModel``: the gap between the last expert or group chosen
 and the first left out, in any MoE layer) is within the engine dtype's rounding
 (``ROUTING_TOLERANCES``) may legitimately take other experts: they are counted as routing
-near-ties and left out of the error and the token check. A sparse model's rows whose top-k
-selection is as near a tie in any layer (the selection margin, ``SELECTION_TOLERANCES``) may
-legitimately attend to another key: counted as selection near-ties and left out the same way.
+near-ties and left out of the error and the token check.
+
+A sparse model's outputs that carry the engine's own selections (``RequestOutput.selections``:
+``MLAEngine(keep_selections=True)``) are checked with them: the float64 reference (and the
+dense model in the engine's dtype, which sets the tolerance) attend to the positions the engine
+selected, so every row is compared at the dense model's tolerance (a wrong attention output in
+a sparse layer fails as it would in a dense one), and the selections are compared apart: per
+row and layer with an indexer, the keys both selected (``selection_overlap``) and, where they
+differ, how far the engine's selection is from one the float64 scores allow (its *violation*,
+relative to the row's largest score: ``app.model.sparse.reference.compare_selection``). A
+difference within ``SELECTION_TOLERANCES`` of the dtype is a selection near-tie (rounding), one
+beyond it a selection mismatch, which fails the check. Without them (an engine that did not
+keep them), rows whose float64 top-k is that near a tie in any layer (the selection margin) may
+attend to another key and are left out of the comparison (``selection_near_ties``).
 
 The tolerance follows the dtype (``derived_tolerance``): the same dense model computed plainly in
 the engine's dtype (``ReferenceModel(weights, dtype)``, as transformers computes it; with an
@@ -37,7 +48,9 @@ prompt prefix is computed once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -49,10 +62,11 @@ from app.model.reference import (
     ReferenceModel,
     ReferenceRows,
     reference_tolerance,
+    routing_tolerance,
 )
 
 __all__ = ["DTYPE_ERROR_FACTOR", "GenerationCheck", "check_generation", "check_generations",
-           "derived_tolerance", "sample_rows", "tolerance_rule"]
+           "derived_tolerance", "sample_rows", "selection_limit", "tolerance_rule"]
 
 #: How many times the error of the plain dense model in the engine's dtype (against float64,
 #: on the same rows) the engine's own error may be.
@@ -69,6 +83,15 @@ def derived_tolerance(dtype: torch.dtype, dtype_relative_error: float) -> float:
     if not math.isfinite(dtype_relative_error):
         return floor
     return max(floor, DTYPE_ERROR_FACTOR * dtype_relative_error)
+
+
+def selection_limit(dtype: torch.dtype, tolerance: float) -> float:
+    """The largest violation of an engine's selection (``GenerationCheck.selection_violations``)
+    that rounding explains: ``max(SELECTION_TOLERANCES[dtype], tolerance)`` with ``tolerance``
+    the relative error accepted in the outputs (``derived_tolerance``): the float64 index
+    scores would have to move, relative to the row's largest, by no more than the outputs may
+    (the indexer reads the same inputs, rounded alike)."""
+    return max(SELECTION_TOLERANCES.get(dtype, 0.0), tolerance)
 
 
 def tolerance_rule(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
@@ -119,7 +142,13 @@ class GenerationCheck:
     largest absolute error per path, the reference's scale, the token verdicts, and the
     largest absolute error of the dense model computed in the engine's dtype on the same rows
     (``dtype_max_abs_error``; 0 when not measured), and a sparse model's rows left out for a
-    top-k selection near a tie (``selection_near_ties``)."""
+    top-k selection near a tie (``selection_near_ties``; only without the engine's
+    selections). Given the engine's selections (see the module): the rows whose selections
+    were compared, the keys the reference selected and how many of them the engine did too
+    (summed over the indexer layers), and the violation of each row that selected otherwise
+    (largest first; ``selection_mismatches``). ``dtype_route_differences``: rows where the
+    dense model in the engine's dtype chose other experts than float64 in some MoE layer,
+    left out of ``dtype_max_abs_error`` (a different expert is no measure of rounding)."""
 
     request_id: str
     prefill_rows_checked: int
@@ -136,6 +165,28 @@ class GenerationCheck:
     routing_near_ties: int = 0
     dtype_max_abs_error: float = 0.0
     selection_near_ties: int = 0
+    selection_rows_compared: int = 0
+    selection_keys: int = 0
+    selection_keys_shared: int = 0
+    selection_violations: tuple[float, ...] = ()
+    dtype_route_differences: int = 0
+
+    @property
+    def selection_overlap(self) -> float:
+        """The share of the reference's selected keys the engine selected too (1.0 when none
+        was compared)."""
+        return 1.0 if not self.selection_keys else self.selection_keys_shared / self.selection_keys
+
+    @property
+    def selection_max_violation(self) -> float:
+        """The largest violation of a row's selection (0 when every row selected as the
+        reference did)."""
+        return max(self.selection_violations, default=0.0)
+
+    def selection_mismatches(self, limit: float) -> int:
+        """Rows whose selection's violation is beyond ``limit`` (``selection_limit``): a
+        selection rounding does not explain."""
+        return sum(v > limit for v in self.selection_violations)
 
     @property
     def prefill_relative_error(self) -> float:
@@ -207,8 +258,11 @@ def check_generations(reference: ReferenceModel, outputs: Sequence[RequestOutput
         sampled.append((output, kinds, sample_rows(kinds, max_prefill_rows,
                                                    max_decode_rows=max_decode_rows)))
     todo = [(o.token_ids, rows) for o, _, rows in sampled if rows.numel()]
-    refs = iter(reference.outputs_many(todo))
-    plain = iter(dtype_reference.outputs_many(todo) if dtype_reference is not None else ())
+    given = [o.selections for o, _, rows in sampled if rows.numel()]
+    chosen = given if any(g is not None for g in given) else None
+    refs = iter(reference.outputs_many(todo, chosen))
+    plain = iter(dtype_reference.outputs_many(todo, chosen) if dtype_reference is not None
+                 else ())
     return [_evaluate(reference, output, kinds, rows, next(refs), routing_tolerance,
                       next(plain, None), selection_tolerance)
             if rows.numel() else
@@ -228,7 +282,7 @@ def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Ten
         else routing_tolerance
     routing_clear = ref.margins > tolerance
     selection_clear = torch.ones_like(routing_clear)
-    if ref.selection_margins is not None:
+    if ref.selection_margins is not None and ref.selection_compared is None:
         limit = SELECTION_TOLERANCES.get(output.hidden.dtype, 0.0) \
             if selection_tolerance is None else selection_tolerance
         selection_clear = ref.selection_margins > limit
@@ -257,6 +311,8 @@ def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Ten
         tie = ~same & (ref_best - ref_chosen <= err + 1e-9 * ref_best.abs())
         agree, ties = int(same.sum()), int(tie.sum())
         mismatches = int((~same & ~tie).sum())
+    plain_error, route_differences = _plain_error(plain, ref, clear)
+    compared, keys, shared, violations = _selections(ref.selection_compared, routing_clear)
     return GenerationCheck(
         request_id=output.request_id,
         prefill_rows_checked=int((~is_decode).sum()),
@@ -268,6 +324,116 @@ def _evaluate(reference: ReferenceModel, output: RequestOutput, kinds: torch.Ten
         ref_max_abs=_max_error(ref.hidden, torch.zeros_like(ref.hidden)),  # NaN: inf
         tokens_checked=agree + ties + mismatches, tokens_agreeing=agree, near_ties=ties,
         token_mismatches=mismatches, routing_near_ties=int((~routing_clear).sum()),
-        dtype_max_abs_error=0.0 if plain is None else _max_error(
-            plain.hidden[clear].to(dtype=torch.float64), want),
-        selection_near_ties=int((~selection_clear).sum()))
+        selection_near_ties=int((~selection_clear).sum()),
+        dtype_max_abs_error=plain_error, dtype_route_differences=route_differences,
+        selection_rows_compared=compared, selection_keys=keys, selection_keys_shared=shared,
+        selection_violations=violations)
+
+
+def _plain_error(plain: ReferenceRows | None, ref: ReferenceRows, clear: torch.Tensor
+                 ) -> tuple[float, int]:
+    """``dtype_max_abs_error`` of the plain dense model ``plain`` on the ``clear`` rows it
+    routed as float64 did, and how many it routed otherwise."""
+    if plain is None:
+        return 0.0, 0
+    same = torch.ones_like(clear) if plain.routes is None or ref.routes is None \
+        else plain.routes == ref.routes
+    rows = clear & same
+    return (_max_error(plain.hidden[rows].to(dtype=torch.float64), ref.hidden[rows]),
+            int((clear & ~same).sum()))
+
+
+def _selections(compared: torch.Tensor | None, routing_clear: torch.Tensor
+                ) -> tuple[int, int, int, tuple[float, ...]]:
+    """The ``GenerationCheck`` fields of the selection comparison (``compared``:
+    ``ReferenceRows.selection_compared``) on the rows without a routing near-tie (their
+    inputs may legitimately differ): rows compared, keys, keys shared, violations."""
+    if compared is None:
+        return 0, 0, 0, ()
+    rows = compared[routing_clear & (compared[:, 1] > 0)]
+    other = rows[(rows[:, 0] < rows[:, 1]) | (rows[:, 2] > 0)]
+    return (int(rows.shape[0]), int(rows[:, 1].sum()), int(rows[:, 0].sum()),
+            tuple(sorted(other[:, 2].tolist(), reverse=True)))
+
+# -- the whole check of one engine run (``python -m app run``) ----------------------------
+
+#: The check runs in this many groups of requests, so that progress can be shown after each
+#: (each group runs the last layer's feed-forward once over its rows).
+CHECK_GROUPS = 8
+
+
+def _groups(items: list[Any], count: int) -> list[list[Any]]:
+    """``items`` in at most ``count`` consecutive groups of near-equal size."""
+    size = max(1, math.ceil(len(items) / count))
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def check_engine_outputs(engine: Any, outputs: Sequence[RequestOutput], prefill_rows: int,
+                         decode_rows: int, dtype: torch.dtype,
+                         progress: Callable[[int], object] | None = None) -> dict[str, Any]:
+    """``run``'s float64 check of an engine's finished requests, as one JSON-ready summary:
+    every request teacher-forced through the dense float64 model (``prefill_rows`` /
+    ``decode_rows`` sampled per request; -1: every row), the tolerance derived from the same
+    model computed in ``dtype``, the tokens and, for a sparse model, the selections compared.
+    ``progress(n)`` is told how many requests are checked after each group of them."""
+    start = time.perf_counter()
+    reference = ReferenceModel(engine.weights)
+    cache_dtype = engine.config.cache.kv_cache_dtype
+    # what the dtype (and an FP8 cache) alone cost
+    plain = ReferenceModel(engine.weights, dtype=dtype, kv_cache_dtype=cache_dtype)
+    keys = ("prefill_rows_checked", "prefill_rows_computed", "decode_rows_checked",
+            "decode_rows_computed", "tokens_checked", "tokens_agreeing", "near_ties",
+            "token_mismatches", "routing_near_ties", "selection_near_ties",
+            "selection_rows_compared", "selection_keys", "selection_keys_shared",
+            "dtype_route_differences")
+    totals = dict.fromkeys(keys, 0)
+    prefill_err = decode_err = prefill_abs = decode_abs = scale = dtype_err = 0.0
+    # Sorted by tokens: requests sharing a prompt prefix are adjacent, and the reference
+    # reuses the keys and values of the common prefix (across groups too: it keeps them).
+    ordered = sorted(outputs, key=lambda o: o.token_ids)
+    results: list[Any] = []
+    for group in _groups(ordered, CHECK_GROUPS):
+        results.extend(check_generations(reference, group,
+                                         None if prefill_rows < 0 else prefill_rows,
+                                         None if decode_rows < 0 else decode_rows,
+                                         routing_tolerance=routing_tolerance(dtype, cache_dtype),
+                                         dtype_reference=plain))
+        if progress is not None:
+            progress(len(results))
+    for result in results:
+        for key in keys:
+            totals[key] += getattr(result, key)
+        prefill_err = max(prefill_err, result.prefill_relative_error)
+        decode_err = max(decode_err, result.decode_relative_error)
+        prefill_abs = max(prefill_abs, result.prefill_max_abs_error)
+        decode_abs = max(decode_abs, result.decode_max_abs_error)
+        scale = max(scale, result.ref_max_abs)
+        dtype_err = max(dtype_err, result.dtype_relative_error)
+    tolerance = derived_tolerance(dtype, dtype_err)
+    limit = selection_limit(dtype, tolerance)
+    violations = [v for result in results for v in result.selection_violations]
+    totals["selection_differences"] = len(violations)
+    totals["selection_mismatches"] = sum(result.selection_mismatches(limit)
+                                         for result in results)
+    passed = prefill_err <= tolerance and decode_err <= tolerance \
+        and totals["token_mismatches"] == 0 and totals["selection_mismatches"] == 0
+    prefill_text = "every prefill row" if prefill_rows < 0 else (
+        f"at most {prefill_rows} prefill rows (the last 16, the others at a stride)")
+    decode_text = "every decode row" if decode_rows < 0 else (
+        f"at most {decode_rows} decode rows (the first 8 and the last 8, the others at a "
+        f"stride)")
+    sample = (f"per request: {prefill_text}, {decode_text}; the tokens those rows chose")
+    return {"enabled": True, "reference": "the dense float64 model, teacher-forced on each "
+            "final sequence (prompt + generated)", "sample": sample, **totals,
+            "prefill_max_relative_error": prefill_err, "decode_max_relative_error": decode_err,
+            "prefill_max_abs_error": prefill_abs, "decode_max_abs_error": decode_abs,
+            "ref_max_abs": scale, "max_relative_error": max(prefill_err, decode_err),
+            "dtype_max_relative_error": dtype_err, "tolerance": tolerance,
+            "tolerance_floor": reference_tolerance(dtype),
+            "tolerance_rule": tolerance_rule(dtype, cache_dtype),
+            "routing_tolerance": routing_tolerance(dtype, cache_dtype),
+            "selection_limit": limit, "selection_max_violation": max(violations, default=0.0),
+            "passed": passed,
+            "reference_tokens_reused": reference.reused_tokens,
+            "reference_tokens_computed": reference.computed_tokens,
+            "seconds": round(time.perf_counter() - start, 3)}

@@ -44,11 +44,10 @@ call's step finished them (see ``run``).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -66,7 +65,7 @@ from app.kvcache.grouping import (
     get_kv_cache_groups,
 )
 from app.kvcache.kv_cache_manager import KVCacheManager
-from app.mla.nonfinite import decode_rows_alone, trusted_rows, verify_rows
+from app.mla.nonfinite import decode_error, non_finite_rows, trusted_rows, verify_rows
 from app.mla.requests import (
     EngineStats,
     FinishReason,
@@ -80,10 +79,11 @@ from app.mla.requests import (
 from app.mla.scheduler import RequestState, Scheduler, SchedulerOutput
 from app.mla.speculative import NgramDrafter
 from app.model.cache import check_cache_fits
-from app.model.model import DeepseekModel, GreedyChoice, Watch, default_compute_dtype
+from app.model.model import DeepseekModel, default_compute_dtype
 from app.model.prefill import PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.sparse.kv_spec import model_kv_cache_specs
+from app.model.sparse.selections import check_keep_selections
 from app.model.weights import ModelWeights
 
 if TYPE_CHECKING:
@@ -101,7 +101,9 @@ class MLAEngine:
     scale: build it with ``DeepseekConfig.model_config``). ``step_tokens`` is the token budget
     per step, ``max_num_seqs`` the most running requests, ``num_speculative_tokens`` the
     n-gram drafts verified per decode step (0: plain decoding). ``keep_outputs=False`` drops
-    the per-row outputs (benchmarks). ``timer`` charges each phase of each step.
+    the per-row outputs (benchmarks); ``keep_selections=True`` (a sparse model, with
+    ``keep_outputs``) also keeps every row's selections (``RequestOutput.selections``: bitmasks,
+    ``S / 8`` bytes per row and indexer layer). ``timer`` charges each step's phases.
     ``decode_batch_sizes`` pads each decode step's batch up to the smallest that holds it
     (``DeepseekModel``; none by default).
     """
@@ -109,8 +111,8 @@ class MLAEngine:
     def __init__(self, container: Application | None = None, *, weights: ModelWeights,
                  step_tokens: int = 8192, max_num_seqs: int = 256,
                  num_speculative_tokens: int = 0, keep_outputs: bool = True,
-                 timer: PhaseTimer | None = None, decode_batch_sizes: Sequence[int] = ()
-                 ) -> None:
+                 timer: PhaseTimer | None = None, decode_batch_sizes: Sequence[int] = (),
+                 keep_selections: bool = False) -> None:
         check_int_at_least("step_tokens", step_tokens, 1)
         check_int_at_least("max_num_seqs", max_num_seqs, 1)
         check_int("MLAEngine: num_speculative_tokens", num_speculative_tokens, 0,
@@ -130,6 +132,7 @@ class MLAEngine:
         if not isinstance(weights, ModelWeights):
             raise TypeError(f"MLAEngine: weights must be app.model.ModelWeights (load_checkpoint "
                             f"or random_weights), got {type(weights).__name__}")
+        check_keep_selections(keep_selections, keep_outputs, weights.config.indexer is not None)
         config: EngineConfig = container.config()
         self.config = config
         self.container = container
@@ -181,6 +184,7 @@ class MLAEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self.step_tokens = step_tokens
         self.keep_outputs = keep_outputs
+        self.keep_selections = self.model.record_selections = keep_selections
         self.stats = EngineStats()
         self._states: dict[str, RequestState] = {}
         self.initial_free_blocks = self.kv_manager.num_free_blocks
@@ -268,6 +272,8 @@ class MLAEngine:
             ngram_index=self.drafter.new_index(tokens) if self.drafter else None)
         if self.keep_outputs:
             state.kept_rows = []
+        if self.keep_selections:
+            state.kept_selections = []
         self._states[rid] = state
         self.scheduler.add(state)
 
@@ -346,12 +352,14 @@ class MLAEngine:
                              for st, done, n in sched.prefill])
             plan = self.model.plan_prefill(batch)
         hidden = self.model.prefill(ids, plan)
+        chosen = self.model.take_selections()
         last_rows: list[int] = []
         completing: list[RequestState] = []
         with self.timer.phase("schedule"):
             offset = 0
             for st, done, n in sched.prefill:
                 st.keep_rows(done, hidden[offset:offset + n], RowKind.PREFILL)
+                st.keep_selection_rows(done, chosen, offset, n)
                 self.kv_manager.cache_blocks(st.kv, done + n)
                 offset += n
                 if done + n == st.num_tokens:
@@ -360,8 +368,8 @@ class MLAEngine:
         if completing:
             rows = torch.tensor(last_rows, dtype=torch.int64, device=hidden.device)
             choice = self.model.greedy(hidden.index_select(0, rows))
-            bad = self._non_finite(choice, lambda watch: self.model.prefill(ids, plan,
-                                                                             watch=watch))
+            bad = non_finite_rows(self.model, self.stats.steps + 1, choice,
+                                  lambda watch: self.model.prefill(ids, plan, watch=watch))
             with self.timer.phase("schedule"):
                 for i, st in enumerate(completing):
                     if i in bad:
@@ -384,6 +392,7 @@ class MLAEngine:
                 ids.extend(st.drafts if k else ())
             token_ids = torch.tensor(ids, dtype=torch.int64)
         hidden = self.model.decode(token_ids, plan)
+        chosen = self.model.take_selections()
         choice = self.model.greedy(hidden)
         hidden, choice, first_bad = trusted_rows(
             self.model, self.decode_backend_class, tables, dones, ids, q, hidden, choice)
@@ -401,6 +410,7 @@ class MLAEngine:
                     failing.append(b)    # its next token needs a non-finite row
                 computed = 1 + min(verdict.accepted, len(out) - 1)  # the last emitted is not
                 st.keep_rows(done, hidden[b * q:b * q + computed], RowKind.DECODE)
+                st.keep_selection_rows(done, chosen, b * q, computed)
                 self.kv_manager.cache_blocks(st.kv, done + computed)
                 if k:
                     st.num_draft_tokens += k
@@ -410,29 +420,11 @@ class MLAEngine:
                 st.drafts = []
                 count += len(out)
         if failing:
-            message = self._locate(lambda watch: decode_rows_alone(
-                self.model, tables, dones, ids, q, watch, only=failing))
+            message = decode_error(self.model, self.stats.steps + 1, tables, dones, ids, q,
+                                   failing)
             for b in failing:
                 self._fail(states[b], message, reasons)
         return count
-
-    def _non_finite(self, choice: GreedyChoice, rerun: Callable[[Watch], torch.Tensor]
-                    ) -> dict[int, str]:
-        """The rows of ``choice`` whose logits were not finite (a NaN or +inf logit makes the
-        row's log-probability NaN or infinite), each with the error to report; empty when
-        all are finite (the only cost on the hot path). ``rerun(watch)`` runs the step again
-        to find the first stage that produced the non-finite value."""
-        rows = [i for i, logprob in enumerate(choice.logprobs) if not math.isfinite(logprob)]
-        if not rows:
-            return {}
-        return dict.fromkeys(rows, self._locate(rerun))
-
-    def _locate(self, rerun: Callable[[Watch], torch.Tensor]) -> str:
-        """The error naming the first non-finite stage when ``rerun(watch)`` reruns a step."""
-        where = self.model.locate_non_finite(rerun)
-        return (f"the model's logits are not finite (NaN or infinite) in step "
-                f"{self.stats.steps + 1}; the first stage that produced a non-finite value: "
-                f"{where}")
 
     def _fail(self, st: RequestState, message: str, reasons: dict[str, FinishReason]) -> None:
         """End ``st`` with ``FinishReason.ERROR`` (no token emitted from a non-finite row)."""
@@ -495,7 +487,9 @@ class MLAEngine:
             num_cached_tokens=max(st.num_cached_tokens, 0),
             num_preemptions=st.num_preemptions, logit_margins=tuple(st.logit_margins),
             logprobs=tuple(st.logprobs), metrics=metrics, hidden=hidden, row_kinds=kinds,
-            error=self._errors.pop(st.request_id, None))
+            error=self._errors.pop(st.request_id, None),
+            selections=st.kept_selection_bits(
+                sum(i is not None for i in self.model.indexers), total))
 
     def run(self, requests: Iterable[Request] = ()) -> list[RequestOutput]:
         """Add ``requests`` and step until every one of them is finished; exactly their

@@ -24,7 +24,7 @@ row is non-finite.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -33,8 +33,40 @@ from app.backends.decode.base import MLADecodeBackend
 from app.mla.speculative import accept_greedy
 from app.model.model import DeepseekModel, GreedyChoice, Watch
 
-__all__ = ["RowsVerdict", "decode_rows_alone", "first_nonfinite_rows", "one_row_per_request",
-           "recheck_rows_alone", "trusted_rows", "verify_rows"]
+__all__ = ["RowsVerdict", "decode_error", "decode_rows_alone", "first_nonfinite_rows",
+           "locate_error",
+           "non_finite_rows", "one_row_per_request", "recheck_rows_alone", "trusted_rows",
+           "verify_rows"]
+
+
+def non_finite_rows(model: DeepseekModel, step: int, choice: GreedyChoice,
+                    rerun: Callable[[Watch], torch.Tensor]) -> dict[int, str]:
+    """The rows of ``choice`` whose logits were not finite (a NaN or +inf logit makes the
+    row's log-probability NaN or infinite), each with the error to report; empty when all are
+    finite (the only cost on the hot path). ``rerun(watch)`` runs the step (the engine's
+    ``step``-th) again to find the first stage that produced the non-finite value."""
+    rows = [i for i, logprob in enumerate(choice.logprobs) if not math.isfinite(logprob)]
+    if not rows:
+        return {}
+    return dict.fromkeys(rows, locate_error(model, step, rerun))
+
+
+def decode_error(model: DeepseekModel, step: int, tables: Sequence[torch.Tensor],
+                 dones: Sequence[int], ids: Sequence[int], query_len: int,
+                 failing: Sequence[int]) -> str:
+    """``locate_error`` of a decode step whose requests ``failing`` (batch indices) need a
+    non-finite row, their rows run again alone (``decode_rows_alone``)."""
+    return locate_error(model, step, lambda watch: decode_rows_alone(
+        model, tables, dones, ids, query_len, watch, only=failing))
+
+
+def locate_error(model: DeepseekModel, step: int, rerun: Callable[[Watch], torch.Tensor]
+                 ) -> str:
+    """The error naming the first non-finite stage when ``rerun(watch)`` reruns the engine's
+    ``step``-th step."""
+    where = model.locate_non_finite(rerun)
+    return (f"the model's logits are not finite (NaN or infinite) in step {step}; the first "
+            f"stage that produced a non-finite value: {where}")
 
 
 @attrs.frozen

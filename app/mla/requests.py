@@ -118,6 +118,11 @@ class RequestOutput:
     holds the final normed hidden state (the LM head's input) of every row the request
     computed and ``row_kinds [S]`` (int8, ``RowKind``) says how; rows it did not compute are
     zero. ``error`` says why a request ended with ``FinishReason.ERROR`` (None otherwise).
+    A sparse model's engine built with ``keep_selections=True`` also gives ``selections
+    [indexer layers, S, ceil(S / 8)]`` uint8: the positions each row attended to in each layer
+    with its own indexer as a bitmask (bit ``b`` of byte ``j``: position ``8 j + b``; an
+    all-zero row where ``row_kinds`` says not computed; ``app.model.sparse.selections``), for
+    the float64 check to attend alike (``app.mla.checks``).
     """
 
     request_id: str
@@ -132,6 +137,7 @@ class RequestOutput:
     hidden: torch.Tensor | None = None
     row_kinds: torch.Tensor | None = None
     error: str | None = None
+    selections: torch.Tensor | None = None
 
     @property
     def token_ids(self) -> tuple[int, ...]:

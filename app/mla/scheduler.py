@@ -38,6 +38,7 @@ from app.kvcache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from app.kvcache.request import KVCacheRequest
 from app.mla.requests import Request
 from app.mla.speculative import NgramIndex
+from app.model.sparse.selections import selection_bytes
 
 __all__ = ["KEPT_VIEWS", "RequestState", "RequestStatus", "Scheduler", "SchedulerOutput"]
 
@@ -78,7 +79,10 @@ class RequestState:
     ``num_blocks`` valid); ``kept_rows`` / ``kept_kinds`` the outputs kept so far when the
     engine keeps them (``keep_rows``: views of the steps' outputs, merged every
     ``KEPT_VIEWS`` steps and copied out by ``kept_outputs`` when the request finishes);
-    ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``).
+    ``hidden``/``row_kinds`` the kept outputs (``RequestOutput``); ``kept_selections`` a
+    sparse model's selections (bitmasks) of the rows computed, as ``(first row, [indexer
+    layers, rows, bytes])`` parts, when the engine keeps them (``keep_selection_rows``; None
+    otherwise).
     """
 
     request: Request
@@ -103,6 +107,33 @@ class RequestState:
     row_kinds: torch.Tensor | None = None
     kept_rows: list[tuple[int, torch.Tensor, bool]] | None = None
     kept_kinds: list[int] = attrs.field(factory=list)
+    kept_selections: list[tuple[int, torch.Tensor]] | None = None
+
+    def keep_selection_rows(self, start: int, chosen: torch.Tensor | None, first: int,
+                            n: int) -> None:
+        """Keep rows ``first..first + n`` of a step's selections ``chosen [indexer layers, T,
+        bytes]`` (uint8 bitmasks on the CPU, ``app.model.sparse.selections``) as this
+        request's rows ``start..start + n``, each cut to the positions those rows can see
+        (``ceil((start + n) / 8)`` bytes); nothing unless ``kept_selections`` is a list."""
+        if self.kept_selections is None or chosen is None or not n:
+            return
+        kept = self.kept_selections
+        while kept and kept[-1][0] >= start:   # run again after a preemption
+            kept.pop()
+        kept.append((start, chosen[:, first:first + n, :selection_bytes(start + n)].clone()))
+
+    def kept_selection_bits(self, layers: int, total: int) -> torch.Tensor | None:
+        """The kept selections as ``[layers, total, ceil(total / 8)]`` uint8 bitmasks (all
+        zero where none was kept; a later run of a row, after a preemption, over an earlier
+        one), None when none are kept. Releases them."""
+        kept, self.kept_selections = self.kept_selections, None
+        if kept is None:
+            return None
+        out = torch.zeros(layers, total, selection_bytes(total), dtype=torch.uint8)
+        for start, part in kept:
+            n = max(0, min(int(part.shape[1]), total - start))
+            out[:, start:start + n, :part.shape[2]] = part[:, :n]
+        return out
 
     def keep_rows(self, start: int, rows: torch.Tensor, kind: int) -> None:
         """Keep ``rows`` (a step's output rows; a view, not copied: a step costs no copy per

@@ -192,6 +192,13 @@ class DeepseekModel:
         chunk = config.attention.context_chunk_tokens
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
+        #: A sparse model: keep each step's selections (``last_selections``), for a check that
+        #: feeds them to the float64 reference (``MLAEngine(keep_selections=True)``).
+        self.record_selections = False
+        #: The last sparse step's selections when recording: ``[indexer layers, T, ceil(the
+        #: step's most visible keys / 8)]`` uint8 bitmasks (``app.model.sparse.selections``),
+        #: its rows those of the step's output.
+        self.last_selections: torch.Tensor | None = None
         self.indexers: list[LayerIndexer | None] = []
         self.key_caches: list[PagedLatentCache | None] = []
         self.sparse_executors: list[SparseMLAExecutor] = []
@@ -379,8 +386,10 @@ class DeepseekModel:
             if not isinstance(plan, SparsePrefillPlan):
                 raise TypeError("a sparse model's prefill needs its own plan: pass the batch, "
                                 "or model.plan_prefill(batch)")
-            sparse, step = self.sparse_executors, SparseSelection()
-            return self._layers(h, lambda i, x: sparse[i].run_prefill(x, plan, step), watch)
+            sparse, step = self.sparse_executors, self._selection()
+            out = self._layers(h, lambda i, x: sparse[i].run_prefill(x, plan, step), watch)
+            self._recorded(step)
+            return out
         executors = self.prefill_executors
         return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
 
@@ -398,11 +407,31 @@ class DeepseekModel:
             h = self.embed(token_ids)
         if self.is_sparse:
             sparse_plan = plan if isinstance(plan, SparseDecodePlan) else plan_sparse_decode(plan)
-            sparse, step = self.sparse_executors, SparseSelection()
-            return self._layers(h, lambda i, x: sparse[i].run_decode(x, sparse_plan, step),
-                                watch)
+            sparse, step = self.sparse_executors, self._selection()
+            out = self._layers(h, lambda i, x: sparse[i].run_decode(x, sparse_plan, step),
+                               watch)
+            self._recorded(step)
+            return out
         executors = self.decode_executors
         return self._layers(h, lambda i, x: executors[i].run_planned(x, plan), watch)
+
+    def take_selections(self) -> torch.Tensor | None:
+        """The last step's recorded selections (``last_selections``) on the CPU, None when
+        none (then forgotten: a rerun of the step does not replace them)."""
+        chosen, self.last_selections = self.last_selections, None
+        return None if chosen is None else chosen.cpu()
+
+    def _selection(self) -> SparseSelection:
+        """A step's selection state (recording when ``record_selections``)."""
+        return SparseSelection(self.record_selections)
+
+    def _recorded(self, step: SparseSelection) -> None:
+        """Keep ``step``'s recorded selections as ``last_selections`` (when recording)."""
+        if step.chosen:
+            width = max(int(c.shape[1]) for c in step.chosen)
+            self.last_selections = torch.stack([
+                torch.nn.functional.pad(c, (0, width - int(c.shape[1])), value=-1)
+                for c in step.chosen])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``hidden [N, D]`` -> logits ``[N, vocab]`` in the compute dtype."""

@@ -26,9 +26,10 @@ read back: ``app.kvcache.cache_dtypes``; the ``fp8`` scale the engine's): what t
 the cache cost together, which the check measures to derive an FP8 engine's tolerance.
 
 A sparse model (DeepSeek-V3.2, GLM-5) runs its indexer in the same dtype
-(``app.model.sparse.reference``): each row attends only to its selected positions, and each
-row also gets its smallest *selection margin* (how near its top-k was to a tie), which the
-checks treat as they treat routing margins (``SELECTION_TOLERANCES``).
+(``app.model.sparse.reference``); each row attends only to its selected positions and gets its
+smallest *selection margin*. Given the engine's selections (``outputs_many(...,
+selections=...)``), it attends to those instead, so the attention is compared without the
+selection's rounding, and compares them with its own (``ReferenceRows.selection_compared``).
 
 ``reference_attention`` is one MLA layer alone (for executor tests).
 """
@@ -48,10 +49,24 @@ from app.kvcache.cache_dtypes import (
     quantize_fp8_per_layer,
 )
 from app.model.attention import fp8_cache_scale
-from app.model.config import DeepseekConfig, MoEConfig
-from app.model.moe import route
+from app.model.config import DeepseekConfig
+from app.model.moe import (
+    FP8_CACHE_ROUTING_TOLERANCE,
+    ROUTE_PRIME,
+    ROUTING_TOLERANCES,
+    route,
+    route_hash,
+    routing_margins,
+    routing_tolerance,
+)
 from app.model.rope import apply_rope, rope_inv_freq
-from app.model.sparse.reference import SELECTION_TOLERANCES, SparseReference, selection_mask
+from app.model.sparse.reference import (
+    SELECTION_TOLERANCES,
+    SparseReference,
+    accumulate_comparisons,
+    checked_selections,
+    selection_mask,
+)
 from app.model.weights import AttentionWeights, MLPWeights, ModelWeights, MoEWeights
 
 __all__ = ["FP8_CACHE_ROUTING_TOLERANCE", "REFERENCE_CACHE_BYTES", "REFERENCE_TOLERANCES",
@@ -67,9 +82,8 @@ REFERENCE_CACHE_BYTES = 2 << 30
 TOKEN_MEMO_BYTES = 256 << 20
 
 #: The relative error (max abs error / the reference's max abs) always accepted per model
-#: dtype: a few units of the dtype's rounding over the model's chain of roundings (the engine
-#: rounds the residual stream, the latent cache, q/k/v and each projection's output). Measured
-#: on the main job's random model (bf16): 9.7e-3 at most over 1,520 rows. The floor of
+#: dtype: a few units of the dtype's rounding over the model's chain of roundings. Measured on
+#: the main job's random model (bf16): 9.7e-3 at most over 1,520 rows. The floor of
 #: ``app.mla.checks.derived_tolerance``, which widens it where the model's own rounding in its
 #: dtype, measured, is larger.
 REFERENCE_TOLERANCES: dict[torch.dtype, float] = {
@@ -77,34 +91,6 @@ REFERENCE_TOLERANCES: dict[torch.dtype, float] = {
     torch.float16: 4e-3,
     torch.bfloat16: 3e-2,
 }
-#: Routing margins (choice-score units) within which an engine of the dtype may route either
-#: way. Measured in bf16 on the main job's random model: every row whose experts differed from
-#: the float64 choice had a margin below 4.4e-3 (17 of 1,520 rows); 7.5e-3 leaves out ~8%.
-ROUTING_TOLERANCES: dict[torch.dtype, float] = {
-    torch.float32: 1e-5,
-    torch.float16: 1e-3,
-    torch.bfloat16: 7.5e-3,
-}
-
-
-#: The routing margin within which an engine with an FP8 latent cache (``fp8``, ``fp8_e4m3``,
-#: ``fp8_ds_mla``) may route either way, whatever its dtype: e4m3's 2^-4 moves each key and
-#: value by percents, the layer outputs by ~2-3%, the router's choice scores by up to ~0.025.
-#: Measured on the main job's random model in bf16 (3,600 rows of three sequences, the dense
-#: model with its keys and values through the cache against float64): every row whose output
-#: moved by more than 8% (a different expert set) had a margin below 0.0246 (fp8_ds_mla) /
-#: 0.0243 (fp8); 0.04 leaves out ~35% of the rows (bf16 alone: ~8%).
-FP8_CACHE_ROUTING_TOLERANCE = 0.04
-
-
-def routing_tolerance(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> float:
-    """The routing margin within which an engine may route either way: its dtype's
-    (``ROUTING_TOLERANCES``), or, with an FP8 latent cache, ``FP8_CACHE_ROUTING_TOLERANCE``
-    when that is wider."""
-    base = ROUTING_TOLERANCES.get(dtype, 0.0)
-    if canonical_kv_cache_dtype(kv_cache_dtype) == "auto":
-        return base
-    return max(base, FP8_CACHE_ROUTING_TOLERANCE)
 
 
 def reference_tolerance(dtype: torch.dtype) -> float:
@@ -129,34 +115,6 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
     if scores.dtype in _SIXTEEN_BIT:   # in float32, rounded back (transformers' eager path)
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
     return torch.softmax(scores, dim=-1)
-
-
-def routing_margins(logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None
-                    ) -> torch.Tensor:
-    """Per row of float64 router ``logits [T, E]``: the smallest gap between chosen and
-    unchosen groups and experts in the choice scores (inf when nothing was left out)."""
-    if moe.scoring_func == "sigmoid":
-        choice = logits.sigmoid() + (0 if bias is None else bias.double())
-    else:
-        choice = logits.softmax(dim=-1)
-    margin = torch.full((logits.shape[0],), float("inf"), dtype=torch.float64)
-    grouped = moe.topk_method != "greedy" and moe.n_group > moe.topk_group
-    if grouped:
-        g = choice.view(-1, moe.n_group, moe.experts_per_group)
-        scores = g.topk(2, dim=-1).values.sum(-1) if moe.scoring_func == "sigmoid" \
-            else g.amax(dim=-1)
-        top = scores.topk(moe.topk_group + 1, dim=-1).values
-        margin = torch.minimum(margin, top[:, -2] - top[:, -1])
-        keep = scores.topk(moe.topk_group, dim=-1).indices
-        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, keep, True)
-        allowed = mask.unsqueeze(-1).expand_as(g).reshape(choice.shape)
-        choice = choice.masked_fill(~allowed, float("-inf"))
-    k = moe.num_experts_per_tok
-    candidates = moe.topk_group * moe.experts_per_group if grouped else moe.n_routed_experts
-    if candidates > k:
-        top = choice.topk(k + 1, dim=-1).values
-        margin = torch.minimum(margin, top[:, -2] - top[:, -1])
-    return margin
 
 
 class _Weights64:
@@ -286,17 +244,18 @@ class _Layer64:
             torch.bmm(_softmax(scores), v[:, :end], out=out[:, b0:b0 + _ROW_BLOCK])
         return h_rows + out.transpose(0, 1).reshape(n, self.h * self.v) @ f(a.o_proj).t()
 
-    def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h + mlp(RMSNorm(h))`` of rows ``h [n, D]`` (any rows, any sequences), and their
-        routing margins."""
+    def feed_forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``h + mlp(RMSNorm(h))`` of rows ``h [n, D]`` (any rows, any sequences), their
+        routing margins and the experts they chose (``_routes``)."""
         x = _rms(h, self.f(self.w.post_attention_layernorm), self.c.rms_norm_eps)
-        mlp, margins = self._mlp(x)
-        return h + mlp, margins
+        mlp, margins, routes = self._mlp(x)
+        return h + mlp, margins, routes
 
     def forward(self, h_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, selected: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``attend`` then ``feed_forward``: the layer's outputs and the rows' margins."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``attend`` then ``feed_forward``: the layer's outputs, the rows' margins and
+        routes."""
         return self.feed_forward(self.attend(h_rows, rows, k, v, selected))
 
     def _swiglu(self, m: MLPWeights, x: torch.Tensor) -> torch.Tensor:
@@ -304,11 +263,12 @@ class _Layer64:
         inter = m.intermediate_size
         return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ self.f(m.down_proj).t()
 
-    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m = self.w.mlp
         inf = torch.full((x.shape[0],), float("inf"), dtype=torch.float64)
         if not isinstance(m, MoEWeights) or self.c.moe is None:
-            return self._swiglu(m, x), inf  # type: ignore[arg-type]
+            return (self._swiglu(m, x), inf,  # type: ignore[arg-type]
+                    torch.zeros(x.shape[0], dtype=torch.int64))
         moe = self.c.moe
         if self.dt == torch.float64:
             logits = x @ self.f(m.gate).t()
@@ -346,7 +306,8 @@ class _Layer64:
         out = routed.view(n, k, -1).sum(dim=1)
         if m.shared is not None:
             out += self._swiglu(m.shared, x)
-        return out, routing_margins(logits.double(), moe, None if bias is None else bias.double())
+        return (out, routing_margins(logits.double(), moe, None if bias is None else bias.double()),
+                route_hash(routing.experts))
 
 
 @attrs.frozen(eq=False)
@@ -357,9 +318,15 @@ class ReferenceRows:
 
     hidden: torch.Tensor
     margins: torch.Tensor
-    #: A sparse model's: each row's smallest selection margin over its layers
-    #: (``app.model.sparse.reference``; None for a dense model).
+    #: A sparse model's: each row's smallest selection margin (None for a dense model).
     selection_margins: torch.Tensor | None = None
+    #: Each row's experts in every MoE layer, hashed (``route_hash``; None: not computed).
+    #: (After ``selection_margins``: new fields go last, so positional calls keep working.)
+    routes: torch.Tensor | None = None
+    #: Given the engine's selections: ``[n, 3]`` float64 per row over its indexer layers: keys
+    #: both selected, keys the reference selected (0: the engine gave none, not compared) and
+    #: the largest violation (``compare_selection``). None when no selection was given.
+    selection_compared: torch.Tensor | None = None
 
 
 def _fit(buffer: torch.Tensor | None, dim: int, n: int, keep: int,
@@ -400,6 +367,7 @@ class ReferenceModel:
         # position of the previous sequence.
         self._hidden: list[torch.Tensor | None] = [None] * len(self.layers)
         self._margins: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._routes: list[torch.Tensor | None] = [None] * len(self.layers)
         self.reused_tokens = 0
         self.computed_tokens = 0
         self._lm_head_f32: torch.Tensor | None = None
@@ -414,6 +382,8 @@ class ReferenceModel:
         # A sparse model: per layer but the last, the smallest selection margin so far at every
         # position of the previous sequence.
         self._selection: list[torch.Tensor | None] = [None] * len(self.layers)
+        # ... and the comparison with the engine's selections so far (``ReferenceRows``).
+        self._compared: list[torch.Tensor | None] = [None] * len(self.layers)
 
     def _first_layer_keys_values(self, tokens: Sequence[int], start: int
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,28 +419,44 @@ class ReferenceModel:
             self._lm_head_f32 = self.weights.lm_head.float()
         return (hidden.float() @ self._lm_head_f32.t()).argmax(dim=1)
 
-    def outputs(self, token_ids: Sequence[int], rows: torch.Tensor) -> ReferenceRows:
-        """The final normed hidden state and routing margin at ``rows`` (sorted int64)."""
-        return self.outputs_many([(token_ids, rows)])[0]
+    def outputs(self, token_ids: Sequence[int], rows: torch.Tensor,
+                selections: torch.Tensor | None = None) -> ReferenceRows:
+        """The final normed hidden state and routing margin at ``rows`` (sorted int64);
+        ``selections``: see ``outputs_many``."""
+        return self.outputs_many([(token_ids, rows)], None if selections is None
+                                 else [selections])[0]
 
-    def outputs_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]
+    def outputs_many(self, items: Sequence[tuple[Sequence[int], torch.Tensor]],
+                     selections: Sequence[torch.Tensor | None] | None = None
                      ) -> list[ReferenceRows]:
         """``outputs`` of each ``(token_ids, rows)`` in order (sort them by tokens for prefix
         reuse); the last layer's feed-forward runs once over every sequence's rows (its
-        experts' weights are read once, not once per sequence)."""
+        experts' weights are read once, not once per sequence). A sparse model's
+        ``selections`` (one per item, or None): the engine's selections as bitmasks ``[indexer
+        layers, len(token_ids), ceil(len / 8)]`` uint8 (``RequestOutput.selections``,
+        ``app.model.sparse.selections``), attended to instead of the reference's own and
+        compared with them (an all-zero row: none)."""
         last = self.layers[-1]
+        forced: list[torch.Tensor | None] = [None] * len(items) if selections is None \
+            else checked_selections([len(tokens) for tokens, _ in items], selections,
+                                    None if self._sparse is None else self._sparse.layers)
         self._reserve(max((len(tokens) for tokens, _ in items), default=0))
-        attended = [self._attend_last(tuple(tokens), rows) for tokens, rows in items]
+        attended = [self._attend_last(tuple(tokens), rows, given)
+                    for (tokens, rows), given in zip(items, forced, strict=True)]
         if not attended:
             return []
-        out, margins = last.feed_forward(torch.cat([h for h, _, _ in attended]))
+        out, margins, routes = last.feed_forward(torch.cat([a[0] for a in attended]))
         normed = _rms(out, self._f(self.weights.norm), self.config.rms_norm_eps)
         results, start = [], 0
-        for h, before, selection in attended:
+        for (h, (before, routed), selection, compared), given in zip(attended, forced,
+                                                                     strict=True):
             end = start + h.shape[0]
             results.append(ReferenceRows(hidden=normed[start:end],
                                          margins=torch.minimum(before, margins[start:end]),
-                                         selection_margins=selection))
+                                         routes=routed * ROUTE_PRIME + routes[start:end],
+                                         selection_margins=selection,
+                                         selection_compared=None if given is None
+                                         else compared))
             start = end
         return results
 
@@ -492,20 +478,28 @@ class ReferenceModel:
         self._keys[i], self._values[i] = k, v
         return k, v
 
-    def _attend_last(self, tokens: tuple[int, ...], rows: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _attend_last(self, tokens: tuple[int, ...], rows: torch.Tensor,
+                     forced: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor],
+                                torch.Tensor | None, torch.Tensor]:
         """Every layer but the last on the whole sequence (reusing the common prefix), and the
-        last layer's attention at ``rows``: the residual stream there, the routing margins so
-        far and (a sparse model) the selection margins of every layer."""
+        last layer's attention at ``rows``: the residual stream there, the routing margins and
+        routes so far and (a sparse model) the selection margins of every layer and the
+        comparison with ``forced`` (the engine's selections, attended to)."""
         common = 0
         if self._keys[0] is not None:
             limit = min(len(self._tokens), len(tokens))
             while common < limit and self._tokens[common] == tokens[common]:
                 common += 1
         n, last, sparse = len(tokens), len(self.layers) - 1, self._sparse
+        if sparse is not None and forced is not None:
+            # the state kept was computed with the previous sequence's selections
+            common = sparse.agreeing_prefix(forced, common)
         x = self.embed(tokens[common:])
         margins_new = torch.full((n - common,), float("inf"), dtype=torch.float64)
         selection_new = margins_new.clone()
+        compared_new = torch.zeros(n - common, 3, dtype=torch.float64)
+        routes_new = torch.zeros(n - common, dtype=torch.int64)
         for i, layer in enumerate(self.layers):
             if i == 0:
                 k_new, v_new = self._first_layer_keys_values(tokens[common:], common)
@@ -520,13 +514,23 @@ class ReferenceModel:
                 break
             selected = None
             if sparse is not None:
-                selected, near = sparse.select(i, x, torch.arange(common, n), common, n, True)
+                given = sparse.forced_rows(forced, i, torch.arange(common, n))
+                selected, near, compared = sparse.select(i, x, torch.arange(common, n), common,
+                                                         n, True, given)
                 selection_new = torch.minimum(selection_new, near)
+                compared_new = accumulate_comparisons(compared_new, compared)
                 sm = _fit(self._selection[i], 0, n, common, (n,))
                 sm[common:n] = selection_new
                 self._selection[i] = sm
-            x, m = layer.forward(x, torch.arange(common, n), k, v, selected)
+                cm = _fit(self._compared[i], 0, n, common, (n, 3))
+                cm[common:n] = compared_new
+                self._compared[i] = cm
+            x, m, r = layer.forward(x, torch.arange(common, n), k, v, selected)
             margins_new = torch.minimum(margins_new, m)
+            routes_new = routes_new * ROUTE_PRIME + r
+            rt = _fit(self._routes[i], 0, n, common, (n,), torch.int64)
+            rt[common:n] = routes_new
+            self._routes[i] = rt
             h = _fit(self._hidden[i], 0, n, common, (n, x.shape[1]), self.dtype)
             mg = _fit(self._margins[i], 0, n, common, (n,))
             h[common:n], mg[common:n] = x, margins_new
@@ -536,21 +540,30 @@ class ReferenceModel:
         self.computed_tokens += n - common
         prev_h = self._hidden[last - 1] if last else None
         prev_m = self._margins[last - 1] if last else None
-        if prev_h is not None and prev_m is not None:
+        prev_r = self._routes[last - 1] if last else None
+        if prev_h is not None and prev_m is not None and prev_r is not None:
             inputs, before = prev_h.index_select(0, rows), prev_m.index_select(0, rows)
+            routed = prev_r.index_select(0, rows)
         else:
             inputs = self.embed([tokens[r] for r in rows.tolist()])
             before = torch.full((rows.numel(),), float("inf"), dtype=torch.float64)
+            routed = torch.zeros(rows.numel(), dtype=torch.int64)
         keys, values = self._keys[last], self._values[last]
         if keys is None or values is None:  # pragma: no cover - filled above
             raise RuntimeError("no keys")
+        compared = torch.zeros(rows.numel(), 3, dtype=torch.float64)
         if sparse is None:
-            return self.layers[last].attend(inputs, rows, keys, values), before, None
-        selected, near = sparse.select(last, inputs, rows, common, n, False)
+            return (self.layers[last].attend(inputs, rows, keys, values), (before, routed), None,
+                    compared)
+        selected, near, compared = sparse.select(last, inputs, rows, common, n, False,
+                                                 sparse.forced_rows(forced, last, rows))
         prev_s = self._selection[last - 1] if last else None
-        if prev_s is not None:
+        prev_c = self._compared[last - 1] if last else None
+        if prev_s is not None and prev_c is not None:
             near = torch.minimum(near, prev_s.index_select(0, rows))
-        return self.layers[last].attend(inputs, rows, keys, values, selected), before, near
+            compared = accumulate_comparisons(prev_c.index_select(0, rows), compared)
+        return (self.layers[last].attend(inputs, rows, keys, values, selected), (before, routed),
+                near, compared)
 
 
 def reference_attention(config: DeepseekConfig, weights: AttentionWeights, x: torch.Tensor,

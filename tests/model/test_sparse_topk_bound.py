@@ -126,10 +126,10 @@ def test_the_float64_reference_bounds_its_selections_too(
     real = sparse_reference.SparseReference.select
 
     def spy(self: Any, i: int, h: torch.Tensor, rows: torch.Tensor, *rest: Any) -> Any:
-        sel, margins = real(self, i, h, rows, *rest)
+        sel, margins, compared = real(self, i, h, rows, *rest)
         assert sel.shape[1] <= int(rows.max()) + 1
         picked.append(int(sel.shape[1]))
-        return sel, margins
+        return sel, margins, compared
 
     monkeypatch.setattr(sparse_reference.SparseReference, "select", spy)
     (check,) = check_generations(ReferenceModel(weights), [out], None, None)

@@ -39,6 +39,7 @@ from app.model.decode import DecodePlan
 from app.model.prefill import PrefillPlan, PrefillSlice
 from app.model.profiling import NULL_TIMER, PhaseTimer
 from app.model.sparse.layer import LayerIndexer
+from app.model.sparse.selections import pack_positions
 
 __all__ = ["SparseDecodePlan", "SparseMLAExecutor", "SparsePrefillPlan", "SparseSelection",
            "plan_sparse_decode", "plan_sparse_prefill"]
@@ -87,10 +88,14 @@ def plan_sparse_decode(plan: DecodePlan) -> SparseDecodePlan:
 class SparseSelection:
     """One step's latest selection (latent-cache slots ``[T, min(index_topk, the step's most
     visible keys)]`` int32, ``-1`` padding): a GLM-5 ``shared`` layer attends to the rows the
-    layer before it selected."""
+    layer before it selected. ``record``: also keep every indexer layer's selection (``chosen``,
+    in layer order, each ``[T, ceil(the step's most visible keys / 8)]`` uint8 bitmasks,
+    ``app.model.sparse.selections``: no ``index_topk``-wide copy), for a check that feeds the
+    engine's own selection to the float64 reference."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         self.slots: torch.Tensor | None = None
+        self.chosen: list[torch.Tensor] | None = [] if record else None
 
 
 class SparseMLAExecutor:
@@ -137,6 +142,8 @@ class SparseMLAExecutor:
             self.key_cache.write(slots, ik)
             chosen = self.selector.select(iq, weights, self.key_cache.data, meta,
                                           self.index_topk)
+            if selection.chosen is not None:
+                selection.chosen.append(pack_positions(chosen, max(meta.seq_lens, default=1)))
             selection.slots = meta.to_slots(chosen, self.cache.block_size)
         return selection.slots
 

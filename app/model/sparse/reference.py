@@ -10,6 +10,17 @@ takes the selection of the layer before it. Where a row's margin is within an en
 (``SELECTION_TOLERANCES``), the engine may select another key and still be right: the checks
 count such rows apart, as they count routing near-ties.
 
+Given an engine's own selection (``forced``: the positions each row attended to), the reference
+attends to those instead of its own, so that the attention is compared without the selection's
+rounding, and compares the two selections apart (``compare_selection``): per row, the keys the
+two share, and the *violation* of the engine's selection in the reference's scores (the best
+score it left out minus the worst it kept, over the row's largest score magnitude; 0 or below
+for a selection the reference's scores allow, ties included; inf for a position that is not
+visible or a wrong count). A row without one (the engine did not compute it, e.g. a
+prefix-cache hit) takes the reference's own selection and is not compared. Selections are as
+wide as a row can use (``min(index_topk, the row's visible keys)``, -1 padding), never
+``index_topk`` wide as such; the engine's come as bitmasks (``app.model.sparse.selections``).
+
 ``ReferenceModel(weights, dtype=bf16)`` computes the indexer as transformers does in that dtype:
 queries and keys in the dtype, scores in float32 (``weights_proj`` in float32 too).
 """
@@ -24,9 +35,11 @@ from app.backends.sparse.indexer import topk_positions
 from app.model.config import DeepseekConfig
 from app.model.rope import apply_rope, rope_inv_freq
 from app.model.sparse.layer import INDEXER_NORM_EPS
+from app.model.sparse.selections import checked_selections, pack_positions, unpack_positions
 from app.model.sparse.weights import IndexerWeights
 
-__all__ = ["SELECTION_TOLERANCES", "SparseReference", "selection_mask"]
+__all__ = ["SELECTION_TOLERANCES", "SparseReference", "accumulate_comparisons",
+           "checked_selections", "compare_selection", "selection_mask"]
 
 #: Relative selection margins (gap / the row's largest score magnitude) within which the rounding
 #: of an engine of the dtype may select either way. Measured on a random V3.2-shaped model
@@ -57,6 +70,36 @@ def selection_mask(selected: torch.Tensor, end: int) -> torch.Tensor:
     return keep[:, :end]
 
 
+def compare_selection(total: torch.Tensor, chosen: torch.Tensor, own: torch.Tensor
+                      ) -> torch.Tensor:
+    """``chosen [rows, topk]`` (an engine's positions, -1 padding) against ``own`` (the
+    reference's top-k of the float64 scores ``total [rows, n]``, ``-inf`` where not visible):
+    ``[rows, 3]`` float64 of the keys both select, the keys the reference selects, and the
+    violation of ``chosen`` (see the module; inf for an invisible position or a count other
+    than the reference's)."""
+    end = total.shape[1]
+    visible = torch.isfinite(total)
+    beyond = (chosen >= end).any(dim=1)         # past every visible key: never right
+    chosen = torch.where(chosen >= end, -1, chosen)
+    mine, theirs = selection_mask(chosen, end), selection_mask(own, end)
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    worst_kept = torch.where(mine, total, inf).amin(dim=1)
+    best_left = torch.where(visible & ~mine, total, -inf).amax(dim=1)
+    scale = torch.where(visible, total, 0.0).abs().amax(dim=1).clamp(min=1e-300)
+    violation = ((best_left - worst_kept) / scale).clamp(min=0.0).nan_to_num(nan=0.0)
+    wrong = beyond | (mine.sum(dim=1) != theirs.sum(dim=1)) | (mine & ~visible).any(dim=1)
+    violation = torch.where(wrong, inf, violation)
+    return torch.stack([(mine & theirs).sum(dim=1).double(), theirs.sum(dim=1).double(),
+                        violation], dim=1)
+
+
+def accumulate_comparisons(so_far: torch.Tensor, compared: torch.Tensor) -> torch.Tensor:
+    """``compare_selection`` results ``[n, 3]`` of two layers in one: keys summed, the larger
+    violation."""
+    return torch.cat([so_far[:, :2] + compared[:, :2],
+                      torch.maximum(so_far[:, 2:], compared[:, 2:])], dim=1)
+
+
 def _grown(buffer: torch.Tensor | None, n: int, keep: int, tail: tuple[int, ...],
            dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
     """``buffer`` with room for ``n`` positions (its first ``keep`` kept)."""
@@ -83,6 +126,14 @@ def _stored(buffer: torch.Tensor | None, sel: torch.Tensor, common: int, n: int
     return stored
 
 
+def _fitted(sel: torch.Tensor, width: int) -> torch.Tensor:
+    """``sel [rows, w]`` (positions, -1 padding) ``width`` wide: padded with -1, or cut."""
+    have = int(sel.shape[1])
+    if have >= width:
+        return sel[:, :width]
+    return torch.nn.functional.pad(sel, (0, width - have), value=-1)
+
+
 class SparseReference:
     """The indexer state of ``ReferenceModel`` over one sequence at a time (see the module).
 
@@ -102,6 +153,9 @@ class SparseReference:
         self.dtype = dtype
         self.topk = self.indexer.index_topk
         self.inv_freq = rope_inv_freq(config.rope, config.qk_rope_head_dim)
+        #: Each layer with its own indexer: its index among those (an engine's selections').
+        self.ordinal = {i: j for j, i in enumerate(i for i, w in enumerate(indexers)
+                                                   if w is not None)}
         self._keys: list[torch.Tensor | None] = [None] * len(indexers)
         self._selected: list[torch.Tensor | None] = [None] * len(indexers)
         self._margins: list[torch.Tensor | None] = [None] * len(indexers)
@@ -133,17 +187,22 @@ class SparseReference:
         self._keys[i] = keys
 
     def select(self, i: int, h: torch.Tensor, rows: torch.Tensor, common: int, n: int,
-               store: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               store: bool, forced: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``i``'s selection ``[len(rows), width]`` (int64 positions, -1 padding; ``width``
-        ``min(topk, max(rows) + 1)``, a shared layer's its source's stored width) and its
-        margins at ``rows`` (sorted; inputs ``h``), a shared layer's taken from the layer
-        before. ``store``: ``rows`` are ``common..n`` and are kept for later sequences."""
+        ``min(topk, max(rows) + 1)``, a shared layer's its source's stored width), its margins
+        and its comparison with ``forced`` (``compare_selection``; zeros where not compared) at
+        ``rows`` (sorted; inputs ``h``), a shared layer's taken from the layer before (compared
+        there). ``forced [len(rows), any width]``: the engine's selection, used where a row has
+        one (see the module). ``store``: ``rows`` are ``common..n`` and are kept for later
+        sequences."""
+        compared = torch.zeros(rows.numel(), 3, dtype=torch.float64)
         if self.weights[i] is None:
             source = next(j for j in range(i - 1, -1, -1) if self.weights[j] is not None)
             selected, margins = self._selected[source], self._margins[source]
             if selected is None or margins is None:  # pragma: no cover - layers run in order
                 raise RuntimeError("the shared layer's source was not computed")
-            return selected.index_select(0, rows), margins.index_select(0, rows)
+            return selected.index_select(0, rows), margins.index_select(0, rows), compared
         end = int(rows.max()) + 1 if rows.numel() else 1
         # No row sees more than ``end`` keys: a wider selection could hold only padding.
         width = min(self.topk, end)
@@ -152,15 +211,58 @@ class SparseReference:
         block = max(1, _SCORE_BUDGET // (self.indexer.index_n_heads * end))
         for b0 in range(0, rows.numel(), block):
             part = slice(b0, b0 + block)
-            sel[part], margins[part] = self._select_block(i, h[part], rows[part], width)
+            total = self._scores(i, h[part], rows[part])
+            # ``width`` >= this block's keys or == topk: its best ``width`` are its best ``topk``.
+            own = topk_positions(total, width).to(torch.int64)
+            sel[part], margins[part] = own, _margins(total, self.topk)
+            if forced is not None:
+                given = forced[part].to(torch.int64)
+                known = (given >= 0).any(dim=1)
+                # a valid selection names at most ``width`` keys (the row's visible ones, at
+                # most topk); a wider one is compared as it is (a wrong count: inf) and
+                # attended to cut to ``width``
+                sel[part] = torch.where(known[:, None], _fitted(given, width), own)
+                compared[part] = torch.where(known[:, None],
+                                             compare_selection(total, given, own), 0.0)
         if store:
             self._selected[i] = _stored(self._selected[i], sel, common, n)
             self._margins[i] = _grown(self._margins[i], n, common, (), torch.float64)
             self._margins[i][common:n] = margins   # type: ignore[index]
-        return sel, margins
+        return sel, margins, compared
 
-    def _select_block(self, i: int, h: torch.Tensor, rows: torch.Tensor, width: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def layers(self) -> int:
+        """How many layers have their own indexer (an engine's selections' first dim)."""
+        return len(self.ordinal)
+
+    def forced_rows(self, forced: torch.Tensor | None, i: int, rows: torch.Tensor
+                    ) -> torch.Tensor | None:
+        """Layer ``i``'s selections of ``forced`` (an engine's bitmasks,
+        ``app.model.sparse.selections``) at ``rows`` as positions (a row of -1 where none;
+        None: none given, or a layer without its own indexer)."""
+        j = self.ordinal.get(i)
+        return None if forced is None or j is None \
+            else unpack_positions(forced[j].index_select(0, rows))
+
+    def agreeing_prefix(self, forced: torch.Tensor, limit: int) -> int:
+        """How many of the first ``limit`` positions the stored selections (of the sequence
+        before) share with ``forced`` (the engine's bitmasks of this sequence; rows without
+        one agree): the reuse of that sequence's state stops at the first that differs."""
+        agree = limit
+        for i, j in self.ordinal.items():
+            stored = self._selected[i]
+            if stored is None or not limit:
+                continue
+            given = forced[j, :limit]
+            mine = pack_positions(stored[:limit], 8 * int(given.shape[1]))
+            differ = given.any(dim=1) & (given != mine).any(dim=1)
+            if bool(differ.any()):
+                agree = min(agree, int(differ.nonzero()[0, 0]))
+        return agree
+
+    def _scores(self, i: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s index scores ``[len(rows), rows[-1] + 1]`` float64 (``-inf``: not
+        visible) of the rows ``rows`` (inputs ``h``)."""
         w, keys = self.weights[i], self._keys[i]
         if w is None or keys is None:  # pragma: no cover - checked by the caller
             raise RuntimeError("no indexer keys")
@@ -176,8 +278,7 @@ class SparseReference:
         scores = torch.einsum("rhd,nd->rhn", q.to(score_dtype), keys[:end].to(score_dtype))
         total = torch.einsum("rh,rhn->rn", weights, scores.relu_()).to(torch.float64)
         total.masked_fill_(torch.arange(end).view(1, -1) > rows.view(-1, 1), float("-inf"))
-        # ``width`` >= this block's keys or == topk: its best ``width`` are its best ``topk``.
-        return topk_positions(total, width).to(torch.int64), _margins(total, self.topk)
+        return total
 
 
 def _margins(total: torch.Tensor, topk: int) -> torch.Tensor:
