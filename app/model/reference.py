@@ -321,7 +321,6 @@ class ReferenceRows:
     #: A sparse model's: each row's smallest selection margin (None for a dense model).
     selection_margins: torch.Tensor | None = None
     #: Each row's experts in every MoE layer, hashed (``route_hash``; None: not computed).
-    #: (After ``selection_margins``: new fields go last, so positional calls keep working.)
     routes: torch.Tensor | None = None
     #: Given the engine's selections: ``[n, 3]`` float64 per row over its indexer layers: keys
     #: both selected, keys the reference selected (0: the engine gave none, not compared) and
