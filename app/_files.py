@@ -28,8 +28,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["MAX_CONFIG_BYTES", "MAX_JSON_INT_DIGITS", "HugeJsonInt", "check_writable_file",
-           "file_kind", "load_json", "load_toml", "read_regular_file", "write_regular_file"]
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "MAX_JSON_INT_DIGITS",
+    "HugeJsonInt",
+    "check_writable_file",
+    "file_kind",
+    "load_json",
+    "load_toml",
+    "private_file_problem",
+    "read_regular_file",
+    "write_regular_file",
+]
 
 #: The largest config or deployment file read (far above any real one; a typo such as a
 #: log file or a disk image is refused before it fills memory).
@@ -227,3 +237,18 @@ def load_json(path: str | Path, what: str, *, limit: int = MAX_CONFIG_BYTES) -> 
                          f"levels); no configuration needs more than a few") from None
     except ValueError as exc:  # json.JSONDecodeError is one
         raise ValueError(f"{source} is not valid JSON: {exc}") from None
+
+
+def private_file_problem(st: os.stat_result) -> str | None:
+    """Why a file with this ``lstat`` may not be trusted as this user's own (a link, not a
+    regular file, another owner, writable by group or others), or None: what the native
+    loader asks of a cached library and of a kept verdict before either is read."""
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by this user"
+    if st.st_mode & 0o022:
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None

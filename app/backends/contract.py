@@ -38,7 +38,7 @@ from app._validation import (
 )
 
 __all__ = ["check_attention_scale", "check_hook_result", "check_out_spares_step",
-           "check_return_flag", "writes_in_place"]
+           "check_return_flag", "checked_returned_lse", "describe_value", "writes_in_place"]
 
 
 def _number(who: str, name: str, value: object, tensor_ok: bool) -> float | None:
@@ -114,3 +114,23 @@ def check_out_spares_step(who: str, out: object, step: Iterable[torch.Tensor]) -
         raise ValueError(f"{who}: out shares memory with the step's metadata (its block "
                          f"tables, lengths or prefix sums, checked once and read by every "
                          f"call of the step): pass an out of its own")
+
+def describe_value(value: object) -> str:
+    """A returned value in words, for the errors of a backend's own verbs."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor {list(value.shape)} on {value.device}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(describe_value(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def checked_returned_lse(who: str, result: object, lse: object, shape: list[int],
+                         device: torch.device) -> torch.Tensor:
+    """The LSE a backend's own verb returned, contiguous: ``TypeError`` (naming ``who`` and
+    what it returned) unless it is a dense float32 ``shape`` tensor on ``device``."""
+    if not isinstance(lse, torch.Tensor) or list(lse.shape) != shape \
+            or lse.dtype != torch.float32 or lse.layout != torch.strided \
+            or lse.device != device:
+        raise TypeError(f"{who} returned {describe_value(result)}; expected (out, lse) with "
+                        f"lse {shape} float32 on {device} (natural log, head-major)")
+    return lse.contiguous()

@@ -33,13 +33,14 @@ import hashlib
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import attrs
+
+from app._files import private_file_problem
 
 __all__ = ["CHILD_MODULE", "CHILD_TIMEOUT_S", "IN_CHILD_ENV", "Verdict", "kept_verdict",
            "machine_key", "read_verdict", "run_child", "verdict_path", "write_verdict"]
@@ -65,8 +66,9 @@ sys.path[:0] = [first]
 sys.path += [p for p in last if p not in sys.path]
 import app
 if os.path.dirname(os.path.dirname(os.path.abspath(app.__file__))) != first:
-    print(json.dumps({"problem": f"the child imported app from {app.__file__}, not from "
-                                 f"{first}", "about_library": False}))
+    sys.stdout.write(json.dumps({"problem": f"the child imported app from {app.__file__}, "
+                                 f"not from {first}", "about_library": False}) + "\\n")
+    sys.stdout.flush()   # the verdict line, as child_self_test writes it: the protocol
     raise SystemExit(0)
 from app.backends.cpu.child_self_test import main
 raise SystemExit(main(sys.argv[2:]))
@@ -130,14 +132,9 @@ def kept_verdict(library: Path) -> tuple[Verdict | None, str | None]:
 
 
 def _untrusted(st: os.stat_result) -> str | None:
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"it is owned by uid {st.st_uid}, not by this user"
-    if st.st_mode & 0o022:
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    problem = private_file_problem(st)
+    if problem is not None:
+        return problem
     if st.st_size > _MAX_VERDICT_BYTES:
         return f"it holds {st.st_size} bytes, more than the {_MAX_VERDICT_BYTES} a verdict may"
     return None

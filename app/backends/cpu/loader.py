@@ -82,6 +82,7 @@ import attrs
 import torch
 
 from app._cpu import cpu_flags, required_cpu_flags
+from app._files import private_file_problem
 from app.backends.cpu import child_verdict
 
 logger = logging.getLogger(__name__)
@@ -267,16 +268,7 @@ def _make_private_directory(path: Path) -> str | None:
 
 def _file_problem(path: Path) -> str | None:
     """Why the cached file ``path`` may not be loaded, or ``None``."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"it is owned by uid {st.st_uid}, not by this user"
-    if st.st_mode & 0o022:
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+    return private_file_problem(os.lstat(path))
 
 
 # -- building ------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from app.backends.contract import (
     check_attention_scale,
     check_out_spares_step,
     check_return_flag,
+    checked_returned_lse,
+    describe_value,
     writes_in_place,
 )
 from app.backends.decode.checks import check_decode_inputs
@@ -168,27 +170,14 @@ def _own_result(what: str, call: DecodeCall, result: object, want_lse: bool,
     q = call.q
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != call.shape \
             or got.layout != torch.strided or got.dtype != q.dtype or got.device != q.device:
-        raise TypeError(f"{what} returned {_describe(result)}; expected out "
+        raise TypeError(f"{what} returned {describe_value(result)}; expected out "
                         f"{list(call.shape)} {q.dtype} on {q.device} (q's dtype and device)"
                         f"{' and lse [H, B, query_len]' if want_lse else ''}")
     if want_lse:
-        lse_shape = (call.shape[2], call.shape[0], call.shape[1])
-        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape \
-                or lse.dtype != torch.float32 or lse.layout != torch.strided \
-                or lse.device != q.device:
-            raise TypeError(f"{what} returned {_describe(result)}; expected (out, lse) with "
-                            f"lse {list(lse_shape)} float32 on {q.device} (natural log, "
-                            f"head-major)")
-        lse = lse.contiguous()
+        lse = checked_returned_lse(what, result, lse,
+                                   [call.shape[2], call.shape[0], call.shape[1]], q.device)
     if out is not None and got is not out:
         out.copy_(got)
         got = out
     return (got, lse) if want_lse else got
 
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor {list(value.shape)} on {value.device}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__

@@ -28,7 +28,12 @@ from typing import Any
 import torch
 
 from app._validation import check_dense, check_writable_out
-from app.backends.contract import check_return_flag, writes_in_place
+from app.backends.contract import (
+    check_return_flag,
+    checked_returned_lse,
+    describe_value,
+    writes_in_place,
+)
 from app.backends.prefill.metadata import MLAPrefillMetadata, RaggedLayout
 
 __all__ = ["call_reads", "check_attention_inputs", "check_own_verbs", "empty_rows_mask",
@@ -232,7 +237,7 @@ def _own_result(backend: Any, verb: str, layout: RaggedLayout, causal: bool,
     got, lse = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
     want_out = [layout.total_q, backend.num_heads, backend.v_head_dim]
     if not isinstance(got, torch.Tensor) or list(got.shape) != want_out:
-        raise TypeError(f"{who} returned {_describe(result)}; expected out {want_out}"
+        raise TypeError(f"{who} returned {describe_value(result)}; expected out {want_out}"
                         f"{' and lse [H, T]' if want_lse else ''}")
     dtype = backend._out_dtype(q.dtype)
     if got.layout != torch.strided or got.dtype != dtype or got.device != q.device:
@@ -240,24 +245,11 @@ def _own_result(backend: Any, verb: str, layout: RaggedLayout, causal: bool,
                         f"(layout {got.layout}); expected a dense {dtype} tensor on "
                         f"{q.device} (the output dtype for {q.dtype} inputs, on q's device)")
     if want_lse:
-        want_lse_shape = [backend.num_heads, layout.total_q]
-        if not isinstance(lse, torch.Tensor) or list(lse.shape) != want_lse_shape \
-                or lse.dtype != torch.float32 or lse.layout != torch.strided \
-                or lse.device != q.device:
-            raise TypeError(f"{who} returned {_describe(result)}; expected (out, lse) with "
-                            f"lse {want_lse_shape} float32 on {q.device} (natural log, "
-                            f"head-major)")
-        lse = lse.contiguous()
+        lse = checked_returned_lse(who, result, lse, [backend.num_heads, layout.total_q],
+                                   q.device)
     if out is not None and got is not out:
         out.copy_(got)
         got = out
     zero_empty_rows(got, lse, backend._empty_mask(layout, causal, got.device))
     return (got, lse) if want_lse else got
 
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor {list(value.shape)} on {value.device}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
