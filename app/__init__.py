@@ -11,8 +11,8 @@ active container (the backend enums, ``register_mla_prefill_backend``, the selec
 import logging
 
 # First, before anything imports torch: importing it sets the OpenMP wait policy, which
-# torch's OpenMP runtime reads once, when loaded (see app._threads).
-import app._threads  # noqa: F401
+# torch's OpenMP runtime reads once, when loaded (see app._cpu).
+import app._cpu  # noqa: F401
 from app._types import DeviceCapability, MLADimensions
 from app.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig
 from app.containers import (

@@ -51,7 +51,7 @@ def _cpu_platform_unless_marked(request: pytest.FixtureRequest,
 @pytest.fixture(autouse=True)
 def _torch_threads_restored() -> Iterator[None]:
     """torch's thread count as the test found it: a command run in-process sizes torch's
-    threads from the machine (``app._threads.apply_thread_count``), and the next test must
+    threads from the machine (``app._cpu.apply_thread_count``), and the next test must
     not inherit that."""
     import torch
 

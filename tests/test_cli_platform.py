@@ -53,7 +53,7 @@ def test_platform_says_where_the_thread_count_came_from(
         environ: dict[str, str]) -> None:
     """The machine faked whole: as many CPUs in the affinity mask as torch runs threads,
     no cgroup files."""
-    from app import _threads
+    from app import _cpu as _threads
 
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)

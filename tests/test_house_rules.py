@@ -233,7 +233,7 @@ def test_the_cycle_check_sees_deferred_and_type_checking_imports(tmp_path: Path)
 #: seen by a reader, one unit per folder.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("app._types", "app._validation", "app._imports", "app._cpu",
-                "app._files", "app._container_state", "app._threads", "app.catalog")),
+                "app._files", "app._container_state", "app.catalog")),
     ("config", ("app.config",)),
     ("platforms and plugin discovery", ("app.platforms", "app.platforms.*", "app.plugins")),
     ("kv cache", ("app.kvcache.*",)),
@@ -317,7 +317,7 @@ SEED_API_MODULES = ("app/backends/seed_api.py", "app/kvcache/seed_api.py")
 #: imports included). A unit sits on the floor that names it.
 FOLDER_FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("app._types", "app._validation", "app._imports", "app._cpu", "app._files",
-                "app._container_state", "app._threads", "app.catalog")),
+                "app._container_state", "app.catalog")),
     ("config", ("app.config",)),
     ("platforms and plugin discovery", ("app.platforms", "app.plugins")),
     ("kv cache", ("app.kvcache",)),

@@ -1,4 +1,4 @@
-"""Sizing the thread team from what the process may use (app._threads): the user's setting,
+"""Sizing the thread team from what the process may use (app._cpu): the user's setting,
 the affinity mask, the cgroup v1/v2 CPU quota (fake files and a fake affinity here, never the
 machine's), and the OpenMP wait policy set before torch loads its runtime."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import _threads
-from app._threads import (
+from app import _cpu as _threads
+from app._cpu import (
     ThreadCount,
     apply_thread_count,
     cgroup_cpu_limit,
@@ -195,7 +195,7 @@ def test_importing_app_sets_the_policy_before_torch_loads(policy: str | None) ->
            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
-    code = ("import os, sys; import app; from app._threads import wait_policy\n"
+    code = ("import os, sys; import app; from app._cpu import wait_policy\n"
             "print(os.environ.get('OMP_WAIT_POLICY')); print(wait_policy())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300, check=False)

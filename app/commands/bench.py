@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from app._cpu import apply_thread_count
 from app._files import write_regular_file
-from app._threads import apply_thread_count
 from app.commands._args import output_file
 from app.commands._output import json_text, print_json, print_text
 
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen benchmark on the threads :func:`app._threads.apply_thread_count` sizes
+    """Run the chosen benchmark on the threads :func:`app._cpu.apply_thread_count` sizes
     (said first: ``threads`` in the JSON); JSON with ``--json``, a readable summary
     otherwise."""
     threads = apply_thread_count()

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app._threads import apply_thread_count
+from app._cpu import apply_thread_count
 from app.commands._args import add_kv_cache_dtype_argument, positive_int
 from app.commands._model import add_model_arguments, build_model, model_line
 from app.commands._output import json_text, print_text, raise_for_errors

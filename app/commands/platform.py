@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from app._threads import apply_thread_count
+from app._cpu import apply_thread_count
 from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show the detected platform, device capability, torch and kernel packages"

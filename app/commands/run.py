@@ -35,7 +35,7 @@ import torch
 from dependency_injector import providers
 
 from app import deployment
-from app._threads import apply_thread_count
+from app._cpu import apply_thread_count
 from app.commands._args import add_kv_cache_dtype_argument, int_in, positive_int
 from app.commands._memory import check_cache_fits, check_request_fits
 from app.commands._model import add_model_arguments, build_model, model_line
