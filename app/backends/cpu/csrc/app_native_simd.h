@@ -16,7 +16,9 @@
 /* The target of a function that uses AVX512-BF16 (vdpbf16ps, vcvtneps2bf16) in a library
  * compiled without -mavx512bf16: it is called only where the CPU has AVX512-BF16 and
  * AVX512BW (the caller checks; the Python side reads /proc/cpuinfo). */
+#ifndef APP_AVX512BF16_ISA
 #define APP_AVX512BF16_ISA target("avx512f,avx512bw,avx512vl,avx512bf16")
+#endif
 
 /* x rounded up to a multiple of m (x >= 0, m > 0). */
 static inline int64_t app_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

@@ -183,7 +183,9 @@ static BF16_TARGET void e4m3_run_bf16_target(const uint8_t* src, int64_t count, 
  * The one difference: a NaN keeps its sign bit here (e4m3fn 0xFF -> 0xFFC0) where the fp16
  * path makes every NaN 0x7FC0; both are NaN, which is all the kernel's rule reads.
  */
+#ifndef VBMI_ISA
 #define VBMI_ISA target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")
+#endif
 
 /* Whether the CPU runs AVX512-VBMI (fp8_tile_bf16_vbmi's byte permutes). */
 static inline int cpu_has_vbmi(void) { return __builtin_cpu_supports("avx512vbmi"); }
