@@ -38,7 +38,9 @@ from app.commands._memory import check_cache_fits
 from app.config import DTYPE_ALIASES, EngineConfig
 
 if TYPE_CHECKING:
+    from app.containers import Application
     from app.mla.engine import MLAEngine
+    from app.model.config import DeepseekConfig
     from app.model.profiling import PhaseTimer
 
 HELP = "engine steps: a decode-heavy mix (64 requests at 2-8k context) and a prefill-heavy mix"
@@ -106,17 +108,27 @@ def _config(args: argparse.Namespace, num_blocks: int) -> EngineConfig:
     return EngineConfig.from_dict(data)
 
 
-def _engine(args: argparse.Namespace, num_blocks: int, step_tokens: int, timer: PhaseTimer,
-            speculative: int = 0) -> MLAEngine:
+def _fitted_config(args: argparse.Namespace, num_blocks: int
+                   ) -> tuple[EngineConfig, Application, DeepseekConfig]:
+    """The mix's engine config, its container and its random architecture; raises
+    ``ValueError`` where a pool of ``num_blocks`` does not fit the device's memory."""
     from app.containers import create_container
-    from app.mla.engine import MLAEngine
-    from app.model.random import random_config, random_weights
+    from app.model.random import random_config
 
     config = _config(args, num_blocks)
     arch = random_config(config.model, num_layers=1)
     config = attrs.evolve(config, model=arch.model_config(config.model.dtype))
     container = create_container(config)
     check_cache_fits(config, container.platform().device)
+    return config, container, arch
+
+
+def _engine(args: argparse.Namespace, num_blocks: int, step_tokens: int, timer: PhaseTimer,
+            speculative: int = 0) -> MLAEngine:
+    from app.mla.engine import MLAEngine
+    from app.model.random import random_weights
+
+    config, container, arch = _fitted_config(args, num_blocks)
     return MLAEngine(container, weights=random_weights(arch, config.model.dtype, args.seed),
                      step_tokens=step_tokens, keep_outputs=False, timer=timer,
                      num_speculative_tokens=speculative, max_num_seqs=max(256, step_tokens))
@@ -144,19 +156,31 @@ def _timed_steps(engine: MLAEngine, timer: PhaseTimer, steps: int
     return seconds, emitted, prefilled, dict(timer.seconds)
 
 
+def _decode_mix_new_tokens(args: argparse.Namespace) -> int:
+    # never reached: the timed steps end first
+    return int((args.decode_steps + 8) * (1 + args.speculative_tokens))
+
+
+def _decode_mix_blocks(args: argparse.Namespace) -> int:
+    bs = args.block_size
+    per_request = 2 + -(-(_decode_mix_new_tokens(args) + args.speculative_tokens) // bs)
+    return int(1 + args.documents * -(-args.max_context // bs)
+               + args.decode_requests * per_request + 16)
+
+
+def _prefill_mix_blocks(args: argparse.Namespace) -> int:
+    per_request = args.context_len + args.new_tokens
+    return int(1 + 4 * args.requests_per_step * -(-per_request // args.block_size))
+
+
 def run_decode_mix(args: argparse.Namespace, timer: PhaseTimer) -> dict[str, Any]:
     """The decode-heavy mix (see the module docstring)."""
     from app.mla.requests import Request
 
-    n, bs = args.decode_requests, args.block_size
-    steps = args.decode_steps
+    n, steps, spec = args.decode_requests, args.decode_steps, args.speculative_tokens
     rng = random.Random(args.seed)
-    spec = args.speculative_tokens
-    max_new = (steps + 8) * (1 + spec)     # never reached: the timed steps end first
-    per_request_blocks = 2 + -(-(max_new + spec) // bs)
-    doc_blocks = -(-args.max_context // bs)
-    num_blocks = 1 + args.documents * doc_blocks + n * per_request_blocks + 16
-    engine = _engine(args, num_blocks, max(8192, n * (1 + spec)), timer, spec)
+    max_new = _decode_mix_new_tokens(args)
+    engine = _engine(args, _decode_mix_blocks(args), max(8192, n * (1 + spec)), timer, spec)
     vocab = engine.model.vocab_size
     docs = [[rng.randrange(vocab) for _ in range(args.max_context)]
             for _ in range(args.documents)]
@@ -213,13 +237,8 @@ def run_prefill_mix(args: argparse.Namespace, timer: PhaseTimer) -> dict[str, An
     """The prefill-heavy mix (see the module docstring)."""
     from app.mla.requests import Request
 
-    if args.context_len % args.block_size:
-        raise ValueError(f"--context-len ({args.context_len}) must be a multiple of "
-                         f"--block-size ({args.block_size}): only full blocks are cached")
     n = args.requests_per_step
-    per_request = args.context_len + args.new_tokens
-    num_blocks = 1 + 4 * n * -(-per_request // args.block_size)
-    engine = _engine(args, num_blocks, n * args.new_tokens, timer)
+    engine = _engine(args, _prefill_mix_blocks(args), n * args.new_tokens, timer)
     rng = random.Random(args.seed)
     vocab = engine.model.vocab_size
     contexts = [[rng.randrange(vocab) for _ in range(args.context_len)] for _ in range(n)]
@@ -305,6 +324,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"({args.max_context})")
     if args.speculative_tokens < 0:
         raise ValueError("--speculative-tokens must be >= 0")
+    if args.mix in ("both", "prefill") and args.context_len % args.block_size:
+        raise ValueError(f"--context-len ({args.context_len}) must be a multiple of "
+                         f"--block-size ({args.block_size}): only full blocks are cached")
+    # Every mix's pool is checked before any mix runs: a refusal never comes after minutes.
+    if args.mix in ("both", "decode"):
+        _fitted_config(args, _decode_mix_blocks(args))
+    if args.mix in ("both", "prefill"):
+        _fitted_config(args, _prefill_mix_blocks(args))
     malloc_tuned = False if args.no_malloc_tuning else tune_malloc_for_large_tensors()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     mixes: list[dict[str, Any]] = []
