@@ -1,5 +1,5 @@
 """What every conformance kit shares and imports first: the failure a case raises, the
-device's capability, and two helpers of the cases' messages and errors.
+device's capability, and the error a case measures.
 (``app.testing.conformance`` re-exports the first two: their documented home.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from app._types import DeviceCapability
 
-__all__ = ["CaseFailure", "describe_value", "device_capability_of", "max_abs_error"]
+__all__ = ["CaseFailure", "device_capability_of", "max_abs_error"]
 
 
 class CaseFailure(Exception):
@@ -21,15 +21,6 @@ def device_capability_of(device: torch.device) -> DeviceCapability | None:
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return DeviceCapability(major, minor)
-
-
-def describe_value(value: object) -> str:
-    """A returned value as a message names it: a tensor's dtype and shape, a tuple's items."""
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {list(value.shape)}"
-    if isinstance(value, tuple):
-        return "(" + ", ".join(describe_value(v) for v in value) + ")"
-    return type(value).__name__
 
 
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:

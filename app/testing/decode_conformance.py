@@ -60,6 +60,7 @@ import attrs
 import torch
 
 from app._validation import check_seed
+from app.backends.contract import describe_value as _describe
 from app.backends.decode.base import MLADecodeBackend, MLADecodeSelectorConfig
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.kvcache.cache_dtypes import (
@@ -68,7 +69,6 @@ from app.kvcache.cache_dtypes import (
     quantize_fp8_ds_mla,
     quantize_fp8_per_layer,
 )
-from app.testing._kit import describe_value as _describe
 from app.testing._kit import max_abs_error as _max_abs
 from app.testing.conformance import (
     DEFAULT_TOLERANCES,

@@ -44,12 +44,12 @@ from collections.abc import Sequence
 
 import torch
 
+from app.backends.contract import describe_value as _describe
 from app.backends.decode.base import MLADecodeBackend
 from app.backends.decode.metadata import MLADecodeMetadata
 from app.backends.merge import merge_attn_states
 from app.backends.prefill.base import MLAPrefillBackend
 from app.testing._kit import CaseFailure, device_capability_of
-from app.testing._kit import describe_value as _describe
 from app.testing._kit import max_abs_error as _max_abs
 
 __all__ = ["SPARSE_DECODE_CASES", "SPARSE_KIT_TOPK", "SPARSE_PREFILL_CASES",
