@@ -6,8 +6,9 @@ nothing names: an out-of-bounds read or write, or a read of a row that is not na
 test. Then the hostile cases (``native/asan_sparse_hostile.h``): indices at the edges, repeated
 and out of range (refused, nothing written), -1 anywhere, NaN rows and queries (exactly the
 rows that read them come out NaN), inputs overlapping and outputs placed against them; the
-driver prints how many of each. Where the CPU lacks AVX-512 the kernel runs under SIMDe's emulation (``_sanitizer``);
-skipped where neither can run (no C compiler, no SIMDe) or the compiler has no sanitizers."""
+driver prints how many of each. Where the CPU lacks AVX-512 the kernel runs under SIMDe's
+emulation (``_sanitizer``); skipped where neither can run (no C compiler, no SIMDe) or the
+compiler has no sanitizers."""
 
 from __future__ import annotations
 

@@ -57,6 +57,13 @@ static int agrees(double got, double want, double tol) {
   return fabs(got - want) <= tol; /* false for a NaN got */
 }
 
+/* Whether the n bytes at p all hold `byte` (an output a refused call must not have written). */
+static int bytes_are(const void* p, size_t n, int byte) {
+  for (size_t i = 0; i < n; ++i)
+    if (((const unsigned char*)p)[i] != byte) return 0;
+  return 1;
+}
+
 /* The hostile cases run, per category (each driver prints them before its last line). */
 enum { HOSTILE_INDEX, HOSTILE_PADDING, HOSTILE_NAN, HOSTILE_ALIAS, HOSTILE_KINDS };
 static int hostile_count[HOSTILE_KINDS];

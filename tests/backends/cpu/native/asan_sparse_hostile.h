@@ -90,12 +90,6 @@ static void kv_put(attn_bufs* b, int64_t i, int64_t k, float x) {
   put(b->kv, kv_at(&b->c, i) + k, x, b->c.dt);
 }
 
-static int bytes_are(const void* p, size_t n, int byte) {
-  for (size_t i = 0; i < n; ++i)
-    if (((const unsigned char*)p)[i] != byte) return 0;
-  return 1;
-}
-
 /* Launch the call with copies of its inputs kept; whether it returned `want` (0: then its
  * results must agree with the reference; 1: refused, out and lse untouched) and left its
  * inputs as they were. */
