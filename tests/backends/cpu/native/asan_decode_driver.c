@@ -7,8 +7,10 @@
  * the AMX kernel, and no tile operation the hardware would refuse). Every buffer (cache, table,
  * q, out, lse, partials, scratch) is allocated at
  * exactly the size the kernel is told, the unused rows of each last block hold NaN (reading
- * them would show), and the result is checked against a float64 reference. Prints
- * "<cases> cases, <bad> bad". */
+ * them would show), and the result is checked against a float64 reference. Then the hostile
+ * cases (asan_decode_hostile.h: block ids at the edges and out of range, table entries past
+ * the end, NaN rows and queries, fp8_ds_mla's scales, shared and overlapping inputs), with
+ * their count per category. Prints "<cases> cases, <bad> bad". */
 #include "asan_common.h"
 #include "mla_decode_cpu.h"
 #ifdef APP_AMX_DRIVER
