@@ -75,7 +75,7 @@ __all__ = ["BF16_DOT_ENV", "SPEC", "SPEC_OPENMP", "DecodePlan", "MlaDecodeArgs",
 #: AVX512-BF16 dot products nor CPU_MLA's AMX kernel (``decode_kernel_amx``) run then.
 BF16_DOT_ENV = "APP_CPU_DECODE_BF16_DOT"
 #: ``MLA_DECODE_CPU_ABI`` in ``cpu/csrc/mla_decode_cpu.h``.
-ABI_VERSION = 4
+ABI_VERSION = 5
 #: The most partial results the kernel merges per request (``MAX_PARTS`` in the C source).
 MAX_PARTS = 64
 #: The FP8 cache layouts the kernel reads (``csrc/mla_decode_cpu_fp8.h``).

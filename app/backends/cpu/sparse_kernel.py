@@ -55,7 +55,7 @@ __all__ = ["SPEC", "NativeSparseKernel", "SparseAttnArgs", "SparseIndexArgs",
            "load_sparse_kernel", "sparse_kernel_status", "sparse_kernel_unavailable_reason"]
 
 #: ``MLA_SPARSE_CPU_ABI`` in ``csrc/mla_sparse_cpu.h``.
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: Most parts one row's entries are split into (the C merge's limit).
 MAX_PARTS = 64
 #: A row is split only into parts of at least this many entries.
@@ -79,7 +79,7 @@ class SparseAttnArgs(ctypes.Structure):
         ("scratch", _ptr), ("rows", _i64), ("heads", _i64), ("rank", _i64), ("rope", _i64),
         ("topk", _i64), ("block_size", _i64), ("block_stride", _i64), ("row_stride", _i64),
         ("q_st", _i64), ("q_sh", _i64), ("n_items", _i64), ("n_merge", _i64),
-        ("kv_dt", _i32), ("q_dt", _i32), ("out_dt", _i32), ("bf16_dot", _i32),
+        ("kv_rows", _i64), ("kv_dt", _i32), ("q_dt", _i32), ("out_dt", _i32), ("bf16_dot", _i32),
         ("q_mult", _f32), ("v_mult", _f32)]
 
 
@@ -154,8 +154,10 @@ class NativeSparseKernel:
                bf16_dot: bool | None = None) -> None:
         """Attention of ``q [T, H, D]`` (unit last stride) over the rows of ``kv`` that
         ``indices [T, topk]`` (int32 contiguous, checked to be in range: a private copy no
-        other thread writes, as the backends' bases hand it, and no ``out`` over it) names:
-        ``kv`` a paged
+        other thread writes, as the backends' bases hand it, and no ``out`` over it; the C
+        side checks each share's entries again and refuses, ``ValueError``, one holding an
+        index outside ``[-1, rows of kv)``: other shares' rows of ``out`` may be written by
+        then) names: ``kv`` a paged
         cache ``[num_blocks, block_size, D]`` (slot ``i`` = block ``i // block_size``, offset
         ``i % block_size``) or rows ``[N, D]`` (``block_size`` 1), unit last stride, q's
         dtype. Writes ``out [T, H, kv_lora_rank]`` (contiguous, any of fp32/bf16/fp16) and
@@ -166,8 +168,10 @@ class NativeSparseKernel:
         topk = int(indices.shape[1])
         if kv.dim() == 2:
             block_stride, row_stride = int(kv.stride(0)), 0
+            kv_rows = int(kv.shape[0])
         else:
             block_stride, row_stride = int(kv.stride(0)), int(kv.stride(1))
+            kv_rows = int(kv.shape[0]) * int(kv.shape[1])
         if bf16_dot is None:
             bf16_dot = q.dtype == kv.dtype == torch.bfloat16 and has_bf16_dot()
         codes = self.library.dtype_code
@@ -195,7 +199,8 @@ class NativeSparseKernel:
             part_lse=None if part_lse is None else part_lse.data_ptr(),
             rows=rows, heads=heads, rank=kv_lora_rank, rope=dim - kv_lora_rank, topk=topk,
             block_size=block_size, block_stride=block_stride, row_stride=row_stride,
-            q_st=q.stride(0), q_sh=q.stride(1), n_merge=len(merge), kv_dt=codes(kv.dtype),
+            q_st=q.stride(0), q_sh=q.stride(1), n_merge=len(merge), kv_rows=kv_rows,
+            kv_dt=codes(kv.dtype),
             q_dt=codes(q.dtype), out_dt=codes(out.dtype), bf16_dot=int(bool(bf16_dot)),
             q_mult=softmax_scale * k_scale * _LOG2E, v_mult=k_scale)
         floats = int(self._attn_floats(heads, kv_lora_rank, dim - kv_lora_rank))

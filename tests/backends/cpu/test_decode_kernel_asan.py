@@ -2,14 +2,19 @@
 (``native/asan_decode_driver.c``) on shapes around every block-size, head-count, query-length
 and split edge, each buffer allocated at exactly the size the kernel is told and NaN in the
 unused rows of every last block: an out-of-bounds read or write, or a read past ``seq_len``,
-fails the test. Where the CPU lacks AVX-512 the kernel runs under SIMDe's emulation
+fails the test. Then the hostile cases (``native/asan_decode_hostile.h``) on the FP8 caches
+(fp8_e4m3, fp8_ds_mla; float and dot path) and a bf16 one: block ids at the edges and out of
+range (refused, nothing written), table entries past the end, padded and byte-aligned rows,
+NaN in keys and queries (exactly the rows that see them come out NaN), every e4m3 code,
+fp8_ds_mla's scales at and past every edge, shared blocks and overlapping inputs; the driver
+prints how many of each. Where the CPU lacks AVX-512 the kernel runs under SIMDe's emulation
 (``_sanitizer``); skipped where neither can run (no C compiler, no SIMDe) or the compiler has
 no sanitizers.
 
-The AMX kernel (``csrc/mla_decode_amx.c``) goes through the same driver (its bf16 cases):
-always with its tiles emulated in C (which also counts every tile operation the hardware
-would refuse), and with the real AMX instructions where the CPU has them (elsewhere that
-build is compiled, not run)."""
+The AMX kernel (``csrc/mla_decode_amx.c``) goes through the same driver (its bf16 cases,
+hostile ones included): always with its tiles emulated in C (which also counts every tile
+operation the hardware would refuse), and with the real AMX instructions where the CPU has
+them (elsewhere that build is compiled, not run)."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ AMX_ISA = (*ISA, "-mavx512bw", "-mavx512vl")
 
 def test_decode_kernel_is_memory_safe_and_correct_under_sanitizers(tmp_path: Path) -> None:
     exe, _ = build_driver(tmp_path, DRIVER, cpu_mla_decode.SPEC.sources, ISA, openmp=True)
-    run_driver(exe)
+    assert "decode hostile cases:" in run_driver(exe)
 
 
 def test_amx_kernel_with_emulated_tiles_is_memory_safe_and_correct(tmp_path: Path) -> None:

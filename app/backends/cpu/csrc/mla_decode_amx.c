@@ -462,8 +462,10 @@ static int shape_ok(const mla_decode_args* a) {
          a->heads > 0 && a->block_size > 0;
 }
 
+#include "mla_decode_cpu_shares.h" /* as in mla_decode_cpu.c */
+
 int32_t mla_decode_cpu_run(const mla_decode_args* a) {
-  if (!shape_ok(a)) return 1;
+  if (!shape_ok(a) || !items_ok(a, a->items, a->n_items)) return 1;
   amx_tile_config cfg;
   amx_full_config(&cfg);
   AMX_CONFIGURE(&cfg);
@@ -474,8 +476,6 @@ int32_t mla_decode_cpu_run(const mla_decode_args* a) {
   AMX_RELEASE();
   return 0;
 }
-
-#include "mla_decode_cpu_shares.h" /* as in mla_decode_cpu.c */
 
 /* As in mla_decode_cpu.c, for partial rows in natural column order. */
 int32_t mla_decode_cpu_merge(const mla_decode_args* a) {

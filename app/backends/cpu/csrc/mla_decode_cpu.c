@@ -528,8 +528,10 @@ static int shape_ok(const mla_decode_args* a) {
          a->rope % 32 == 0 && a->qlen > 0 && a->heads > 0 && a->block_size > 0;
 }
 
+#include "mla_decode_cpu_shares.h" /* run_shares, items_ok, the OpenMP probes */
+
 int32_t mla_decode_cpu_run(const mla_decode_args* a) {
-  if (!shape_ok(a)) return 1;
+  if (!shape_ok(a) || !items_ok(a, a->items, a->n_items)) return 1;
   for (int64_t t = 0; t < a->n_items; ++t) {
     const int64_t* it = a->items + 4 * t;
     const int64_t* after = t + 1 < a->n_items ? it + 4 : NULL;
@@ -548,7 +550,5 @@ int32_t mla_decode_cpu_run(const mla_decode_args* a) {
   }
   return 0;
 }
-
-#include "mla_decode_cpu_shares.h" /* run_shares, the OpenMP probes */
 
 #include "mla_decode_cpu_merge.h" /* mla_decode_cpu_merge */

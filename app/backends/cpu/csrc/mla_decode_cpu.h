@@ -6,7 +6,7 @@
 #include "app_native.h"
 
 /* Bump on any change to this struct or to an exported function of mla_decode_cpu.c. */
-#define MLA_DECODE_CPU_ABI 4
+#define MLA_DECODE_CPU_ABI 5
 
 /* cache_dt beyond the element types of app_native.h (APP_DT_*): the FP8 latent caches
  * (mla_decode_cpu_fp8.h; issue 36). Python asks mla_decode_cpu_cache_code(name). */
@@ -19,8 +19,11 @@ enum { MLA_CACHE_FP8_E4M3 = 16, MLA_CACHE_FP8_DS_MLA = 17 };
  *   bytes, rank / 128 float32 scales, rope bf16; rank % 128 == 0);
  *   q [B, qlen, heads, D] of q_dt, strides (q_sb, q_si, q_sh, 1);
  *   out [B, qlen, heads, rank] of out_dt, contiguous; lse [B, qlen, heads] float32 or NULL;
- *   block_table int32 [B, bt_stride-strided rows]; seq_lens int32 [B] (>= qlen, counting
+ *   block_table int32 [B, bt_stride-strided rows], ids in [0, num_blocks) (entries past a
+ *   request's last block are never read: any value); seq_lens int32 [B] (>= qlen, counting
  *   this step's tokens). Row i of request b sees keys [0, seq_lens[b] - qlen + i].
+ *   out and lse must not overlap an input (cache, q, block_table, seq_lens, items, merge);
+ *   the inputs may overlap each other (they are only read: blocks shared by requests).
  * Logits are q_mult * (q . k) in base 2 (q_mult = softmax scale * k_scale * log2(e)); the
  * output is v_mult * sum(p v) (v_mult = k_scale).
  * items: n_items quadruples (request, first key, end key, part): a key range of a request.
@@ -44,11 +47,15 @@ enum { MLA_CACHE_FP8_E4M3 = 16, MLA_CACHE_FP8_DS_MLA = 17 };
 
 APP_NATIVE_STRUCT(mla_decode_args, MLA_DECODE_ARGS)
 
-/* 0 when done; 1 (nothing written) for an unsupported dtype or shape (rank % 64, D % 32). */
+/* 0 when done; 1 (nothing written) for an unsupported dtype or shape (rank % 64, D % 32), or
+ * an item out of range: a request outside [0, batch), seq_lens[b] < qlen, keys outside
+ * [0, seq_lens[b]], or a block id of its keys outside [0, num_blocks) (items_ok in
+ * mla_decode_cpu_shares.h). */
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_run(const mla_decode_args* a);
 /* 0 when done: merges the partials of every request in a->merge into out/lse. */
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_merge(const mla_decode_args* a);
-/* 0 when done: the shares of one call on the calling thread's OpenMP team (see the source). */
+/* 0 when done: the shares of one call on the calling thread's OpenMP team (see the source);
+ * 1 (nothing written) where mla_decode_cpu_run would refuse any of its items. */
 APP_NATIVE_EXPORT int32_t mla_decode_cpu_run_shares(const mla_decode_args* a,
                                                     const int64_t* share_end, int64_t n_shares,
                                                     int64_t scratch_stride, int32_t threads);

@@ -324,15 +324,33 @@ static inline const char* row_at(const mla_sparse_attn_args* a, int64_t i, int64
          ((i / a->block_size) * a->block_stride + (i % a->block_size) * a->row_stride) * esize;
 }
 
-/* The next up to TK rows named from entry *e on (-1 skipped; *e advanced past them). */
+/* The next up to TK rows named from entry *e on (-1 skipped; *e advanced past them). An index
+ * outside [0, kv_rows) is skipped too: the call was refused unless it changed since
+ * items_ok() read it (the caller's memory, written during the call), and it is never read
+ * (one unsigned compare, as cheap as the test for -1 it replaces). */
 static int gather(const mla_sparse_attn_args* a, const int32_t* idx, int64_t* e, int64_t e1,
                   int64_t esize, const void** rows) {
   int n = 0;
   while (*e < e1 && n < TK) {
     const int64_t i = idx[(*e)++];
-    if (i >= 0) rows[n++] = row_at(a, i, esize);
+    if ((uint64_t)i < (uint64_t)a->kv_rows) rows[n++] = row_at(a, i, esize);
   }
   return n;
+}
+
+/* Whether every item and every index entry it reads is in range (mla_sparse_cpu.h): checked
+ * before anything is written, so that a refused call writes nothing. One pass over the entries
+ * the call reads: O(rows * topk) against the attention's O(rows * topk * heads * D). */
+static int items_ok(const mla_sparse_attn_args* a) {
+  for (int64_t it = 0; it < a->n_items; ++it) {
+    const int64_t* item = a->items + 4 * it;
+    const int64_t row = item[0], e0 = item[1], e1 = item[2];
+    if (row < 0 || row >= a->rows || e0 < 0 || e0 > e1 || e1 > a->topk) return 0;
+    const int32_t* idx = a->indices + row * a->topk;
+    for (int64_t e = e0; e < e1; ++e)
+      if (idx[e] < -1 || idx[e] >= a->kv_rows) return 0;
+  }
+  return 1;
 }
 
 static void attn_item(const mla_sparse_attn_args* a, int64_t row, int64_t e0, int64_t e1,
@@ -373,7 +391,7 @@ APP_NATIVE_EXPORT int64_t mla_sparse_attn_scratch_floats(int64_t heads, int64_t 
 }
 
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {
-  if (!attn_dims_ok(a)) return 1;
+  if (!attn_dims_ok(a) || !items_ok(a)) return 1;
   for (int64_t it = 0; it < a->n_items; ++it) {
     const int64_t* item = a->items + 4 * it;
     attn_item(a, item[0], item[1], item[2], item[3]);
@@ -384,8 +402,10 @@ APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a) {
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a) {
   if (!attn_dims_ok(a)) return 1;
   const int64_t heads = a->heads, rank = a->rank;
-  for (int64_t r = 0; r < a->n_merge; ++r)
-    if (a->merge[3 * r + 2] < 1 || a->merge[3 * r + 2] > 64) return 1;
+  for (int64_t r = 0; r < a->n_merge; ++r) /* checked first: nothing half-written */
+    if (a->merge[3 * r] < 0 || a->merge[3 * r] >= a->rows || a->merge[3 * r + 1] < 0 ||
+        a->merge[3 * r + 2] < 1 || a->merge[3 * r + 2] > 64)
+      return 1;
   for (int64_t r = 0; r < a->n_merge; ++r) {
     const int64_t row = a->merge[3 * r], first = a->merge[3 * r + 1], parts = a->merge[3 * r + 2];
     for (int64_t h = 0; h < heads; ++h) {

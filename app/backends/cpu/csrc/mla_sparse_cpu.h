@@ -7,16 +7,26 @@
 #include "app_native.h"
 
 /* Bump on any change to these structs or to an exported function of mla_sparse_cpu.c. */
-#define MLA_SPARSE_CPU_ABI 2
+#define MLA_SPARSE_CPU_ABI 3
 
 /* Sparse absorbed MLA over selected latent rows (one KV head), D = rank + rope:
  *   kv: rows of kv_dt; index i names the row at kv + (i / block_size) * block_stride
  *       + (i % block_size) * row_stride elements (a paged cache's flat slots, or rows with
- *       block_size 1 and block_stride their row stride), unit stride in the last dim;
+ *       block_size 1 and block_stride their row stride), unit stride in the last dim; kv_rows
+ *       rows (num_blocks * block_size, or N);
  *   q [rows, heads, D] of q_dt, strides (q_st, q_sh, 1);
- *   indices int32 [rows, topk] contiguous, -1 padding (each other entry one softmax term);
+ *   indices int32 [rows, topk] contiguous, -1 padding (each other entry one softmax term),
+ *   every other entry a row in [0, kv_rows);
  *   out [rows, heads, rank] of out_dt, contiguous; lse [rows, heads] float32 (natural log)
  *   or NULL. A row naming nothing gets out 0 and lse -inf.
+ * out, lse, part_out and part_lse must not overlap any input (kv, q, indices, items, merge)
+ * nor each other: a row's out is written while other rows' inputs may still be read (the
+ * Python side hands a private output where the caller's shares memory with an input). The
+ * inputs may overlap each other (they are only read): q inside kv, one row named many times.
+ * A call whose items or indices are out of range (an item's row outside [0, rows), its entries
+ * outside [0, topk], an index below -1 or >= kv_rows) is refused before anything is written;
+ * an index that changes to one out of range during the call (the caller's memory: it should
+ * be a private copy) is skipped as -1, never read.
  * Logits are q_mult * (q . k) in base 2 (q_mult = softmax scale * k_scale * log2(e)); the
  * output is v_mult * sum(p v) (v_mult = k_scale).
  * items: n_items quadruples (row, first entry, end entry, part) of indices[row]: part < 0
@@ -32,8 +42,8 @@
   X(float*, scratch) X(int64_t, rows) X(int64_t, heads) X(int64_t, rank) X(int64_t, rope)     \
   X(int64_t, topk) X(int64_t, block_size) X(int64_t, block_stride) X(int64_t, row_stride)     \
   X(int64_t, q_st) X(int64_t, q_sh) X(int64_t, n_items) X(int64_t, n_merge)                   \
-  X(int32_t, kv_dt) X(int32_t, q_dt) X(int32_t, out_dt) X(int32_t, bf16_dot)                  \
-  X(float, q_mult) X(float, v_mult)
+  X(int64_t, kv_rows) X(int32_t, kv_dt) X(int32_t, q_dt) X(int32_t, out_dt)                    \
+  X(int32_t, bf16_dot) X(float, q_mult) X(float, v_mult)
 
 APP_NATIVE_STRUCT(mla_sparse_attn_args, MLA_SPARSE_ATTN_ARGS)
 
@@ -58,9 +68,11 @@ APP_NATIVE_STRUCT(mla_sparse_attn_args, MLA_SPARSE_ATTN_ARGS)
 
 APP_NATIVE_STRUCT(mla_sparse_index_args, MLA_SPARSE_INDEX_ARGS)
 
-/* 0 when done; 1 (nothing written) for an unsupported dtype or shape (rank % 16, D % 32). */
+/* 0 when done; 1 (nothing written) for an unsupported dtype or shape (rank % 16, D % 32), or
+ * an item or index out of range (see above). */
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_run(const mla_sparse_attn_args* a);
-/* 0 when done: merges the partials of every row in a->merge into out/lse. */
+/* 0 when done: merges the partials of every row in a->merge into out/lse; 1 (nothing
+ * written) for a merge entry out of range (a row outside [0, rows), parts outside 1 .. 64). */
 APP_NATIVE_EXPORT int32_t mla_sparse_attn_merge(const mla_sparse_attn_args* a);
 /* Scratch floats one thread needs for heads query heads of head dim rank + rope. */
 APP_NATIVE_EXPORT int64_t mla_sparse_attn_scratch_floats(int64_t heads, int64_t rank,

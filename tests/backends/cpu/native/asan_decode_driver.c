@@ -7,15 +7,11 @@
  * the AMX kernel, and no tile operation the hardware would refuse). Every buffer (cache, table,
  * q, out, lse, partials, scratch) is allocated at
  * exactly the size the kernel is told, the unused rows of each last block hold NaN (reading
- * them would show), and the result is checked against a float64 reference. Prints
- * "<cases> cases, <bad> bad". */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
+ * them would show), and the result is checked against a float64 reference. Then the hostile
+ * cases (asan_decode_hostile.h: block ids at the edges and out of range, table entries past
+ * the end, NaN rows and queries, fp8_ds_mla's scales, shared and overlapping inputs), with
+ * their count per category. Prints "<cases> cases, <bad> bad". */
+#include "asan_common.h"
 #include "mla_decode_cpu.h"
 #ifdef APP_AMX_DRIVER
 #include <sys/syscall.h>
@@ -24,40 +20,8 @@ int32_t mla_decode_amx_emulated(void);
 int64_t mla_decode_amx_faults(void);
 #endif
 
-static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.f - 1.f; }
-
-static uint16_t to_bf16(float x) { /* truncate: exact in both formats */
-  uint32_t bits;
-  memcpy(&bits, &x, sizeof bits);
-  return (uint16_t)(bits >> 16);
-}
-
-static void put(void* p, int64_t i, float x, int dt) {
-  if (dt == APP_DT_BF16) ((uint16_t*)p)[i] = to_bf16(x);
-  else if (dt == APP_DT_F16) ((uint16_t*)p)[i] = _cvtss_sh(x, 0);
-  else ((float*)p)[i] = x;
-}
-
-static double get(const void* p, int64_t i, int dt) {
-  if (dt == APP_DT_BF16) {
-    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-  if (dt == APP_DT_F16) return _cvtsh_ss(((const uint16_t*)p)[i]);
-  return ((const float*)p)[i];
-}
-
 static int bf16_dot = 0; /* run the bf16 cases on the AVX512-BF16 dot path */
 static int q_dt_fp8 = APP_DT_F32; /* the query's dtype with an FP8 cache */
-
-static double e4m3(uint8_t b) { /* float8 e4m3fn */
-  const int e = (b >> 3) & 15, m = b & 7;
-  if ((b & 0x7F) == 0x7F) return NAN;
-  const double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
-  return b & 0x80 ? -v : v;
-}
 
 static uint8_t random_e4m3(void) { /* |value| in [2^-9, 3.75]: exponent 0..8 */
   return (uint8_t)((rand() & 0x80) | ((rand() % 9) << 3) | (rand() & 7));
@@ -72,11 +36,10 @@ static int64_t row_bytes(int dt, int64_t rank, int64_t rope) {
   return (rank + rope) * app_native_elem_size(dt);
 }
 
-/* Fill stored row `row` (of `w` bytes) with random values. */
-static void fill_row(char* cache, int dt, int64_t row, int64_t w, int64_t rank, int64_t rope) {
-  char* r = cache + row * w;
+/* Fill the stored row at r with random values. */
+static void fill_row(char* r, int dt, int64_t rank, int64_t rope) {
   if (!is_fp8(dt)) {
-    for (int64_t c = 0; c < rank + rope; ++c) put(cache, row * (rank + rope) + c, uniform(), dt);
+    for (int64_t c = 0; c < rank + rope; ++c) put(r, c, uniform(), dt);
     return;
   }
   const int64_t latent = dt == MLA_CACHE_FP8_DS_MLA ? rank : rank + rope;
@@ -92,20 +55,136 @@ static void fill_row(char* cache, int dt, int64_t row, int64_t w, int64_t rank, 
   }
 }
 
-/* Value c of stored row `row` (of `w` bytes). */
-static double cache_value(const char* cache, int dt, int64_t row, int64_t w, int64_t c,
-                          int64_t rank, int64_t rope) {
-  const char* r = cache + row * w;
-  if (!is_fp8(dt)) return get(cache, row * (rank + rope) + c, dt);
+/* Value c of the stored row at r. */
+static double row_value(const char* r, int dt, int64_t c, int64_t rank, int64_t rope) {
+  if (!is_fp8(dt)) return get(r, c, dt);
   if (dt == MLA_CACHE_FP8_E4M3) return e4m3((uint8_t)r[c]);
   if (c < rank) {
     float s;
     memcpy(&s, r + rank + 4 * (c / 128), sizeof s);
-    return e4m3((uint8_t)r[c]) * s;
+    return e4m3((uint8_t)r[c]) * (double)s;
   }
   uint16_t h;
   memcpy(&h, r + rank + 4 * (rank / 128) + 2 * (c - rank), sizeof h);
   return get(&h, 0, APP_DT_BF16);
+}
+
+/* One decode call as the kernel is told it: the cache's row (block k, offset o) at
+ * k * block_stride + o * row_stride bytes (FP8) or elements; q[b, i, h] at b * q_sb +
+ * i * q_si + h * q_sh elements of qdt; out [batch, qlen, heads, rank] of out_dt; lse or NULL;
+ * split: key ranges per request (1: whole requests; a request shorter than split stays
+ * whole); items (n_items of them), when given, replace split's (one share, no merge);
+ * tol_scale: the tolerance's multiple (0: 1), or -1: each output column's tolerance times the
+ * largest value its row sees there (values far from 1). */
+typedef struct {
+  int dt, qdt, out_dt, dot, split;
+  int64_t batch, qlen, heads, rank, rope, bs, width, num_blocks, row_stride, block_stride;
+  int64_t q_sb, q_si, q_sh, n_items;
+  const char* cache;
+  const void* q;
+  const int32_t* table;
+  const int32_t* seq;
+  void* out;
+  float* lse;
+  const int64_t* items;
+  double tol_scale;
+} dec_call;
+
+/* The stored row of request b's key t. */
+static const char* key_row(const dec_call* c, int64_t b, int64_t t) {
+  const int64_t blk = c->table[b * c->width + t / c->bs], unit = is_fp8(c->dt) ? 1 :
+                      app_native_elem_size(c->dt);
+  return c->cache + (blk * c->block_stride + t % c->bs * c->row_stride) * unit;
+}
+
+/* Runs the call: items (requests cut into split ranges, partials merged) in two shares (one
+ * when there is one item) on the OpenMP team when built with -fopenmp; items, partials and
+ * scratch allocated at exactly their sizes (the last share's scratch ends the allocation).
+ * 0 when done, 1 when the run refused, 2 when the merge did. */
+static int dec_launch(const dec_call* c) {
+  const int64_t rows = c->qlen * c->heads, split = c->items ? 1 : c->split;
+  int64_t n_items = 0, parts = 0, n_merge = 0;
+  int64_t* items = malloc(sizeof(int64_t) * 4 * (size_t)(c->items ? c->n_items :
+                                                           c->batch * (split > 1 ? split : 1)));
+  int64_t* merge = malloc(sizeof(int64_t) * 3 * (size_t)c->batch);
+  if (c->items) memcpy(items, c->items, sizeof(int64_t) * 4 * (size_t)(n_items = c->n_items));
+  for (int64_t b = 0; b < c->batch && !c->items; ++b) {
+    const int64_t len = c->seq[b], pieces = split > 1 && len >= split ? split : 1;
+    if (pieces > 1) {
+      merge[3 * n_merge] = b, merge[3 * n_merge + 1] = parts, merge[3 * n_merge + 2] = pieces;
+      ++n_merge;
+    }
+    for (int64_t p = 0; p < pieces; ++p, ++n_items) {
+      items[4 * n_items] = b;
+      items[4 * n_items + 1] = len * p / pieces;
+      items[4 * n_items + 2] = len * (p + 1) / pieces;
+      items[4 * n_items + 3] = pieces > 1 ? parts + p : -1;
+    }
+    parts += pieces > 1 ? pieces : 0;
+  }
+  float* part_out = parts ? malloc(sizeof(float) * (size_t)(parts * rows * c->rank)) : NULL;
+  float* part_lse = parts ? malloc(sizeof(float) * (size_t)(parts * rows)) : NULL;
+  const int64_t floats = mla_decode_cpu_scratch_floats(c->qlen, c->heads, c->rank, c->rope);
+  const int64_t stride = (floats + 15) / 16 * 16, n_shares = n_items > 1 ? 2 : 1;
+  const int64_t share_end[2] = {n_shares > 1 ? n_items / 2 : n_items, n_items};
+  float* scratch = malloc(sizeof(float) * (size_t)((n_shares - 1) * stride + floats));
+  const float scale = 0.2f;
+  mla_decode_args a = {
+      .cache = c->cache, .q = c->q, .out = c->out, .lse = c->lse, .block_table = c->table,
+      .seq_lens = c->seq, .items = items, .merge = merge, .part_out = part_out,
+      .part_lse = part_lse, .scratch = scratch, .batch = c->batch, .qlen = c->qlen,
+      .heads = c->heads, .rank = c->rank, .rope = c->rope, .num_blocks = c->num_blocks,
+      .block_size = c->bs, .block_stride = c->block_stride, .row_stride = c->row_stride,
+      .bt_stride = c->width, .q_sb = c->q_sb, .q_si = c->q_si, .q_sh = c->q_sh,
+      .n_items = n_items, .n_merge = n_merge, .cache_dt = c->dt, .q_dt = c->qdt,
+      .out_dt = c->out_dt, .bf16_dot = c->dot, .q_mult = scale * 1.4426950408889634f,
+      .v_mult = 1.f};
+  const int rc = mla_decode_cpu_run_shares(&a, share_end, n_shares, stride, 2) ? 1 :
+                 mla_decode_cpu_merge(&a) ? 2 : 0;
+  free(scratch), free(part_lse), free(part_out), free(merge), free(items);
+  return rc;
+}
+
+/* Whether out (and lse) agree with a float64 reference from the inputs as given: row i of
+ * request b sees keys [0, seq - qlen + i], NaN propagating (a NaN in a key a row sees, or in
+ * its q, makes that row NaN; no other). */
+static int dec_check(const dec_call* c) {
+  const int64_t d = c->rank + c->rope, rows = c->qlen * c->heads;
+  const double tol = (c->qdt == APP_DT_F32 && c->out_dt == APP_DT_F32 ? 1e-4 : 3e-2) *
+                     (c->tol_scale > 0 ? c->tol_scale : 1);
+  int64_t most = 1;
+  for (int64_t b = 0; b < c->batch; ++b) most = c->seq[b] > most ? c->seq[b] : most;
+  double* s = malloc(sizeof(double) * (size_t)most);
+  int bad = 0;
+  for (int64_t b = 0; b < c->batch && !bad; ++b)
+    for (int64_t r = 0; r < rows && !bad; ++r) {
+      const int64_t i = r / c->heads, h = r % c->heads, seen = c->seq[b] - c->qlen + i + 1;
+      const int64_t qes = app_native_elem_size(c->qdt);
+      const char* qr = (const char*)c->q + (b * c->q_sb + i * c->q_si + h * c->q_sh) * qes;
+      double mx = -INFINITY, sum = 0;
+      for (int64_t t = 0; t < seen; ++t) {
+        const char* row = key_row(c, b, t);
+        double dot = 0;
+        for (int64_t k = 0; k < d; ++k)
+          dot += get(qr, k, c->qdt) * row_value(row, c->dt, k, c->rank, c->rope);
+        s[t] = dot * 0.2f;
+        mx = s[t] > mx ? s[t] : mx;
+      }
+      for (int64_t t = 0; t < seen; ++t) sum += exp(s[t] - mx);
+      if (c->lse && !agrees(c->lse[b * rows + r], mx + log(sum), tol)) bad = 1;
+      for (int64_t k = 0; k < c->rank && !bad; ++k) {
+        double o = 0, most_v = 1;
+        for (int64_t t = 0; t < seen; ++t) {
+          const double v = row_value(key_row(c, b, t), c->dt, k, c->rank, c->rope);
+          o += exp(s[t] - mx) / sum * v;
+          most_v = fabs(v) > most_v ? fabs(v) : most_v; /* false for a NaN */
+        }
+        const double tk = c->tol_scale < 0 ? tol * most_v : tol;
+        if (!agrees(get(c->out, (b * rows + r) * c->rank + k, c->out_dt), o, tk)) bad = 1;
+      }
+    }
+  free(s);
+  return bad;
 }
 
 static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t rank,
@@ -132,7 +211,7 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
     for (int64_t j = 0; j < width; ++j)
       table[b * width + j] = j < (lens[b] + bs - 1) / bs ? (int32_t)--next : -7;
   }
-  for (int64_t i = 0; i < nblocks * bs; ++i) fill_row(cache, dt, i, w, rank, rope);
+  for (int64_t i = 0; i < nblocks * bs; ++i) fill_row(cache + i * w, dt, rank, rope);
   for (int64_t b = 0; b < batch; ++b) /* NaN in the unused rows of the last block */
     for (int64_t r = lens[b] % bs ? lens[b] % bs : bs; r < bs; ++r) {
       const int64_t row = table[b * width + (lens[b] - 1) / bs] * bs + r;
@@ -141,82 +220,23 @@ static int run_case(int dt, int64_t batch, int64_t qlen, int64_t heads, int64_t 
         for (int64_t c = 0; c < d; ++c) put(cache, row * d + c, NAN, dt);
     }
   for (int64_t i = 0; i < batch * rows * d; ++i) put(q, i, uniform(), qdt);
-
-  /* items: split requests into `split` ranges (partials), or one item each */
-  int64_t n_items = 0, parts = 0;
-  int64_t* items = malloc(sizeof(int64_t) * 4 * (size_t)(batch * (split > 1 ? split : 1)));
-  int64_t* merge = malloc(sizeof(int64_t) * 3 * (size_t)batch);
-  int64_t n_merge = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t pieces = split > 1 && lens[b] >= split ? split : 1;
-    if (pieces > 1) {
-      merge[3 * n_merge] = b, merge[3 * n_merge + 1] = parts, merge[3 * n_merge + 2] = pieces;
-      ++n_merge;
-    }
-    for (int64_t p = 0; p < pieces; ++p, ++n_items) {
-      items[4 * n_items] = b;
-      items[4 * n_items + 1] = lens[b] * p / pieces;
-      items[4 * n_items + 2] = lens[b] * (p + 1) / pieces;
-      items[4 * n_items + 3] = pieces > 1 ? parts + p : -1;
-    }
-    parts += pieces > 1 ? pieces : 0;
-  }
-  float* part_out = parts ? malloc(sizeof(float) * (size_t)(parts * rows * rank)) : NULL;
-  float* part_lse = parts ? malloc(sizeof(float) * (size_t)(parts * rows)) : NULL;
-  /* the items in two shares (one when there is one item), run on the OpenMP team when built
-   * with -fopenmp; the last share's scratch ends exactly where the allocation does */
-  const int64_t floats = mla_decode_cpu_scratch_floats(qlen, heads, rank, rope);
-  const int64_t stride = (floats + 15) / 16 * 16, n_shares = n_items > 1 ? 2 : 1;
-  const int64_t share_end[2] = {n_shares > 1 ? n_items / 2 : n_items, n_items};
-  float* scratch = malloc(sizeof(float) * (size_t)((n_shares - 1) * stride + floats));
-  const float scale = 0.2f;
-  mla_decode_args a = {
-      .cache = cache, .q = q, .out = out, .lse = lse, .block_table = table, .seq_lens = seq,
-      .items = items, .merge = merge, .part_out = part_out, .part_lse = part_lse,
-      .scratch = scratch, .batch = batch, .qlen = qlen, .heads = heads, .rank = rank,
-      .rope = rope, .num_blocks = nblocks, .block_size = bs,
-      .block_stride = bs * (is_fp8(dt) ? w : d), .row_stride = is_fp8(dt) ? w : d,
-      .bt_stride = width, .q_sb = rows * d, .q_si = heads * d, .q_sh = d,
-      .n_items = n_items, .n_merge = n_merge, .cache_dt = dt, .q_dt = qdt, .out_dt = qdt,
-      .bf16_dot = qdt == APP_DT_BF16 ? bf16_dot : 0,
-      .q_mult = scale * 1.4426950408889634f, .v_mult = 1.f};
-  int bad = mla_decode_cpu_run_shares(&a, share_end, n_shares, stride, 2) != 0 ||
-            mla_decode_cpu_merge(&a) != 0;
-  const double tol = qdt == APP_DT_F32 ? 1e-4 : 3e-2;
-  double* s = malloc(sizeof(double) * (size_t)(lens[0] > 0 ? 4096 : 1));
-  for (int64_t b = 0; b < batch && !bad; ++b)
-    for (int64_t r = 0; r < rows && !bad; ++r) {
-      const int64_t i = r / heads, seen = lens[b] - qlen + i + 1;
-      const char* qr = (const char*)q + ((b * rows + r) * d) * es;
-      double mx = -INFINITY, sum = 0;
-      for (int64_t t = 0; t < seen; ++t) {
-        const int64_t row = table[b * width + t / bs] * bs + t % bs;
-        double dot = 0;
-        for (int64_t c = 0; c < d; ++c)
-          dot += get(qr, c, qdt) * cache_value(cache, dt, row, w, c, rank, rope);
-        s[t] = dot * scale;
-        mx = s[t] > mx ? s[t] : mx;
-      }
-      for (int64_t t = 0; t < seen; ++t) sum += exp(s[t] - mx);
-      const double ref_lse = mx + log(sum);
-      if (fabs(lse[b * rows + r] - ref_lse) > tol) bad = 1;
-      for (int64_t c = 0; c < rank && !bad; ++c) {
-        double o = 0;
-        for (int64_t t = 0; t < seen; ++t)
-          o += exp(s[t] - mx) / sum *
-               cache_value(cache, dt, table[b * width + t / bs] * bs + t % bs, w, c, rank, rope);
-        if (!(fabs(get(out, (b * rows + r) * rank + c, qdt) - o) <= tol)) bad = 1;
-      }
-      if (bad)
-        printf("BAD dt %d dot %d batch %ld qlen %ld heads %ld rank %ld rope %ld bs %ld split %d: "
-               "request %ld row %ld\n", dt, qdt == APP_DT_BF16 ? bf16_dot : 0, (long)batch,
-               (long)qlen, (long)heads, (long)rank, (long)rope, (long)bs, split, (long)b,
-               (long)r);
-    }
-  free(s), free(scratch), free(part_lse), free(part_out), free(merge), free(items);
+  const dec_call c = {
+      .dt = dt, .qdt = qdt, .out_dt = qdt, .dot = qdt == APP_DT_BF16 ? bf16_dot : 0,
+      .split = split, .batch = batch, .qlen = qlen, .heads = heads, .rank = rank,
+      .rope = rope, .bs = bs, .width = width, .num_blocks = nblocks,
+      .row_stride = is_fp8(dt) ? w : d, .block_stride = bs * (is_fp8(dt) ? w : d),
+      .q_sb = rows * d, .q_si = heads * d, .q_sh = d, .cache = cache, .q = q, .table = table,
+      .seq = seq, .out = out, .lse = lse};
+  const int bad = dec_launch(&c) != 0 || dec_check(&c);
+  if (bad)
+    printf("BAD dt %d dot %d batch %ld qlen %ld heads %ld rank %ld rope %ld bs %ld split %d\n",
+           dt, c.dot, (long)batch, (long)qlen, (long)heads, (long)rank, (long)rope, (long)bs,
+           split);
   free(lse), free(out), free(q), free(seq), free(table), free(cache);
   return bad;
 }
+
+#include "asan_decode_hostile.h"
 
 int main(void) {
   srand(1);
@@ -263,6 +283,18 @@ int main(void) {
       bad += run_case(dt, 1, 2, 10, 512, 64, bss[bi], lens_d + 1, 1), ++cases; /* 16 + 4 rows */
     }
   }
+#ifdef APP_AMX_DRIVER /* the hostile cases of a bf16 cache */
+  bad += decode_hostile(APP_DT_BF16, APP_DT_BF16, 1);
+#else /* the FP8 caches' (float and dot path), and a bf16 cache's on the dot path */
+  const int fp8s[2] = {MLA_CACHE_FP8_E4M3, MLA_CACHE_FP8_DS_MLA};
+  for (int l = 0; l < 2; ++l) {
+    bad += decode_hostile(fp8s[l], APP_DT_F32, 0);
+    if (has_dot) bad += decode_hostile(fp8s[l], APP_DT_BF16, 1);
+  }
+  if (has_dot) bad += decode_hostile(APP_DT_BF16, APP_DT_BF16, 1);
+#endif
+  for (int k = 0; k < HOSTILE_KINDS; ++k) cases += hostile_count[k];
+  print_hostile_counts("decode");
 #ifdef APP_AMX_DRIVER
   if (mla_decode_amx_faults() != 0) {
     printf("AMX: %ld tile operations the hardware would refuse\n", (long)mla_decode_amx_faults());
