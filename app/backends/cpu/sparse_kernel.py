@@ -153,15 +153,17 @@ class NativeSparseKernel:
                lse: torch.Tensor | None, softmax_scale: float, k_scale: float,
                bf16_dot: bool | None = None) -> None:
         """Attention of ``q [T, H, D]`` (unit last stride) over the rows of ``kv`` that
-        ``indices [T, topk]`` (int32 contiguous, checked to be in range: a private copy no
-        other thread writes, as the backends' bases hand it, and no ``out`` over it; the C
-        side checks each share's entries again and refuses, ``ValueError``, one holding an
-        index outside ``[-1, rows of kv)``: other shares' rows of ``out`` may be written by
-        then) names: ``kv`` a paged
-        cache ``[num_blocks, block_size, D]`` (slot ``i`` = block ``i // block_size``, offset
-        ``i % block_size``) or rows ``[N, D]`` (``block_size`` 1), unit last stride, q's
-        dtype. Writes ``out [T, H, kv_lora_rank]`` (contiguous, any of fp32/bf16/fp16) and
-        ``lse [T, H]`` (float32 contiguous, natural log) when given."""
+        ``indices [T, topk]`` names: ``kv`` a paged cache ``[num_blocks, block_size, D]``
+        (slot ``i`` = block ``i // block_size``, offset ``i % block_size``) or rows ``[N, D]``
+        (``block_size`` 1), unit last stride, q's dtype. Writes ``out [T, H, kv_lora_rank]``
+        (contiguous, any of fp32/bf16/fp16) and ``lse [T, H]`` (float32 contiguous, natural
+        log) when given.
+
+        ``indices`` is int32 contiguous and already checked to be in range: a private copy no
+        other thread writes, as the backends' bases hand it, with no ``out`` over it. The C
+        side checks each share's entries again and refuses one holding an index outside
+        ``[-1, rows of kv)`` with ``ValueError``; other shares' rows of ``out`` may be written
+        by then."""
         rows, heads, dim = (int(x) for x in q.shape)
         if rows == 0:
             return
