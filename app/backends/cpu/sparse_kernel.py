@@ -1,4 +1,5 @@
-"""The native CPU kernels of DeepSeek Sparse Attention (``csrc/mla_sparse_cpu.c``).
+"""The native CPU kernels of DeepSeek Sparse Attention (``csrc/mla_sparse_cpu.c``: attention;
+``csrc/mla_sparse_index_cpu.c``: the indexer and top-k).
 
 Three kernels in one library, built, cached and self-tested by :mod:`app.backends.cpu.loader`
 on first use (``APP_CPU_NATIVE_KERNEL=0`` turns it off, as for the other CPU kernels):
@@ -427,7 +428,8 @@ def _indexer_self_test(kernel: NativeSparseKernel, gen: torch.Generator, dtype: 
 
 #: The sparse kernels' library, for :func:`app.backends.cpu.loader.load_native_library`.
 SPEC = NativeLibrarySpec(
-    name="mla_sparse_cpu", sources=("mla_sparse_cpu.c",), abi_version=ABI_VERSION,
+    name="mla_sparse_cpu", sources=("mla_sparse_cpu.c", "mla_sparse_index_cpu.c"),
+    abi_version=ABI_VERSION,
     flags=("-O3", "-mavx512f", "-mfma", "-mf16c"),
     structs=(("mla_sparse_attn_args", SparseAttnArgs),
              ("mla_sparse_index_args", SparseIndexArgs)),

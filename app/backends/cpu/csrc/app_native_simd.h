@@ -1,8 +1,9 @@
-/* AVX-512 helpers shared by the kernels under app/backends/cpu/csrc/ (mla_prefill_cpu.c,
- * mla_decode_cpu.c, cpu_peaks.c): one copy of each instead of one per kernel. All static
- * inline, so each library compiles its own and exports nothing; a source that includes this
- * header is built with at least -mavx512f (app/backends/cpu/loader.py builds every library
- * with its spec's flags). The element-type codes (APP_DT_*) come from app_native.h.
+/* AVX-512 helpers shared by the kernels under app/backends/cpu/csrc/ (mla_prefill_cpu.c, the
+ * sparse kernels, mla_decode_cpu.c, cpu_peaks.c): one copy of each instead of one per kernel.
+ * All static inline, so each library compiles its own and exports nothing; a source that
+ * includes this header is built with at least -mavx512f (app/backends/cpu/loader.py builds
+ * every library with its spec's flags). The element-type codes (APP_DT_*) come from
+ * app_native.h.
  */
 #ifndef APP_NATIVE_SIMD_H
 #define APP_NATIVE_SIMD_H
@@ -22,6 +23,12 @@
 
 /* x rounded up to a multiple of m (x >= 0, m > 0). */
 static inline int64_t app_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Ask for the lines of the bytes at p: rows a kernel picks out of a cache are scattered, so
+ * each row of the next tile is asked for while one of this tile's is used. */
+static inline void app_prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char*)p + off, _MM_HINT_T0);
+}
 
 /* Element i of p (of type dt) as a float32. */
 static inline float app_load_elem(const void* p, int64_t i, int dt) {

@@ -1,6 +1,6 @@
-/* DeepSeek Sparse Attention on an AVX-512 CPU (mla_sparse_cpu.c): the argument structs,
- * mirrored by SparseAttnArgs / SparseIndexArgs in app/backends/cpu/sparse_kernel.py; the loader
- * checks the layouts agree at load. */
+/* DeepSeek Sparse Attention on an AVX-512 CPU (mla_sparse_cpu.c, mla_sparse_index_cpu.c): the
+ * argument structs, mirrored by SparseAttnArgs / SparseIndexArgs in
+ * app/backends/cpu/sparse_kernel.py; the loader checks the layouts agree at load. */
 #ifndef MLA_SPARSE_CPU_H
 #define MLA_SPARSE_CPU_H
 

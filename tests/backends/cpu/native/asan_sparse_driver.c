@@ -1,14 +1,14 @@
-/* Runs the sparse kernels of mla_sparse_cpu.c under AddressSanitizer + UBSan (built by
- * test_sparse_kernel_asan.py): attention (mla_sparse_attn_run / _merge) over paged and flat rows
- * with block sizes 1..16, head counts around the 4- and 16-head groups, DeepSeek's 512 + 64 and
- * small dims, -1 padding, repeats, a row naming nothing, whole and split rows, every dtype and
- * the bf16 dot path; the indexer's scores (mla_sparse_index_run) with items of 1..8 rows, key
- * ranges cut anywhere, rows seeing fewer keys than their item; and top-k (mla_sparse_topk) with
- * ties, against a brute force. Every buffer is allocated at exactly the size the kernel is
- * told, and rows nothing names hold NaN. Then the hostile cases (asan_sparse_hostile.h):
- * indices at the edges, repeated, out of range (refused), -1 anywhere, NaN rows, NaN queries,
- * NaN scores, inputs overlapping each other and outputs placed against the inputs. Prints
- * "<cases> cases, <bad> bad". */
+/* Runs the sparse kernels of mla_sparse_cpu.c and mla_sparse_index_cpu.c under
+ * AddressSanitizer + UBSan (built by test_sparse_kernel_asan.py): attention
+ * (mla_sparse_attn_run / _merge) over paged and flat rows with block sizes 1..16, head counts
+ * around the 4- and 16-head groups, DeepSeek's 512 + 64 and small dims, -1 padding, repeats, a
+ * row naming nothing, whole and split rows, every dtype and the bf16 dot path; the indexer's
+ * scores (mla_sparse_index_run) with items of 1..8 rows, key ranges cut anywhere, rows seeing
+ * fewer keys than their item; and top-k (mla_sparse_topk) with ties, against a brute force.
+ * Every buffer is allocated at exactly the size the kernel is told, and rows nothing names
+ * hold NaN. Then the hostile cases (asan_sparse_hostile.h): indices at the edges, repeated,
+ * out of range (refused), -1 anywhere, NaN rows, NaN queries, NaN scores, inputs overlapping
+ * each other and outputs placed against the inputs. Prints "<cases> cases, <bad> bad". */
 #include "asan_common.h"
 #include "mla_sparse_cpu.h"
 
