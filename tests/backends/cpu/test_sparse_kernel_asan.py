@@ -1,14 +1,14 @@
 """The native CPU sparse kernels (``csrc/mla_sparse_cpu.c``: attention over selected rows;
 ``csrc/mla_sparse_index_cpu.c``: the indexer's scores, top-k) built with AddressSanitizer and
-UBSan and run by a C driver (``native/asan_sparse_driver.c``) on shapes around every block-
-size, head-group, split and item edge, each buffer allocated at exactly the size the kernel is
-told and NaN in every row nothing names: an out-of-bounds read or write, or a read of a row
-that is not named, fails the test. Then the hostile cases (``native/asan_sparse_hostile.h``):
-indices at the edges, repeated and out of range (refused, nothing written), -1 anywhere, NaN
-rows and queries (exactly the rows that read them come out NaN), inputs overlapping and outputs
-placed against them; the driver prints how many of each. Where the CPU lacks AVX-512 the kernel
-runs under SIMDe's emulation (``_sanitizer``); skipped where neither can run (no C compiler, no
-SIMDe) or the compiler has no sanitizers."""
+UBSan and run by a C driver (``native/asan_sparse_driver.c``) on shapes around every
+block-size, head-group, split and item edge, each buffer allocated at exactly the size the
+kernel is told and NaN in every row nothing names: an out-of-bounds read or write, or a read of
+a row that is not named, fails the test. Then the hostile cases
+(``native/asan_sparse_hostile.h``): indices at the edges, repeated and out of range (refused,
+nothing written), -1 anywhere, NaN rows and queries (exactly the rows that read them come out
+NaN), inputs overlapping and outputs placed against them; the driver prints how many of each.
+Where the CPU lacks AVX-512 the kernel runs under SIMDe's emulation (``_sanitizer``); skipped
+where neither can run (no C compiler, no SIMDe) or the compiler has no sanitizers."""
 
 from __future__ import annotations
 
