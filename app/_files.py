@@ -38,6 +38,7 @@ __all__ = [
     "load_toml",
     "private_file_problem",
     "read_regular_file",
+    "trusted_tree_problem",
     "write_regular_file",
 ]
 
@@ -251,4 +252,59 @@ def private_file_problem(st: os.stat_result) -> str | None:
         return f"it is owned by uid {st.st_uid}, not by this user"
     if st.st_mode & 0o022:
         return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _shared_problem(st: os.stat_result, uid: int) -> str | None:
+    """Why a file or directory with this ``stat`` is not this user's or root's alone."""
+    if st.st_uid not in (0, uid):
+        return f"is owned by uid {st.st_uid}, neither this user (uid {uid}) nor root"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def trusted_tree_problem(folder: str | Path, *, limit: int = 20_000) -> str | None:
+    """Why the files under ``folder`` may not be compiled into code this process loads (a
+    folder of headers a native build includes), or None: ``folder`` is a directory owned by
+    this user or root and not writable by group or others; each directory above it is owned
+    by this user or root and not writable by group or others unless sticky (as ``/tmp``); and
+    everything below it is a directory or a regular file (no symbolic link) owned by this user
+    or root and not writable by group or others. A tree of more than ``limit`` entries is
+    refused (too many to check)."""
+    uid = os.geteuid()
+    real = Path(os.path.realpath(folder))
+    try:
+        st = os.stat(real)
+        parents = [(parent, os.stat(parent)) for parent in real.parents]
+    except OSError as exc:
+        return f"{exc.filename}: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{real} is not a directory"
+    problem = _shared_problem(st, uid)
+    if problem is not None:
+        return f"{real} {problem}"
+    for parent, pst in parents:
+        problem = _shared_problem(pst, uid)
+        if problem is not None and not (pst.st_uid in (0, uid) and pst.st_mode & stat.S_ISVTX):
+            return f"{real}: its parent {parent} {problem}"
+    todo, seen = [real], 0
+    while todo:
+        directory = todo.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as exc:
+            return f"{directory}: {exc.strerror}"
+        for entry in entries:
+            seen += 1
+            if seen > limit:
+                return f"{real} holds more than {limit} entries: too many to check"
+            est = entry.stat(follow_symlinks=False)
+            if not (stat.S_ISDIR(est.st_mode) or stat.S_ISREG(est.st_mode)):
+                return f"{entry.path} is {file_kind(est.st_mode)}, not a file or a directory"
+            problem = _shared_problem(est, uid)
+            if problem is not None:
+                return f"{entry.path} {problem}"
+            if stat.S_ISDIR(est.st_mode):
+                todo.append(Path(entry.path))
     return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from app._cpu import apply_thread_count
+from app._cpu import apply_thread_count, avx512_emulation
 from app.commands._output import format_mapping, format_table, print_json, print_text
 
 HELP = "show the detected platform, device capability, torch and kernel packages"
@@ -61,6 +61,9 @@ def collect() -> dict[str, Any]:
     info["python_version"] = _pyplatform.python_version()
     threads = apply_thread_count()
     info["threads"] = threads.as_dict()
+    emulation = avx512_emulation()
+    if emulation.requested:  # a testing switch: said on its own line whenever it is set
+        info["cpu_avx512_emulation"] = emulation.line()
     info["cpu_native_kernel"] = cpu_native_kernel()
     info["cpu_bf16_kernel"] = cpu_bf16_kernel()
     info["cpu_decode_kernel"] = cpu_decode_kernel()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from app import _cpu as cpu_features_module
+from app._cpu.emulation import EMULATE_ENV
 from app.cli import main
 from app.model import default_compute_dtype
 from app.platforms import CpuPlatform, detect_cpu_features, read_cpu_features
@@ -34,6 +35,7 @@ def fake_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     """A /proc/cpuinfo of our own that the process-wide detection reads (cache reset)."""
     path = tmp_path / "cpuinfo"
     monkeypatch.setattr(cpu_features_module, "CPUINFO_PATH", path)
+    monkeypatch.delenv(EMULATE_ENV, raising=False)  # the file's features, none emulated
     cpu_features_module._reset_for_tests()
     yield path
     cpu_features_module._reset_for_tests()

@@ -59,6 +59,10 @@ Settings: every on/off switch a library or its self-test reads is listed in
 ``spec.switches`` and checked by :func:`load_native_library`, by name, before anything is
 built, loaded or deleted (``ValueError``; nothing cached). A bad value therefore never fails a
 self-test, which would have cost a valid cached library on every start.
+
+For tests, ``APP_CPU_EMULATE_AVX512=1`` (:mod:`app._cpu.emulation`) builds a ``-mavx512*``
+library for AVX2 with SIMDe's emulation instead (its own cache file; a note says EMULATED) on
+a CPU without AVX-512; the instruction check still reads the CPU's own flags.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ from typing import Any
 import attrs
 import torch
 
-from app._cpu import cpu_flags, required_cpu_flags
+from app._cpu import avx512_emulation, cpu_flags, real_cpu_flags, required_cpu_flags
+from app._cpu.emulation import EMULATION_HEADER, emulated_build_flags, find_compiler
 from app._files import private_file_problem
 from app.backends.cpu import child_verdict
 
@@ -190,14 +195,6 @@ def read_switch(env: str) -> bool:
         raise ValueError(f"{env}: expected one of 1/true/on/yes or 0/false/off/no "
                          f"(or unset), got {raw!r}")
     return value
-
-
-def find_compiler() -> str | None:
-    """``$CC``, else the first of cc/gcc/clang on ``PATH``; ``None`` if none is found."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
 
 
 # -- the cache directory -------------------------------------------------------------------
@@ -438,7 +435,7 @@ def _isa_problem(spec: NativeLibrarySpec) -> str | None:
     own ``/proc/cpuinfo``, never from a module a caller or a test may have patched): a
     library whose instructions the CPU lacks dies with SIGILL at its first call, so no
     ``requirements`` function, however it is fooled, can get it loaded."""
-    have = cpu_flags()
+    have = real_cpu_flags()
     missing = sorted(required_cpu_flags(spec.flags) - have)
     if not missing or not have:  # no flags line (not Linux, not x86): the requirements decide
         return None
@@ -448,15 +445,18 @@ def _isa_problem(spec: NativeLibrarySpec) -> str | None:
 
 def _load(spec: NativeLibrarySpec) -> NativeLibraryStatus:
     reasons = list(spec.requirements()) if spec.requirements is not None else []
+    flags, emulation_note = emulated_build_flags(spec.flags, avx512_emulation(),
+                                                 NATIVE_DIR / EMULATION_HEADER)
+    spec = attrs.evolve(spec, flags=flags)  # the same flags but where AVX-512 is emulated
     isa_problem = _isa_problem(spec)
     if isa_problem is not None and not reasons:
         reasons.append(isa_problem)
     compiler = find_compiler()
     if compiler is None:
         reasons.append("needs a C compiler to build it (set CC, or install cc/gcc/clang)")
+    notes = [emulation_note] if emulation_note else []
     if reasons or compiler is None:
-        return NativeLibraryStatus(False, tuple(reasons))
-    notes: list[str] = []
+        return NativeLibraryStatus(False, tuple(reasons), notes=tuple(notes))
     for directory in cache_directories():
         problem = _make_private_directory(directory)
         if problem is not None:

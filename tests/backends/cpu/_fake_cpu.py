@@ -2,10 +2,10 @@
 
 :class:`FakeCpu` sets, for one test, everything the choice reads: the CPU's flags (both
 readers: the platform's cached ``/proc/cpuinfo`` parse, ``app._cpu``, and the kernels' flag
-reads in ``amx``, ``decode_kernel`` and ``torch_sdpa``), whether Linux grants the AMX tile
-state (never the real request: on an AMX machine it would be granted), and which native
-libraries are available (nothing is built or run: the kernels are stand-ins, which only the
-choice of kernel ever sees). The monkeypatch puts everything back, and the fixture clears
+reads in ``amx``, ``decode_kernel`` and ``torch_sdpa``; no AVX-512 emulation), whether Linux
+grants the AMX tile state (never the real request: on an AMX machine it would be granted), and
+which native libraries are available (nothing is built or run: the kernels are stand-ins, which
+only the choice of kernel ever sees). The monkeypatch puts everything back, and the fixture clears
 every cache that read the fakes, before and after, so nothing leaks into the next test.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from app import _cpu as cpu_features
+from app._cpu.emulation import EMULATE_ENV
 from app.backends.cpu import amx, decode_kernel, decode_kernel_amx, kernel_paths
 from app.backends.cpu.loader import NativeLibraryStatus
 from app.backends.cpu.prefill_kernel import NativeKernelStatus
@@ -65,6 +66,7 @@ class FakeCpu:
         path.write_text(f"processor\t: 0\nmodel name\t: Fake CPU\nflags\t\t: {line}\n")
         flags = frozenset(line.split())
         self.monkeypatch.setattr(cpu_features, "CPUINFO_PATH", path)
+        self.monkeypatch.delenv(EMULATE_ENV, raising=False)  # no AVX-512 but the fake's
         for module in (amx, decode_kernel, decode_kernel_amx, torch_sdpa):
             self.monkeypatch.setattr(module, "cpu_flags", lambda: flags)
         self.tiles(granted="amx_tile" in flags)

@@ -19,6 +19,8 @@ from typing import Any
 import attrs
 import pytest
 
+from app import _cpu as app_cpu
+from app._cpu.emulation import EMULATE_ENV, Avx512Emulation
 from app.backends.cpu import loader as loader
 from app.backends.cpu import prefill_kernel as native
 from app.commands.platform import cpu_native_kernel
@@ -320,7 +322,9 @@ def test_a_library_built_for_an_isa_the_cpu_lacks_is_never_built_or_loaded(
     """Whatever a spec's requirements say (a test that fakes the CPU's flags for the platform
     fooled them once, and the next real call died with SIGILL), the loader reads the CPU's
     flags itself and refuses code built for instructions the CPU lacks."""
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma"}))
+    monkeypatch.delenv(EMULATE_ENV, raising=False)  # the CPU faked whole: nothing emulated
+    monkeypatch.setattr(loader, "real_cpu_flags",
+                        lambda: frozenset({"sse2", "avx", "avx2", "fma"}))
     monkeypatch.setattr(loader, "_build_and_open", lambda *a: pytest.fail("built"))
     tiny = attrs.evolve(spec(env, requirements=lambda: []),
                         flags=("-O1", "-DTINY_ABI=3", "-mavx512f", "-mfma"))
@@ -329,6 +333,67 @@ def test_a_library_built_for_an_isa_the_cpu_lacks_is_never_built_or_loaded(
     assert status.reasons == ("built for avx512f, which this CPU lacks (its /proc/cpuinfo "
                               "flags do not list it)",)
     assert not cache_dir(env).exists()
+
+
+def test_under_the_emulation_a_real_avx512_build_is_still_refused(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``APP_CPU_EMULATE_AVX512`` in effect (faked whole: an AVX2 CPU, the decision made for
+    it): the kernels' flag reader reports AVX-512, but the loader's instruction check reads the
+    CPU itself, so a build with real AVX-512 instructions (an AMX one: never emulated) is
+    refused, never built or loaded, and says why."""
+    avx2 = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
+    state = Avx512Emulation(True, True, "faked", (), "0.7.4")
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    monkeypatch.setattr(loader, "real_cpu_flags", lambda: avx2)
+    monkeypatch.setattr(loader, "avx512_emulation", lambda: state)
+    monkeypatch.setattr(app_cpu, "real_cpu_flags", lambda: avx2)
+    monkeypatch.setattr(app_cpu, "decide", lambda flags: state)
+    monkeypatch.setattr(loader, "_build_and_open", lambda *a: pytest.fail("built"))
+    assert {"avx512f", "avx512bw", "avx512_bf16"} <= loader.cpu_flags()
+    real = attrs.evolve(spec(env, requirements=lambda: []),
+                        flags=("-O1", "-DTINY_ABI=3", "-mavx512f", "-mfma"))
+    assert loader._isa_problem(real) == ("built for avx512f, which this CPU lacks (its "
+                                         "/proc/cpuinfo flags do not list it)")
+    amx = attrs.evolve(real, flags=(*real.flags, "-mamx-tile"))
+    status = loader.load_native_library(amx)
+    assert not status.available and status.library is None
+    assert status.reasons == ("built for amx_tile, avx512f, which this CPU lacks (its "
+                              "/proc/cpuinfo flags do not list them)",)
+    assert status.notes == (f"not emulated: {EMULATE_ENV} does not cover AMX (-mamx-*) "
+                            f"builds",)
+    assert not cache_dir(env).exists()
+
+
+def test_a_switch_that_cannot_take_effect_says_why_in_the_notes(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EMULATE_ENV, "maybe")
+    tiny = attrs.evolve(spec(env), flags=("-O1", "-DTINY_ABI=3", "-mavx512f"))
+    status = loader.load_native_library(tiny)
+    assert status.notes == (f"{EMULATE_ENV} is set but not in effect: {EMULATE_ENV}='maybe' is "
+                            f"not one of 1/true/on/yes or 0/false/off/no",)
+    loader.reset_native_libraries()
+    assert loader.load_native_library(spec(env)).notes == ()   # no AVX-512 flag: nothing said
+
+
+def test_under_the_emulation_an_avx512_library_is_built_emulated_as_its_own_file(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Really built (SIMDe found, a CPU without AVX-512): the library is compiled for AVX2 with
+    the emulation header, loaded, checked and kept under another name than the real build's."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    state = app_cpu.avx512_emulation()
+    if not state.active:
+        pytest.skip(state.reason)
+    real = attrs.evolve(spec(env), flags=("-O1", "-DTINY_ABI=3", "-mavx512f", "-mavx512bw"))
+    status = loader.load_native_library(real)
+    assert status.available and status.library is not None and status.path is not None
+    assert status.notes == (f"AVX-512 EMULATED ({EMULATE_ENV}=1, {state.simde}): for testing "
+                            f"only, several times slower",)
+    built = status.library.spec.flags
+    assert not [f for f in built if f.startswith("-mavx512")]
+    assert built[-2:] == ("-include", str(loader.NATIVE_DIR / "app_avx512_emulation.h"))
+    compiler = loader.find_compiler()
+    assert compiler is not None
+    assert status.path.name != loader._library_file_name(real, compiler)
 
 
 def test_read_switch(monkeypatch: pytest.MonkeyPatch) -> None:

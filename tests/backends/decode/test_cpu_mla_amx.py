@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from app import _cpu as cpu_features_module
+from app._cpu.emulation import EMULATE_ENV
 from app.backends import explain_mla_decode_selection, get_mla_decode_backend
 from app.backends.cpu import amx, decode_kernel
 from app.backends.cpu.loader import cpu_flags
@@ -64,6 +65,7 @@ def fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(amx, "cpu_flags", lambda: frozenset(flags.split()))
         monkeypatch.setattr(amx, "request_tile_permission", lambda syscall=None: REFUSED)
         monkeypatch.delenv(amx.AMX_ENV, raising=False)  # the refusal decides, not the switch
+        monkeypatch.delenv(EMULATE_ENV, raising=False)  # the faked CPU's own AVX-512 only
         cpu_features_module._reset_for_tests()
         decode_kernel._cpu_has_bf16_dot.cache_clear()
         peaks._probe.clear()  # one built earlier may hold the real AMX probe

@@ -41,6 +41,11 @@ pool), so sizing torch's team sizes theirs too.
 (``torch.set_num_threads`` to anything but torch's own default). Every path is injectable for
 tests.
 
+AVX-512 emulated for testing (``APP_CPU_EMULATE_AVX512=1``, :mod:`app._cpu.emulation`): on a CPU
+without AVX-512 where it takes effect, :func:`cpu_flags` and :func:`detect_cpu_features` report
+the emulated extensions as present (the source says EMULATED); :func:`real_cpu_flags` is always
+the CPU's own, and is what the native loader checks a library's instructions against.
+
 Importing this module (``app/__init__`` does it first) also sets ``OMP_WAIT_POLICY=PASSIVE``
 for the OpenMP runtime torch is about to load, unless the user set a policy or torch is
 already loaded (:func:`prefer_passive_wait`).
@@ -60,6 +65,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from app._cpu.emulation import EMULATED_FLAGS, Avx512Emulation, decide
+
 if TYPE_CHECKING:  # torch is imported where used: importing this module must not load
     import torch  # it (the OpenMP wait policy below is read when torch loads OpenMP)
 
@@ -76,6 +83,7 @@ __all__ = [
     "affinity_cpus",
     "apply_thread_count",
     "available_host_bytes",
+    "avx512_emulation",
     "cgroup_cpu_limit",
     "copy_to_device",
     "cpu_flags",
@@ -87,6 +95,7 @@ __all__ = [
     "physical_memory_bytes",
     "prefer_passive_wait",
     "read_cpu_features",
+    "real_cpu_flags",
     "required_cpu_flags",
     "thread_count",
     "wait_policy",
@@ -194,11 +203,17 @@ _lock = threading.Lock()
 
 @functools.cache
 def _cached() -> CpuFeatures:
-    return read_cpu_features()
+    features = read_cpu_features()
+    emulation = avx512_emulation()
+    if not emulation.active or features.avx512f:  # (a test's faked CPU may have it)
+        return features
+    return attrs.evolve(features, avx512f=True, avx512_bf16=True,
+                        source=f"{features.source}, AVX-512 EMULATED by {emulation.simde}")
 
 
 def detect_cpu_features() -> CpuFeatures:
-    """This machine's features, read once per process (thread-safe)."""
+    """This machine's features, read once per process (thread-safe); with the AVX-512
+    emulation in effect (:func:`avx512_emulation`), AVX-512F and AVX512-BF16 read present."""
     with _lock:
         return _cached()
 
@@ -249,9 +264,22 @@ def available_host_bytes() -> int | None:
 
 # -- the flags a native library needs ----------------------------------------------------
 
+def avx512_emulation() -> Avx512Emulation:
+    """Whether AVX-512 is emulated in this process (``APP_CPU_EMULATE_AVX512``), and why (not):
+    see :mod:`app._cpu.emulation`."""
+    return decide(real_cpu_flags())
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none), read every
-    call: what the native loader checks a library's instruction sets against."""
+    """The CPU's feature flags (:func:`real_cpu_flags`), with the emulated AVX-512 extensions
+    where :func:`avx512_emulation` is in effect: what the kernels' requirements read."""
+    real = real_cpu_flags()
+    return real | EMULATED_FLAGS if decide(real).active else real
+
+
+def real_cpu_flags() -> frozenset[str]:
+    """The CPU's own feature flags from ``/proc/cpuinfo`` (empty where there is none), read
+    every call: what the native loader checks a library's instruction sets against."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
