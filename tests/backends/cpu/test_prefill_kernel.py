@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app._cpu import avx512_emulation
 from app.backends.cpu import loader as loader
 from app.backends.cpu import prefill_kernel as native
 from app.backends.prefill.base import MLAPrefillMetadata
@@ -179,10 +180,17 @@ def test_a_failing_compiler_is_a_reason_not_an_error(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_load: None) -> None:
     if native._requirements() or loader.find_compiler() is None:
         pytest.skip("the kernel cannot build on this machine anyway")
+    emulated = avx512_emulation().active
     monkeypatch.setenv("APP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1 for --version and the build alike
     assert native.load_native_kernel() is None
-    (reason,) = native.native_kernel_status().reasons
+    status = native.native_kernel_status()
+    (reason,) = status.reasons
+    if emulated:  # APP_CPU_EMULATE_AVX512: a compiler that finds no SIMDe turns it off too
+        assert reason == "needs a CPU with AVX-512 (avx512f), this one has none"
+        (note,) = status.notes
+        assert "is set but not in effect: " in note and "does not find SIMDe" in note
+        return
     assert reason.startswith("could not build or load it:") and "failed (1)" in reason
 
 
