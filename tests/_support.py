@@ -30,16 +30,20 @@ def native_compiler_or_skip() -> str:
     return compiler
 
 
-def own_build_flags(flags: Sequence[str]) -> list[str]:
+def own_build_flags(flags: Sequence[str], *, emulable: bool = True) -> list[str]:
     """The flags a test compiles its own C code with (a harness, a library of its own) when
     the code is made for ``flags`` (``-mavx512f``, ...): ``flags`` themselves where this CPU
     has every instruction set they name (read from the CPU itself), the emulated build's under
-    ``APP_CPU_EMULATE_AVX512`` (in effect); otherwise the test skips: the code would die with
-    SIGILL here."""
+    ``APP_CPU_EMULATE_AVX512`` (in effect) unless ``emulable`` is False (code that picks its
+    instructions itself: its own ``target`` attributes or CPU checks, which the emulation
+    header cannot reach); otherwise the test skips: the code would die with SIGILL here."""
     missing = required_cpu_flags(flags) - real_cpu_flags()
     if not missing:
         return list(flags)
     emulation = avx512_emulation()
+    if not emulable:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}, and this code picks its "
+                    f"instructions itself (no AVX-512 emulation for it)")
     built, _ = emulated_build_flags(flags, emulation, loader.NATIVE_DIR / EMULATION_HEADER)
     if required_cpu_flags(built) <= real_cpu_flags():
         return list(built)

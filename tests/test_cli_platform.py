@@ -29,9 +29,10 @@ def test_platform_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in data
     assert data["torch_version"] == torch.__version__
     status = native_kernel_status()
+    notes = "".join(f"; note: {note}" for note in dict.fromkeys(status.notes))
     assert data["cpu_native_kernel"] == (
         f"available ({status.library})" if status.available
-        else f"unavailable: {'; '.join(status.reasons)}")
+        else f"unavailable: {'; '.join(status.reasons)}") + notes
     modules = {p["module"]: p for p in data["kernel_packages"]}
     assert set(modules) >= {"flashinfer", "tokenspeed_mla", "flash_attn", "flash_attn.cute"}
     for entry in modules.values():

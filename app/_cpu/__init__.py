@@ -42,9 +42,10 @@ pool), so sizing torch's team sizes theirs too.
 tests.
 
 AVX-512 emulated for testing (``APP_CPU_EMULATE_AVX512=1``, :mod:`app._cpu.emulation`): on a CPU
-without AVX-512 where it takes effect, :func:`cpu_flags` and :func:`detect_cpu_features` report
-the emulated extensions as present (the source says EMULATED); :func:`real_cpu_flags` is always
-the CPU's own, and is what the native loader checks a library's instructions against.
+without AVX-512 where it takes effect, :func:`cpu_flags` and this machine's features
+(:func:`read_cpu_features`, :func:`detect_cpu_features`) report the emulated extensions (the
+source says EMULATED); :func:`real_cpu_flags` is always the CPU's own, and is what the native
+loader checks a library's instructions against.
 
 Importing this module (``app/__init__`` does it first) also sets ``OMP_WAIT_POLICY=PASSIVE``
 for the OpenMP runtime torch is about to load, unless the user set a policy or torch is
@@ -113,7 +114,9 @@ class CpuFeatures:
 
     ``model_name`` is the CPU's model string (``/proc/cpuinfo``'s ``model name``, else the
     platform's processor name); ``source`` is ``"/proc/cpuinfo"`` (or the file read),
-    ``"torch capability AVX512"`` (fallback) or ``"none"`` (not an x86-64 CPU).
+    ``"torch capability AVX512"`` (fallback) or ``"none"`` (not an x86-64 CPU); with
+    ``, AVX-512 EMULATED by SIMDe ...`` after it where ``APP_CPU_EMULATE_AVX512`` is in effect
+    (:func:`detect_cpu_features`; for testing only).
     """
 
     avx512f: bool = False
@@ -186,24 +189,23 @@ def _from_torch_capability() -> CpuFeatures:
 def read_cpu_features(cpuinfo: Path | str | None = None) -> CpuFeatures:
     """Read the features now (no caching): from ``cpuinfo`` (default ``/proc/cpuinfo``) on
     Linux x86, falling back to torch's capability string where the file is absent, unreadable
-    or has no ``flags`` line (another OS, another architecture)."""
+    or has no ``flags`` line (another OS, another architecture). This machine's (no
+    ``cpuinfo``) read AVX-512F and AVX512-BF16 present where :func:`avx512_emulation` is in
+    effect (for testing only; ``source`` says EMULATED)."""
     path = Path(cpuinfo) if cpuinfo is not None else CPUINFO_PATH
     try:
         text = path.read_text(encoding="ascii", errors="replace")
     except OSError:
-        return _from_torch_capability()
-    try:
-        return parse_cpuinfo(text, str(path))
-    except ValueError:
-        return _from_torch_capability()
+        features = _from_torch_capability()
+    else:
+        try:
+            features = parse_cpuinfo(text, str(path))
+        except ValueError:
+            features = _from_torch_capability()
+    return features if cpuinfo is not None else _emulated(features)
 
 
-_lock = threading.Lock()
-
-
-@functools.cache
-def _cached() -> CpuFeatures:
-    features = read_cpu_features()
+def _emulated(features: CpuFeatures) -> CpuFeatures:
     emulation = avx512_emulation()
     if not emulation.active or features.avx512f:  # (a test's faked CPU may have it)
         return features
@@ -211,9 +213,17 @@ def _cached() -> CpuFeatures:
                         source=f"{features.source}, AVX-512 EMULATED by {emulation.simde}")
 
 
+_lock = threading.Lock()
+
+
+@functools.cache
+def _cached() -> CpuFeatures:
+    return read_cpu_features()
+
+
 def detect_cpu_features() -> CpuFeatures:
-    """This machine's features, read once per process (thread-safe); with the AVX-512
-    emulation in effect (:func:`avx512_emulation`), AVX-512F and AVX512-BF16 read present."""
+    """This machine's features (:func:`read_cpu_features`), read once per process
+    (thread-safe)."""
     with _lock:
         return _cached()
 

@@ -63,8 +63,9 @@ def test_prefetch_cost_runs_every_hint(tmp_path: Path) -> None:
     if not cpu_mla_decode._cpu_has_bf16_dot():
         pytest.skip("prefetch_cost runs vdpbf16ps: needs AVX512-BF16")
     exe = tmp_path / "prefetch_cost"
-    _build([compiler, *own_build_flags(["-O2", "-mavx512f", "-mavx512bw", "-mavx512bf16"]),
-            str(NATIVE / "prefetch_cost.c"), "-o", str(exe)])
+    # its loop's target attribute names AVX512-BF16 itself: never emulated
+    flags = own_build_flags(["-O2", "-mavx512f", "-mavx512bw", "-mavx512bf16"], emulable=False)
+    _build([compiler, *flags, str(NATIVE / "prefetch_cost.c"), "-o", str(exe)])
     run = subprocess.run([str(exe), "16"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
@@ -79,8 +80,9 @@ def test_fp8_tile_cost_times_both_conversions_and_finds_their_outputs_identical(
     if not cpu_mla_decode._cpu_has_bf16_dot():
         pytest.skip("fp8_tile_cost runs the dot path: needs AVX512-BF16")
     exe = tmp_path / "fp8_tile_cost"
-    _build([compiler, "-O2", *own_build_flags(cpu_mla_decode.SPEC.flags), "-I",
-            str(loader.NATIVE_DIR),
+    # it asks the CPU for AVX512-BF16 with its own __builtin_cpu_supports: never emulated
+    flags = own_build_flags(cpu_mla_decode.SPEC.flags, emulable=False)
+    _build([compiler, "-O2", *flags, "-I", str(loader.NATIVE_DIR),
             str(NATIVE / "fp8_tile_cost.c"), "-o", str(exe), "-lm"])
     env = {**os.environ, "FLUSH_MB": "0"}
     for layout in ("ds", "e4m3"):
