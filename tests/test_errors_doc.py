@@ -241,6 +241,12 @@ def _decode_status() -> object:
     return decode_kernel_status()
 
 
+def _sparse_kernel_status() -> object:
+    from app.backends.cpu import loader, sparse_kernel
+
+    return loader.load_native_library(sparse_kernel.SPEC)
+
+
 def _amx_switch() -> object:
     from app.backends.cpu.amx import amx_status
 
@@ -551,6 +557,8 @@ CASES: list[tuple[str, str, Callable[[], object]]] = [
      _with_env("APP_CPU_DECODE_BF16_DOT", "maybe", _decode_switch)),
     ("platform", "`APP_CPU_DECODE_OPENMP=maybe` (read when CPU_MLA is first loaded)",
      _with_env("APP_CPU_DECODE_OPENMP", "maybe", _decode_status)),
+    ("platform", "`APP_CPU_EMULATE_AVX512=maybe` (read whenever an AVX-512 kernel is loaded)",
+     _with_env("APP_CPU_EMULATE_AVX512", "maybe", _sparse_kernel_status)),
     ("platform", "`APP_CPU_AMX=maybe` (read when AMX is first asked about, on an AMX CPU)",
      _with_env("APP_CPU_AMX", "maybe", _amx_switch)),
     ("platform", "`APP_CPU_PREFILL_PATH=fastest` (read at TORCH_SDPA's first bf16 CPU call)",

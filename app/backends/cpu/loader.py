@@ -86,7 +86,12 @@ import attrs
 import torch
 
 from app._cpu import avx512_emulation, cpu_flags, real_cpu_flags, required_cpu_flags
-from app._cpu.emulation import EMULATION_HEADER, emulated_build_flags, find_compiler
+from app._cpu.emulation import (
+    EMULATE_ENV,
+    EMULATION_HEADER,
+    emulated_build_flags,
+    find_compiler,
+)
 from app._files import private_file_problem
 from app.backends.cpu import child_verdict
 
@@ -530,10 +535,13 @@ def check_library_file(spec: NativeLibrarySpec, path: Path) -> str | None:
 
 
 def _check_switches(spec: NativeLibrarySpec) -> None:
-    """``ValueError`` naming the first of ``spec.switches`` set to a value ``read_switch``
-    refuses: a setting is the user's to fix, never a reason to rebuild or delete a library."""
+    """``ValueError`` naming the first of ``spec.switches`` (and, for an AVX-512 library, the
+    emulation's) set to a value ``read_switch`` refuses: a setting is the user's to fix, never
+    a reason to rebuild or delete a library."""
     for env in spec.switches:
         read_switch(env)
+    if any(f.startswith("-mavx512") for f in spec.flags):
+        read_switch(EMULATE_ENV)
 
 
 _lock = threading.RLock()  # re-entrant: a self-test may load another library

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from app._cpu import real_cpu_flags, required_cpu_flags
+from app._files import trusted_tree_problem
 from app.backends.cpu import loader
 
 SANITIZE = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
@@ -33,9 +34,15 @@ EMULATION_HEADER = "app_avx512_emulation.h"
 
 
 def simde_include_flags() -> list[str]:
-    """``-I`` for the folder ``APP_SIMDE_INCLUDE`` names (none where it is unset)."""
+    """``-I`` for the folder ``APP_SIMDE_INCLUDE`` names (none where it is unset); skips where
+    that folder fails the trust check of anything the package compiles."""
     folder = os.environ.get("APP_SIMDE_INCLUDE", "")
-    return ["-I", folder] if folder else []
+    if not folder:
+        return []
+    problem = trusted_tree_problem(folder)
+    if problem is not None:
+        pytest.skip(f"APP_SIMDE_INCLUDE={folder}: {problem}")
+    return ["-I", folder]
 
 
 @functools.lru_cache(maxsize=4)
@@ -66,7 +73,7 @@ def isa_flags_or_skip(compiler: str, isa: Sequence[str]) -> tuple[list[str], boo
         pytest.skip(f"this CPU lacks {sorted(required_cpu_flags(isa) - have)} and {problem}")
     kept = [f for f in isa if not f.startswith("-mavx512")]
     return [*simde_include_flags(), *kept, "-mavx2", "-mfma", "-mf16c",
-            "-include", EMULATION_HEADER], True
+            "-include", str(loader.NATIVE_DIR / EMULATION_HEADER)], True
 
 
 def build_driver(tmp_path: Path, driver: Path, sources: Sequence[str], isa: Sequence[str],
