@@ -94,11 +94,16 @@ class Avx512Emulation:
         return self.reason
 
 
+_OFF = Avx512Emulation(False, False, f"off ({EMULATE_ENV} unset or off)")
+
+
 def decide(real_flags: frozenset[str]) -> Avx512Emulation:
     """Whether the emulation takes effect on a CPU with the ``/proc/cpuinfo`` flags
     ``real_flags`` under the environment as it is now (read every call; the compiler probe is
     made once per compiler and folder)."""
     raw = os.environ.get(EMULATE_ENV, "")
+    if _ON.get(raw.strip().lower()) is False:  # off: no compiler looked for, nothing probed
+        return _OFF
     relevant = real_flags & (HOST_FLAGS | {"avx512f"})
     return _decide(raw, os.environ.get(SIMDE_INCLUDE_ENV, ""), relevant, find_compiler(),
                    platform.machine().lower())
@@ -111,7 +116,7 @@ def _decide(raw: str, folder: str, flags: frozenset[str], compiler: str | None,
     if on is None:
         return _refused(f"{EMULATE_ENV}={raw!r} is not one of 1/true/on/yes or 0/false/off/no")
     if not on:
-        return Avx512Emulation(False, False, f"off ({EMULATE_ENV} unset or off)")
+        return _OFF
     if machine not in ("x86_64", "amd64"):
         return _refused(f"needs an x86-64 CPU, this is {machine}")
     if "avx512f" in flags:
