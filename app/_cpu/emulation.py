@@ -37,7 +37,7 @@ import attrs
 from app._files import trusted_tree_problem
 
 __all__ = ["EMULATED_FLAGS", "EMULATE_ENV", "EMULATION_HEADER", "HOST_FLAGS", "SIMDE_INCLUDE_ENV",
-           "Avx512Emulation", "decide", "emulated_build_flags", "find_compiler"]
+           "Avx512Emulation", "decide", "emulated_build_flags", "find_compiler", "simde_version"]
 
 #: The switch: 1/true/on/yes turns the emulation on (when it can take effect), unset or
 #: 0/false/off/no leaves it off.
@@ -134,7 +134,7 @@ def _decide(raw: str, folder: str, flags: frozenset[str], compiler: str | None,
         include = ("-I", os.path.realpath(folder))
     if compiler is None:
         return _refused("needs a C compiler (set CC, or install cc/gcc/clang)")
-    simde, problem = _simde_version(compiler, include)
+    simde, problem = simde_version(compiler, include)
     if problem is not None:
         return _refused(problem)
     return Avx512Emulation(True, True, f"{EMULATE_ENV}=1: the native kernels' AVX-512 runs "
@@ -146,7 +146,7 @@ def _refused(why: str) -> Avx512Emulation:
     return Avx512Emulation(True, False, f"{EMULATE_ENV} is set but not in effect: {why}")
 
 
-def _simde_version(compiler: str, include: tuple[str, ...]) -> tuple[str, str | None]:
+def simde_version(compiler: str, include: tuple[str, ...]) -> tuple[str, str | None]:
     """SIMDe's version as ``compiler`` finds it (``"0.7.4"``), and why it cannot be used (None
     where it can)."""
     probe = "#include <simde/x86/avx512.h>\n#include <simde/x86/f16c.h>\n"

@@ -12,7 +12,6 @@ AVX2, FMA and F16C. SIMDe's headers come from the compiler's include path (Debia
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import subprocess
@@ -22,58 +21,54 @@ from pathlib import Path
 import pytest
 
 from app._cpu import real_cpu_flags, required_cpu_flags
+from app._cpu.emulation import (
+    EMULATION_HEADER,
+    HOST_FLAGS,
+    SIMDE_INCLUDE_ENV,
+    Avx512Emulation,
+    emulated_build_flags,
+    simde_version,
+)
 from app._files import trusted_tree_problem
 from app.backends.cpu import loader
 
 SANITIZE = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer")
 
-#: What the emulated build needs of the CPU itself.
-EMULATION_HOST = frozenset({"avx2", "fma", "f16c"})
-EMULATION_HEADER = "app_avx512_emulation.h"
-
 
 def simde_include_flags() -> list[str]:
     """``-I`` for the folder ``APP_SIMDE_INCLUDE`` names (none where it is unset); skips where
     that folder fails the trust check of anything the package compiles."""
-    folder = os.environ.get("APP_SIMDE_INCLUDE", "")
+    folder = os.environ.get(SIMDE_INCLUDE_ENV, "")
     if not folder:
         return []
     problem = trusted_tree_problem(folder)
     if problem is not None:
-        pytest.skip(f"APP_SIMDE_INCLUDE={folder}: {problem}")
+        pytest.skip(f"{SIMDE_INCLUDE_ENV}={folder}: {problem}")
     return ["-I", folder]
-
-
-@functools.lru_cache(maxsize=4)
-def _simde_problem(compiler: str, include: tuple[str, ...]) -> str | None:
-    probe = "#include <simde/x86/avx512.h>\nint main(void) { return 0; }\n"
-    proc = subprocess.run([compiler, *include, "-mavx2", "-fsyntax-only", "-x", "c", "-"],
-                          input=probe, capture_output=True, text=True, timeout=60, check=False)
-    if proc.returncode == 0:
-        return None
-    return (f"SIMDe's headers are not on {compiler}'s include path (apt-get install "
-            f"libsimde-dev, or APP_SIMDE_INCLUDE=<folder holding simde/>): "
-            f"{proc.stderr.strip()[-200:]}")
 
 
 def isa_flags_or_skip(compiler: str, isa: Sequence[str]) -> tuple[list[str], bool]:
     """The flags that build a kernel made for the ISA flags ``isa`` (``-mavx512f``, ...) so it
-    runs here, and whether that build is the emulated one. Skips where it cannot run at all."""
+    runs here, and whether that build is the emulated one. Skips where it cannot run at all.
+    Unlike ``APP_CPU_EMULATE_AVX512``, a CPU with AVX-512 but not every extension ``isa``
+    names (AVX512-BF16, say) builds emulated too: the driver's every branch runs."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the native kernels are x86-64 code")
     have = real_cpu_flags()  # never the flags APP_CPU_EMULATE_AVX512 adds
-    if required_cpu_flags(isa) <= have:
+    missing = sorted(required_cpu_flags(isa) - have)
+    if not missing:
         return list(isa), False
-    if not have >= EMULATION_HOST:
-        pytest.skip(f"this CPU lacks {sorted(required_cpu_flags(isa) - have)}, and the "
-                    f"AVX-512 emulation needs {sorted(EMULATION_HOST - have)} too")
-    problem = _simde_problem(compiler, tuple(simde_include_flags()))
+    if not have >= HOST_FLAGS:
+        pytest.skip(f"this CPU lacks {missing}, and the AVX-512 emulation needs "
+                    f"{sorted(HOST_FLAGS - have)} too")
+    include = tuple(simde_include_flags())
+    version, problem = simde_version(compiler, include)
     if problem is not None:
-        pytest.skip(f"this CPU lacks {sorted(required_cpu_flags(isa) - have)} and {problem}")
-    kept = [f for f in isa if not f.startswith("-mavx512")]
-    return [*simde_include_flags(), *kept, "-mavx2", "-mfma", "-mf16c",
-            "-include", str(loader.NATIVE_DIR / EMULATION_HEADER)], True
+        pytest.skip(f"this CPU lacks {missing} and {problem}")
+    emulation = Avx512Emulation(True, True, "sanitizer drivers", include, version)
+    flags, _ = emulated_build_flags(isa, emulation, loader.NATIVE_DIR / EMULATION_HEADER)
+    return list(flags), True
 
 
 def build_driver(tmp_path: Path, driver: Path, sources: Sequence[str], isa: Sequence[str],
